@@ -1,0 +1,65 @@
+//! The one error type of the library. Every fallible call returns it; the C boundary maps
+//! [`ErrorKind`] onto `ncclResult_t` and the message onto `ncclReshardGetLastError()`.
+
+use std::fmt;
+
+/// What class of failure an [`Error`] is, mirroring the NCCL result codes callers see.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A descriptor, argument or file is malformed (`ncclInvalidArgument`).
+    InvalidArgument,
+    /// The call is well-formed but not allowed in this state (`ncclInvalidUsage`).
+    InvalidUsage,
+    /// A broken invariant inside the library (`ncclInternalError`); always a bug.
+    Internal,
+}
+
+/// An error with a message that names the offending field and value, meant to be read by the
+/// person who wrote the descriptor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn invalid_argument(message: impl Into<String>) -> Self {
+        Error { kind: ErrorKind::InvalidArgument, message: message.into() }
+    }
+
+    pub fn invalid_usage(message: impl Into<String>) -> Self {
+        Error { kind: ErrorKind::InvalidUsage, message: message.into() }
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Error { kind: ErrorKind::Internal, message: message.into() }
+    }
+
+    /// Prefixes the message with where the error happened (`tensors[3].src: …`).
+    pub fn context(mut self, prefix: impl fmt::Display) -> Self {
+        self.message = format!("{prefix}: {}", self.message);
+        self
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Checked arithmetic on sizes: every product or sum of user-given sizes goes through these so
+/// that an absurd descriptor is an error, never a wrapped offset.
+pub(crate) fn checked_mul(a: u64, b: u64, what: &str) -> Result<u64> {
+    a.checked_mul(b)
+        .ok_or_else(|| Error::invalid_argument(format!("{what} overflows 64 bits ({a} * {b})")))
+}
+
+pub(crate) fn checked_add(a: u64, b: u64, what: &str) -> Result<u64> {
+    a.checked_add(b)
+        .ok_or_else(|| Error::invalid_argument(format!("{what} overflows 64 bits ({a} + {b})")))
+}

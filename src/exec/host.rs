@@ -1,0 +1,210 @@
+//! The host executor: runs the programs of all ranks as threads over host memory.
+//!
+//! It is the executable specification of the CUDA executor: the same copies, the same message
+//! order, NCCL-group semantics (each rank runs its copies and packs, posts every send and
+//! receive, and unpacks once all its receives are complete). Where NCCL would hang — a receive
+//! with no matching send, sizes that differ, a send nobody receives, peers that planned
+//! different things — this executor returns an error naming the ranks instead.
+
+use crate::error::{Error, Result};
+use crate::plan::{Buffer, Copy, Loc, RankProgram};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Barrier, Mutex};
+
+/// One rank's memory: per tensor, its source view bytes and destination view bytes (empty
+/// when the rank is not on that side). Programs address these buffers by tensor index.
+#[derive(Clone, Debug, Default)]
+pub struct RankBuffers {
+    pub src: Vec<Vec<u8>>,
+    pub dst: Vec<Vec<u8>>,
+}
+
+type Mailboxes = Mutex<HashMap<(u32, u32), VecDeque<Vec<u8>>>>;
+
+/// Runs `programs[i]` against `buffers[i]` for every i, all ranks concurrently. Returns the
+/// first error any rank hit (the others still finish their phases, so nothing deadlocks).
+pub fn execute(programs: &[RankProgram], buffers: &mut [RankBuffers]) -> Result<()> {
+    if programs.len() != buffers.len() {
+        return Err(Error::invalid_usage(format!(
+            "{} programs but {} rank buffers",
+            programs.len(),
+            buffers.len()
+        )));
+    }
+    let mut ranks: Vec<u32> = programs.iter().map(|p| p.rank).collect();
+    ranks.sort_unstable();
+    if let Some(p) = programs.iter().find(|p| p.fingerprint != programs[0].fingerprint) {
+        return Err(Error::invalid_usage(format!(
+            "rank {} planned from different descriptors than rank {} (fingerprint {:#x} vs {:#x})",
+            p.rank, programs[0].rank, p.fingerprint, programs[0].fingerprint
+        )));
+    }
+    let mailboxes: Mailboxes = Mutex::new(HashMap::new());
+    let barrier = Barrier::new(programs.len());
+    let results: Vec<Result<()>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = programs
+            .iter()
+            .zip(buffers.iter_mut())
+            .map(|(program, memory)| {
+                let (mailboxes, barrier, ranks) = (&mailboxes, &barrier, &ranks);
+                scope.spawn(move || run_rank(program, memory, mailboxes, barrier, ranks))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("a rank thread panicked"))))
+            .collect()
+    });
+    results.into_iter().collect::<Result<Vec<()>>>()?;
+    let left = mailboxes.into_inner().map_err(|_| Error::internal("mailbox lock poisoned"))?;
+    if let Some(((from, to), queue)) = left.iter().find(|(_, q)| !q.is_empty()) {
+        return Err(Error::invalid_usage(format!(
+            "rank {from} sent {} message(s) to rank {to} that rank {to} never received",
+            queue.len()
+        )));
+    }
+    Ok(())
+}
+
+fn run_rank(
+    program: &RankProgram,
+    memory: &mut RankBuffers,
+    mailboxes: &Mailboxes,
+    barrier: &Barrier,
+    ranks: &[u32],
+) -> Result<()> {
+    let rank = program.rank;
+    let mut staging = vec![0u8; usize::try_from(program.staging_bytes).unwrap_or(usize::MAX)];
+    // Phase 1: local copies, packs, sends. Errors are held until every phase's barrier is met.
+    let phase1 = (|| -> Result<()> {
+        for copy in program.local_copies.iter().chain(&program.packs) {
+            run_copy(copy, memory, &mut staging)?;
+        }
+        for send in &program.sends {
+            if ranks.binary_search(&send.peer).is_err() {
+                return Err(Error::invalid_usage(format!(
+                    "rank {rank} sends to rank {} which takes no part in the call",
+                    send.peer
+                )));
+            }
+            let bytes = read(memory, &staging, send.loc, send.bytes)?.to_vec();
+            let mut boxes = mailboxes.lock().map_err(|_| Error::internal("mailbox lock poisoned"))?;
+            boxes.entry((rank, send.peer)).or_default().push_back(bytes);
+        }
+        Ok(())
+    })();
+    barrier.wait();
+    // Phase 2: every send is posted; receives either find their message or fail.
+    let phase2 = phase1.and_then(|()| {
+        for recv in &program.recvs {
+            let message = {
+                let mut boxes =
+                    mailboxes.lock().map_err(|_| Error::internal("mailbox lock poisoned"))?;
+                boxes.get_mut(&(recv.peer, rank)).and_then(VecDeque::pop_front)
+            };
+            let message = message.ok_or_else(|| {
+                Error::invalid_usage(format!(
+                    "rank {rank} expects a {}-byte message from rank {} that never arrives",
+                    recv.bytes, recv.peer
+                ))
+            })?;
+            if message.len() as u64 != recv.bytes {
+                return Err(Error::invalid_usage(format!(
+                    "rank {rank} expects {} bytes from rank {} but it sent {}",
+                    recv.bytes,
+                    recv.peer,
+                    message.len()
+                )));
+            }
+            write(memory, &mut staging, recv.loc, recv.bytes)?.copy_from_slice(&message);
+        }
+        for copy in &program.unpacks {
+            run_copy(copy, memory, &mut staging)?;
+        }
+        Ok(())
+    });
+    phase2
+}
+
+
+fn bounds(loc: Loc, bytes: u64, len: usize) -> Option<std::ops::Range<usize>> {
+    let start = usize::try_from(loc.offset).ok()?;
+    let end = start.checked_add(usize::try_from(bytes).ok()?)?;
+    (end <= len).then_some(start..end)
+}
+
+fn out_of_bounds(loc: Loc, bytes: u64, len: usize) -> Error {
+    Error::internal(format!(
+        "{:?} buffer of tensor {} is {len} bytes but the program addresses [{}, {})",
+        loc.buffer,
+        loc.tensor,
+        loc.offset,
+        loc.offset.saturating_add(bytes)
+    ))
+}
+
+fn buffer<'a>(memory: &'a RankBuffers, staging: &'a [u8], loc: Loc) -> Option<&'a [u8]> {
+    match loc.buffer {
+        Buffer::Src => memory.src.get(loc.tensor as usize).map(Vec::as_slice),
+        Buffer::Dst => memory.dst.get(loc.tensor as usize).map(Vec::as_slice),
+        Buffer::Staging => Some(staging),
+    }
+}
+
+fn read<'a>(memory: &'a RankBuffers, staging: &'a [u8], loc: Loc, bytes: u64) -> Result<&'a [u8]> {
+    let buf = buffer(memory, staging, loc).unwrap_or(&[]);
+    let range = bounds(loc, bytes, buf.len()).ok_or_else(|| out_of_bounds(loc, bytes, buf.len()))?;
+    Ok(&buf[range])
+}
+
+fn write<'a>(
+    memory: &'a mut RankBuffers,
+    staging: &'a mut [u8],
+    loc: Loc,
+    bytes: u64,
+) -> Result<&'a mut [u8]> {
+    let buf: &mut [u8] = match loc.buffer {
+        Buffer::Src => memory.src.get_mut(loc.tensor as usize).map_or(&mut [], Vec::as_mut_slice),
+        Buffer::Dst => memory.dst.get_mut(loc.tensor as usize).map_or(&mut [], Vec::as_mut_slice),
+        Buffer::Staging => staging,
+    };
+    let len = buf.len();
+    let range = bounds(loc, bytes, len).ok_or_else(|| out_of_bounds(loc, bytes, len))?;
+    Ok(&mut buf[range])
+}
+
+/// Runs one strided block copy. Source and destination are distinct buffers in every copy
+/// the planner emits (source view → destination view, source → staging, staging → dest).
+fn run_copy(copy: &Copy, memory: &mut RankBuffers, staging: &mut [u8]) -> Result<()> {
+    if copy.bytes() == 0 {
+        return Ok(());
+    }
+    if copy.src.buffer == copy.dst.buffer {
+        return Err(Error::internal("a copy reads and writes the same buffer"));
+    }
+    // Bounds of the whole block first, so a bad program fails before writing anything.
+    let src_span = copy.src_end() - copy.src.offset;
+    let dst_span = copy.dst_end() - copy.dst.offset;
+    let src_bytes = read(memory, staging, copy.src, src_span)?.to_vec();
+    let dst = write(memory, staging, copy.dst, dst_span)?;
+    let chunk = copy.chunk_bytes as usize;
+    let mut index = vec![0u64; copy.dims.len()];
+    loop {
+        let s: u64 = copy.dims.iter().zip(&index).map(|(d, &i)| i * d.src_stride).sum();
+        let d: u64 = copy.dims.iter().zip(&index).map(|(d, &i)| i * d.dst_stride).sum();
+        let (s, d) = (s as usize, d as usize);
+        dst[d..d + chunk].copy_from_slice(&src_bytes[s..s + chunk]);
+        let mut k = copy.dims.len();
+        loop {
+            if k == 0 {
+                return Ok(());
+            }
+            k -= 1;
+            index[k] += 1;
+            if index[k] < copy.dims[k].count {
+                break;
+            }
+            index[k] = 0;
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! Device meshes: an N-D array of communicator ranks, row-major, like torch's `DeviceMesh`.
+
+use crate::error::{Error, Result};
+
+/// The most mesh axes a layout may have (DESIGN §2).
+pub const MAX_MESH_AXES: usize = 8;
+
+/// An N-D array of distinct communicator ranks in row-major order (last axis fastest).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Mesh {
+    shape: Vec<u64>,
+    ranks: Vec<u32>,
+    /// `(rank, row-major index)` sorted by rank, for coordinate lookups in O(log n).
+    by_rank: Vec<(u32, u32)>,
+}
+
+impl Mesh {
+    /// A mesh over an explicit rank table (any order, any ranks, no duplicates).
+    pub fn new(shape: Vec<u64>, ranks: Vec<u32>) -> Result<Mesh> {
+        if shape.is_empty() || shape.len() > MAX_MESH_AXES {
+            return Err(Error::invalid_argument(format!(
+                "mesh has {} axes; a mesh needs 1 to {MAX_MESH_AXES}",
+                shape.len()
+            )));
+        }
+        if let Some(axis) = shape.iter().position(|&n| n == 0) {
+            return Err(Error::invalid_argument(format!(
+                "mesh axis {axis} has size 0; every mesh axis needs at least one rank"
+            )));
+        }
+        let size = shape.iter().try_fold(1u64, |acc, &n| acc.checked_mul(n));
+        if size != Some(ranks.len() as u64) {
+            return Err(Error::invalid_argument(format!(
+                "mesh shape {shape:?} holds {} ranks but the rank table has {}",
+                size.map_or_else(|| "more than 2^64".to_string(), |s| s.to_string()),
+                ranks.len()
+            )));
+        }
+        if ranks.len() > i32::MAX as usize {
+            return Err(Error::invalid_argument("mesh has more ranks than NCCL can address"));
+        }
+        let mut by_rank: Vec<(u32, u32)> =
+            ranks.iter().enumerate().map(|(i, &r)| (r, i as u32)).collect();
+        by_rank.sort_unstable();
+        if let Some(w) = by_rank.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(Error::invalid_argument(format!(
+                "rank {} appears twice in the mesh (positions {} and {}); a rank may hold one place",
+                w[0].0, w[0].1, w[1].1
+            )));
+        }
+        Ok(Mesh { shape, ranks, by_rank })
+    }
+
+    /// A mesh over the contiguous ranks `first_rank, first_rank + 1, …` (`init_device_mesh`).
+    pub fn contiguous(shape: Vec<u64>, first_rank: u32) -> Result<Mesh> {
+        let size = shape.iter().try_fold(1u64, |acc, &n| acc.checked_mul(n)).unwrap_or(u64::MAX);
+        let last = u64::from(first_rank).checked_add(size);
+        match last {
+            Some(last) if size <= i32::MAX as u64 && last <= i32::MAX as u64 + 1 => {
+                Mesh::new(shape, (first_rank..last as u32).collect())
+            }
+            _ => Err(Error::invalid_argument(format!(
+                "mesh shape {shape:?} from first rank {first_rank} exceeds NCCL's rank range"
+            ))),
+        }
+    }
+
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    pub fn ndim(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// Ranks in row-major order.
+    pub fn ranks(&self) -> &[u32] {
+        &self.ranks
+    }
+
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Ranks sorted ascending.
+    pub fn sorted_ranks(&self) -> impl Iterator<Item = u32> + '_ {
+        self.by_rank.iter().map(|&(r, _)| r)
+    }
+
+    pub fn contains(&self, rank: u32) -> bool {
+        self.index_of(rank).is_some()
+    }
+
+    /// Row-major position of `rank` in the mesh.
+    pub fn index_of(&self, rank: u32) -> Option<usize> {
+        self.by_rank
+            .binary_search_by_key(&rank, |&(r, _)| r)
+            .ok()
+            .map(|i| self.by_rank[i].1 as usize)
+    }
+
+    /// Coordinate of `rank` (one entry per mesh axis).
+    pub fn coord_of(&self, rank: u32) -> Option<Vec<u64>> {
+        self.index_of(rank).map(|i| self.coord_at(i))
+    }
+
+    /// Coordinate of the row-major position `index`.
+    pub fn coord_at(&self, mut index: usize) -> Vec<u64> {
+        let mut coord = vec![0; self.shape.len()];
+        for axis in (0..self.shape.len()).rev() {
+            let n = self.shape[axis] as usize;
+            coord[axis] = (index % n) as u64;
+            index /= n;
+        }
+        coord
+    }
+
+    /// The rank at a coordinate.
+    pub fn rank_at(&self, coord: &[u64]) -> u32 {
+        let index = coord.iter().zip(&self.shape).fold(0u64, |acc, (&c, &n)| acc * n + c);
+        self.ranks[index as usize]
+    }
+}

@@ -1,0 +1,362 @@
+//! Layouts: global shape + mesh + one placement per mesh axis → each rank's local indices,
+//! exactly as PyTorch DTensor computes them (DESIGN §2).
+//!
+//! A rank's local tensor is the Cartesian product of its per-dim index sets. Along a dim, the
+//! set starts as `0..n` and every mesh axis whose placement shards that dim, taken left to
+//! right, cuts the current list with torch's chunk rule (`Shard`) or its strided variant
+//! (`_StridedShard`). Replicated axes do not change it.
+
+mod dtype;
+mod mesh;
+mod runs;
+
+pub use dtype::DType;
+pub use mesh::{Mesh, MAX_MESH_AXES};
+pub use runs::{chunk_bounds, IndexRuns, Run};
+
+use crate::error::{checked_add, checked_mul, Error, Result};
+use std::fmt;
+
+/// The most dimensions a tensor may have.
+pub const MAX_TENSOR_DIMS: usize = 8;
+
+/// How a tensor is placed along one mesh axis (torch's `Placement`s; `Partial` is out of
+/// scope).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Placement {
+    Replicate,
+    Shard(usize),
+    /// torch `_StridedShard(dim, split_factor)`: the FSDP2 + TP right-to-left sharding.
+    StridedShard { dim: usize, split_factor: u64 },
+}
+
+impl Placement {
+    /// The tensor dim this placement shards, if any.
+    pub fn dim(&self) -> Option<usize> {
+        match *self {
+            Placement::Replicate => None,
+            Placement::Shard(dim) | Placement::StridedShard { dim, .. } => Some(dim),
+        }
+    }
+
+    /// Parses `Replicate`, `R`, `Shard(0)`, `S(0)`, `Shard(dim=0)`, `StridedShard(0,2)`,
+    /// `_StridedShard(dim=0, split_factor=2)`.
+    pub fn parse(text: &str) -> Result<Placement> {
+        let compact: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+        let bad = || {
+            Error::invalid_argument(format!(
+                "placement {text:?} is not one of Replicate, Shard(d), StridedShard(d,split_factor)"
+            ))
+        };
+        if matches!(compact.as_str(), "Replicate" | "Replicate()" | "R") {
+            return Ok(Placement::Replicate);
+        }
+        if compact.starts_with("Partial") || compact == "P" {
+            return Err(Error::invalid_argument(format!(
+                "placement {text:?}: Partial is not supported; reduce the tensor before resharding"
+            )));
+        }
+        let (name, rest) = compact.split_once('(').ok_or_else(bad)?;
+        let args = rest.strip_suffix(')').ok_or_else(bad)?;
+        let values: Vec<u64> = args
+            .split(',')
+            .map(|arg| {
+                let value = arg.rsplit_once('=').map_or(arg, |(_, v)| v);
+                value.parse::<u64>().map_err(|_| bad())
+            })
+            .collect::<Result<_>>()?;
+        match (name, values.as_slice()) {
+            ("Shard" | "S", &[dim]) => Ok(Placement::Shard(dim as usize)),
+            ("StridedShard" | "_StridedShard" | "_S", &[dim, split_factor]) => {
+                Ok(Placement::StridedShard { dim: dim as usize, split_factor })
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl fmt::Display for Placement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Placement::Replicate => write!(f, "Replicate"),
+            Placement::Shard(dim) => write!(f, "Shard({dim})"),
+            Placement::StridedShard { dim, split_factor } => {
+                write!(f, "StridedShard({dim},{split_factor})")
+            }
+        }
+    }
+}
+
+/// One side of a reshard: which ranks hold the tensor and how.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Layout {
+    pub mesh: Mesh,
+    pub placements: Vec<Placement>,
+    /// Element strides of every rank's local view (one per tensor dim); `None` means dense
+    /// row-major. The same strides apply on every rank of the mesh.
+    pub strides: Option<Vec<u64>>,
+}
+
+/// The pieces one dim is cut into by a layout: the coordinates on the mesh axes that shard the
+/// dim (in axis order) and the indices those ranks hold along it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DimPiece {
+    pub coords: Vec<u64>,
+    pub indices: IndexRuns,
+}
+
+/// Byte geometry of one rank's local buffer for one tensor: the one place that turns local
+/// positions into byte offsets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalView {
+    pub shape: Vec<u64>,
+    /// Element strides, one per dim.
+    pub strides: Vec<u64>,
+    pub elem_size: u64,
+}
+
+impl LocalView {
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    /// Bytes from the view's first element to one past its last (0 for an empty view).
+    pub fn extent_bytes(&self) -> u64 {
+        if self.shape.contains(&0) {
+            return 0;
+        }
+        let last: u64 = self.shape.iter().zip(&self.strides).map(|(&n, &s)| (n - 1) * s).sum();
+        (last + 1) * self.elem_size
+    }
+
+    /// Byte offset of the element at local position `pos`.
+    pub fn byte_offset(&self, pos: &[u64]) -> u64 {
+        pos.iter().zip(&self.strides).map(|(&p, &s)| p * s).sum::<u64>() * self.elem_size
+    }
+
+    /// Byte strides, one per dim.
+    pub fn byte_strides(&self) -> Vec<u64> {
+        self.strides.iter().map(|&s| s * self.elem_size).collect()
+    }
+}
+
+/// Dense row-major element strides of `shape`.
+pub fn row_major_strides(shape: &[u64]) -> Vec<u64> {
+    let mut strides = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * shape[d + 1].max(1);
+    }
+    strides
+}
+
+impl Layout {
+    pub fn new(mesh: Mesh, placements: Vec<Placement>) -> Layout {
+        Layout { mesh, placements, strides: None }
+    }
+
+    pub fn with_strides(mut self, strides: Vec<u64>) -> Layout {
+        self.strides = Some(strides);
+        self
+    }
+
+    /// Mesh axes that shard tensor dim `dim`, in application order.
+    pub fn shard_axes(&self, dim: usize) -> Vec<usize> {
+        (0..self.placements.len()).filter(|&a| self.placements[a].dim() == Some(dim)).collect()
+    }
+
+    /// Mesh axes that shard no dim: ranks differing only there hold the same shard.
+    pub fn replicate_axes(&self) -> Vec<usize> {
+        (0..self.placements.len()).filter(|&a| self.placements[a].dim().is_none()).collect()
+    }
+
+    /// Applies one placement to the current index list along its dim.
+    fn apply(&self, axis: usize, coord: u64, list: &IndexRuns) -> IndexRuns {
+        let parts = self.mesh.shape()[axis];
+        match self.placements[axis] {
+            Placement::Replicate => list.clone(),
+            Placement::Shard(_) => list.shard(parts, coord),
+            Placement::StridedShard { split_factor, .. } => {
+                list.strided_shard(parts, coord, split_factor)
+            }
+        }
+    }
+
+    /// The indices along every dim held by the rank at mesh coordinate `coord`.
+    pub fn local_indices(&self, shape: &[u64], coord: &[u64]) -> Vec<IndexRuns> {
+        (0..shape.len())
+            .map(|dim| {
+                self.shard_axes(dim).into_iter().fold(IndexRuns::full(shape[dim]), |list, axis| {
+                    self.apply(axis, coord[axis], &list)
+                })
+            })
+            .collect()
+    }
+
+    /// The indices along every dim held by `rank`, or `None` when it is not in the mesh.
+    pub fn rank_indices(&self, shape: &[u64], rank: u32) -> Option<Vec<IndexRuns>> {
+        self.mesh.coord_of(rank).map(|coord| self.local_indices(shape, &coord))
+    }
+
+    /// Every piece dim `dim` is cut into, in row-major order of the sharding axes' coordinates
+    /// (empty pieces included).
+    pub fn dim_pieces(&self, shape: &[u64], dim: usize) -> Vec<DimPiece> {
+        let mut pieces = vec![DimPiece { coords: Vec::new(), indices: IndexRuns::full(shape[dim]) }];
+        for axis in self.shard_axes(dim) {
+            pieces = pieces
+                .iter()
+                .flat_map(|piece| {
+                    (0..self.mesh.shape()[axis]).map(move |c| {
+                        let mut coords = piece.coords.clone();
+                        coords.push(c);
+                        DimPiece { coords, indices: self.apply(axis, c, &piece.indices) }
+                    })
+                })
+                .collect();
+        }
+        pieces
+    }
+
+    /// The ranks holding the shard whose coordinates on the sharding axes are given per dim
+    /// (`coords[d]` lists the coordinates on `shard_axes(d)`), in row-major mesh order.
+    pub fn replicas(&self, coords: &[&[u64]]) -> Vec<u32> {
+        let mut base = vec![0u64; self.mesh.ndim()];
+        for (dim, dim_coords) in coords.iter().enumerate() {
+            for (axis, &c) in self.shard_axes(dim).into_iter().zip(dim_coords.iter()) {
+                base[axis] = c;
+            }
+        }
+        let free = self.replicate_axes();
+        let mut out = Vec::new();
+        let mut coord = base;
+        loop {
+            out.push(self.mesh.rank_at(&coord));
+            // Odometer over the replicate axes, last axis fastest (row-major order).
+            let mut k = free.len();
+            loop {
+                if k == 0 {
+                    return out;
+                }
+                k -= 1;
+                let axis = free[k];
+                coord[axis] += 1;
+                if coord[axis] < self.mesh.shape()[axis] {
+                    break;
+                }
+                coord[axis] = 0;
+            }
+        }
+    }
+
+    /// Byte geometry of a rank's local buffer whose local shape is `local_shape`.
+    pub fn view(&self, local_shape: &[u64], elem_size: u32) -> LocalView {
+        LocalView {
+            shape: local_shape.to_vec(),
+            strides: self.strides.clone().unwrap_or_else(|| row_major_strides(local_shape)),
+            elem_size: u64::from(elem_size),
+        }
+    }
+
+    /// Checks this layout against a tensor shape; errors name the field within the layout.
+    pub fn validate(&self, shape: &[u64], elem_size: u32) -> Result<()> {
+        let ndim = self.mesh.ndim();
+        if self.placements.len() != ndim {
+            return Err(Error::invalid_argument(format!(
+                "placements has {} entries but the mesh has {ndim} axes; give one placement per mesh axis",
+                self.placements.len()
+            )));
+        }
+        for (axis, placement) in self.placements.iter().enumerate() {
+            if let Some(dim) = placement.dim() {
+                if dim >= shape.len() {
+                    return Err(Error::invalid_argument(format!(
+                        "placements[{axis}] = {placement} shards dim {dim} but the tensor has {} dims",
+                        shape.len()
+                    )));
+                }
+            }
+            if let Placement::StridedShard { split_factor, .. } = placement {
+                if *split_factor == 0 {
+                    return Err(Error::invalid_argument(format!(
+                        "placements[{axis}] = {placement}: split_factor must be at least 1"
+                    )));
+                }
+            }
+        }
+        // The largest local extent per dim bounds every rank's view.
+        let max_local: Vec<u64> = (0..shape.len())
+            .map(|d| self.dim_pieces(shape, d).iter().map(|p| p.indices.len()).max().unwrap_or(0))
+            .collect();
+        let strides = match &self.strides {
+            None => {
+                let elements =
+                    max_local.iter().try_fold(1u64, |acc, &n| checked_mul(acc, n, "local elements"))?;
+                checked_mul(elements, u64::from(elem_size), "local buffer bytes")?;
+                return Ok(());
+            }
+            Some(strides) => strides,
+        };
+        if strides.len() != shape.len() {
+            return Err(Error::invalid_argument(format!(
+                "strides has {} entries but the tensor has {} dims",
+                strides.len(),
+                shape.len()
+            )));
+        }
+        // Views may be padded or sliced but must not alias: sorted by stride, each dim must step
+        // past everything the smaller-stride dims span.
+        let mut dims: Vec<usize> = (0..shape.len()).filter(|&d| max_local[d] > 1).collect();
+        dims.sort_by_key(|&d| strides[d]);
+        let mut span = 1u64;
+        for &d in &dims {
+            if strides[d] < span {
+                return Err(Error::invalid_argument(format!(
+                    "strides[{d}] = {} makes elements of the local view overlap (it must be at least {span}); strides are in elements",
+                    strides[d]
+                )));
+            }
+            let reach = checked_mul(max_local[d] - 1, strides[d], "local view extent")?;
+            span = checked_add(span, reach, "local view extent")?;
+        }
+        checked_mul(span, u64::from(elem_size), "local view bytes")?;
+        Ok(())
+    }
+}
+
+/// One tensor of a reshard: its global shape and element type, where it is and where it goes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorSpec {
+    pub shape: Vec<u64>,
+    pub dtype: DType,
+    pub src: Layout,
+    pub dst: Layout,
+}
+
+impl TensorSpec {
+    pub fn elem_size(&self) -> u32 {
+        self.dtype.size()
+    }
+
+    /// Validates shape and both layouts; the message names the field (`shape`, `src.…`).
+    pub fn validate(&self) -> Result<()> {
+        if self.shape.len() > MAX_TENSOR_DIMS {
+            return Err(Error::invalid_argument(format!(
+                "shape has {} dims; at most {MAX_TENSOR_DIMS} are supported",
+                self.shape.len()
+            )));
+        }
+        let elements = self
+            .shape
+            .iter()
+            .try_fold(1u64, |acc, &n| checked_mul(acc, n, "shape: element count"))?;
+        let bytes = checked_mul(elements, u64::from(self.elem_size()), "shape: tensor bytes")?;
+        if bytes > i64::MAX as u64 {
+            return Err(Error::invalid_argument(format!(
+                "shape {:?}: {bytes} bytes exceeds the 63-bit byte offsets buffers allow",
+                self.shape
+            )));
+        }
+        self.src.validate(&self.shape, self.elem_size()).map_err(|e| e.context("src"))?;
+        self.dst.validate(&self.shape, self.elem_size()).map_err(|e| e.context("dst"))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,15 @@
+//! libncclreshard: the Reshard collective for NCCL.
+//!
+//! A tensor sharded over source ranks in one DTensor layout arrives on destination ranks in
+//! another, moving only overlapping regions peer to peer. This crate is the pure core
+//! (layouts, planner, the `RankProgram` IR, a host executor); see DESIGN §4.
+
+pub mod error;
+pub mod check;
+pub mod exec;
+pub mod layout;
+pub mod plan;
+
+pub use error::{Error, ErrorKind, Result};
+pub use layout::{DType, IndexRuns, Layout, Mesh, Placement, TensorSpec};
+pub use plan::{Config, Mode, Planner, RankProgram, Topology};

@@ -1,0 +1,192 @@
+//! Planner configuration and the plan fingerprint.
+
+use crate::error::{Error, Result};
+use crate::layout::{Layout, Placement, TensorSpec};
+
+/// How messages are formed (DESIGN §3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Every receive lands directly in the destination buffer; callable inside a user's
+    /// `ncclGroupStart/End`. May need many messages when destination regions interleave.
+    Groupable,
+    /// One message per peer pair covering every tensor, packed and unpacked around it; must
+    /// run outside a user group.
+    Staged,
+    /// Per peer pair: staged when the groupable form would need many small messages
+    /// ([`AUTO_STAGE_MIN_MESSAGES`] or more, averaging under [`AUTO_STAGE_MAX_AVG_BYTES`]).
+    Auto,
+}
+
+/// In `Auto` mode a pair is staged when its groupable form has at least this many messages…
+pub const AUTO_STAGE_MIN_MESSAGES: u64 = 4;
+/// …and they average fewer bytes than this.
+pub const AUTO_STAGE_MAX_AVG_BYTES: u64 = 1 << 20;
+
+/// Default for [`Config::split_min_bytes`].
+pub const DEFAULT_SPLIT_MIN_BYTES: u64 = 1 << 20;
+
+impl Mode {
+    pub fn parse(text: &str) -> Result<Mode> {
+        match text {
+            "groupable" => Ok(Mode::Groupable),
+            "staged" => Ok(Mode::Staged),
+            "auto" => Ok(Mode::Auto),
+            other => Err(Error::invalid_argument(format!(
+                "mode {other:?} is not one of \"groupable\", \"staged\", \"auto\""
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Groupable => "groupable",
+            Mode::Staged => "staged",
+            Mode::Auto => "auto",
+        }
+    }
+}
+
+/// Where ranks sit, for preferring same-node (NVLink) senders. Unknown means uniform.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Topology {
+    #[default]
+    Unknown,
+    /// Rank `r` is on node `r / ranks_per_node`.
+    RanksPerNode(u32),
+    /// Rank `r` is on node `table[r]`.
+    NodeTable(Vec<u32>),
+}
+
+impl Topology {
+    pub fn node(&self, rank: u32) -> Option<u32> {
+        match self {
+            Topology::Unknown => None,
+            Topology::RanksPerNode(n) => Some(rank / n),
+            Topology::NodeTable(table) => table.get(rank as usize).copied(),
+        }
+    }
+}
+
+/// Everything besides the tensors that shapes a plan. Every rank must pass the same config.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Config {
+    pub mode: Mode,
+    pub topology: Topology,
+    /// A replicated overlap is split across several senders only into parts of at least this
+    /// many bytes.
+    pub split_min_bytes: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            mode: Mode::Groupable,
+            topology: Topology::Unknown,
+            split_min_bytes: DEFAULT_SPLIT_MIN_BYTES,
+        }
+    }
+}
+
+impl Config {
+    pub fn validate(&self) -> Result<()> {
+        if self.topology == Topology::RanksPerNode(0) {
+            return Err(Error::invalid_argument("config.ranks_per_node must be at least 1"));
+        }
+        if self.split_min_bytes == 0 {
+            return Err(Error::invalid_argument("config.split_min_bytes must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// FNV-1a over a canonical encoding of the inputs: equal on all ranks iff they passed the same
+/// descriptors and config (the rank itself is not part of it).
+pub fn fingerprint(tensors: &[TensorSpec], config: &Config) -> u64 {
+    let mut h = Fnv::default();
+    h.u64(tensors.len() as u64);
+    for t in tensors {
+        h.list(&t.shape);
+        h.u64(t.dtype.nccl_code() as u64);
+        for layout in [&t.src, &t.dst] {
+            layout_hash(&mut h, layout);
+        }
+    }
+    h.u64(match config.mode {
+        Mode::Groupable => 0,
+        Mode::Staged => 1,
+        Mode::Auto => 2,
+    });
+    match &config.topology {
+        Topology::Unknown => h.u64(0),
+        Topology::RanksPerNode(n) => {
+            h.u64(1);
+            h.u64(u64::from(*n));
+        }
+        Topology::NodeTable(table) => {
+            h.u64(2);
+            h.list(&table.iter().map(|&n| u64::from(n)).collect::<Vec<_>>());
+        }
+    }
+    h.u64(config.split_min_bytes);
+    h.0
+}
+
+fn layout_hash(h: &mut Fnv, layout: &Layout) {
+    h.list(layout.mesh.shape());
+    h.list(&layout.mesh.ranks().iter().map(|&r| u64::from(r)).collect::<Vec<_>>());
+    h.u64(layout.placements.len() as u64);
+    for p in &layout.placements {
+        match *p {
+            Placement::Replicate => h.u64(0),
+            Placement::Shard(d) => {
+                h.u64(1);
+                h.u64(d as u64);
+            }
+            Placement::StridedShard { dim, split_factor } => {
+                h.u64(2);
+                h.u64(dim as u64);
+                h.u64(split_factor);
+            }
+        }
+    }
+    match &layout.strides {
+        None => h.u64(0),
+        Some(s) => {
+            h.u64(1);
+            h.list(s);
+        }
+    }
+}
+
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn u64(&mut self, v: u64) {
+        for byte in v.to_le_bytes() {
+            self.0 ^= u64::from(byte);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+
+    fn list(&mut self, values: &[u64]) {
+        self.u64(values.len() as u64);
+        for &v in values {
+            self.u64(v);
+        }
+    }
+}
+
+/// A small deterministic mix used to rotate sender choices between units.
+pub(crate) fn mix(values: impl IntoIterator<Item = u64>) -> u64 {
+    let mut h = Fnv::default();
+    for v in values {
+        h.u64(v);
+    }
+    h.0
+}

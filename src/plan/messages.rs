@@ -1,0 +1,286 @@
+//! Turning transfers into copies and messages: the byte geometry of the IR.
+//!
+//! A transfer's region is cut per dim into pieces contiguous in the sender's and the
+//! receiver's local positions; the Cartesian product of pieces gives strided block copies
+//! (source view → destination view). The messages of one (sender, receiver) pair are derived
+//! from that pair's copies by one function both sides run, so their sizes and order agree.
+
+use super::config::{Mode, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MIN_MESSAGES};
+use super::program::{Buffer, Copy, CopyDim, Loc, Message};
+use super::Transfer;
+use crate::layout::{IndexRuns, LocalView};
+
+/// Staging regions start at multiples of this many bytes (vector-friendly for kernels).
+pub const STAGING_ALIGN: u64 = 256;
+
+/// A rank's geometry for one tensor on one side: its indices and its view.
+pub(crate) struct Side<'a> {
+    pub indices: &'a [IndexRuns],
+    pub view: &'a LocalView,
+}
+
+/// The block copies of one transfer, from the sender's source view to the receiver's
+/// destination view, in row-major order of the blocks.
+pub(crate) fn transfer_copies(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_>) -> Vec<Copy> {
+    let ndim = transfer.region.len();
+    let pieces: Vec<Vec<(u64, u64)>> = (0..ndim)
+        .map(|d| transfer.region[d].contiguous_pieces(&[&src.indices[d], &dst.indices[d]]))
+        .collect();
+    if pieces.iter().any(Vec::is_empty) {
+        return Vec::new();
+    }
+    let src_strides = src.view.byte_strides();
+    let dst_strides = dst.view.byte_strides();
+    let mut copies = Vec::new();
+    let mut choice = vec![0usize; ndim];
+    let mut src_pos = vec![0u64; ndim];
+    let mut dst_pos = vec![0u64; ndim];
+    let mut dims = vec![CopyDim { count: 0, src_stride: 0, dst_stride: 0 }; ndim];
+    loop {
+        for d in 0..ndim {
+            let (start, len) = pieces[d][choice[d]];
+            src_pos[d] = src.indices[d].position_of(start).expect("sender holds its region");
+            dst_pos[d] = dst.indices[d].position_of(start).expect("receiver holds its region");
+            dims[d] = CopyDim { count: len, src_stride: src_strides[d], dst_stride: dst_strides[d] };
+        }
+        copies.push(Copy::new(
+            Loc { buffer: Buffer::Src, tensor: transfer.tensor, offset: src.view.byte_offset(&src_pos) },
+            Loc { buffer: Buffer::Dst, tensor: transfer.tensor, offset: dst.view.byte_offset(&dst_pos) },
+            src.view.elem_size,
+            &dims,
+        ));
+        // Row-major odometer over the per-dim pieces.
+        let mut d = ndim;
+        loop {
+            if d == 0 {
+                return copies;
+            }
+            d -= 1;
+            choice[d] += 1;
+            if choice[d] < pieces[d].len() {
+                break;
+            }
+            choice[d] = 0;
+        }
+    }
+}
+
+/// One destination-contiguous piece of a copy: `bytes` bytes landing at `dst`, read from
+/// `src` through `src_dims` (empty when the source side is contiguous too).
+struct Piece {
+    src: Loc,
+    dst: Loc,
+    chunk_bytes: u64,
+    src_dims: Vec<CopyDim>,
+    bytes: u64,
+}
+
+/// Splits a copy at the outermost dims where the destination stops being contiguous.
+fn dst_contiguous_split(copy: &Copy) -> (usize, u64) {
+    let mut run = copy.chunk_bytes;
+    let mut k = copy.dims.len();
+    while k > 0 && copy.dims[k - 1].dst_stride == run {
+        run *= copy.dims[k - 1].count;
+        k -= 1;
+    }
+    (k, run)
+}
+
+/// Number of destination-contiguous pieces (groupable messages before merging) of a copy.
+fn groupable_piece_count(copy: &Copy) -> u64 {
+    let (k, _) = dst_contiguous_split(copy);
+    copy.dims[..k].iter().map(|d| d.count).product()
+}
+
+fn for_each_piece(copy: &Copy, mut f: impl FnMut(Piece)) {
+    let (k, bytes) = dst_contiguous_split(copy);
+    let outer = &copy.dims[..k];
+    let inner = &copy.dims[k..];
+    let mut index = vec![0u64; k];
+    loop {
+        let src_off: u64 = outer.iter().zip(&index).map(|(d, &i)| i * d.src_stride).sum();
+        let dst_off: u64 = outer.iter().zip(&index).map(|(d, &i)| i * d.dst_stride).sum();
+        f(Piece {
+            src: Loc { offset: copy.src.offset + src_off, ..copy.src },
+            dst: Loc { offset: copy.dst.offset + dst_off, ..copy.dst },
+            chunk_bytes: copy.chunk_bytes,
+            src_dims: inner.to_vec(),
+            bytes,
+        });
+        let mut d = k;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            index[d] += 1;
+            if index[d] < outer[d].count {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// Dense byte strides for packing `dims` (outermost first) behind `chunk_bytes`.
+fn dense_strides(chunk_bytes: u64, dims: &[CopyDim]) -> Vec<u64> {
+    let mut strides = vec![0; dims.len()];
+    let mut step = chunk_bytes;
+    for d in (0..dims.len()).rev() {
+        strides[d] = step;
+        step *= dims[d].count;
+    }
+    strides
+}
+
+/// A copy from `src` (strided as `copy`'s source) into `len` dense staging bytes at `at`.
+fn pack(copy_src: Loc, chunk_bytes: u64, dims: &[CopyDim], at: u64) -> Copy {
+    let dense = dense_strides(chunk_bytes, dims);
+    let dims: Vec<CopyDim> = dims
+        .iter()
+        .zip(&dense)
+        .map(|(d, &s)| CopyDim { count: d.count, src_stride: d.src_stride, dst_stride: s })
+        .collect();
+    Copy::new(copy_src, Loc { buffer: Buffer::Staging, tensor: 0, offset: at }, chunk_bytes, &dims)
+}
+
+/// A copy from dense staging bytes at `at` to `copy`'s destination.
+fn unpack(copy: &Copy, at: u64) -> Copy {
+    let dense = dense_strides(copy.chunk_bytes, &copy.dims);
+    let dims: Vec<CopyDim> = copy
+        .dims
+        .iter()
+        .zip(&dense)
+        .map(|(d, &s)| CopyDim { count: d.count, src_stride: s, dst_stride: d.dst_stride })
+        .collect();
+    Copy::new(Loc { buffer: Buffer::Staging, tensor: 0, offset: at }, copy.dst, copy.chunk_bytes, &dims)
+}
+
+/// Which end of a pair this rank is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum End {
+    Sender,
+    Receiver,
+}
+
+/// Where a rank's program is being assembled: the parts one pair contributes go here.
+#[derive(Default)]
+pub(crate) struct Emitter {
+    pub packs: Vec<Copy>,
+    pub unpacks: Vec<Copy>,
+    pub messages: Vec<Message>,
+    pub staging_bytes: u64,
+}
+
+impl Emitter {
+    fn reserve(&mut self, bytes: u64) -> u64 {
+        let at = self.staging_bytes.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
+        self.staging_bytes = at + bytes;
+        at
+    }
+
+    /// Emits this rank's half of the pair whose copies (canonical order) are given.
+    pub fn pair(&mut self, end: End, peer: u32, copies: &[Copy], mode: Mode) {
+        let copies: Vec<&Copy> = copies.iter().filter(|c| c.bytes() > 0).collect();
+        if copies.is_empty() {
+            return;
+        }
+        let staged = match mode {
+            Mode::Groupable => false,
+            Mode::Staged => true,
+            Mode::Auto => {
+                let messages: u64 = copies.iter().map(|c| groupable_piece_count(c)).sum();
+                let bytes: u64 = copies.iter().map(|c| c.bytes()).sum();
+                messages >= AUTO_STAGE_MIN_MESSAGES && bytes / messages < AUTO_STAGE_MAX_AVG_BYTES
+            }
+        };
+        if staged {
+            self.staged_pair(end, peer, &copies);
+        } else {
+            self.groupable_pair(end, peer, &copies);
+        }
+    }
+
+    /// One message for the whole pair; zero-copy on a side where it is one contiguous run.
+    fn staged_pair(&mut self, end: End, peer: u32, copies: &[&Copy]) {
+        let total: u64 = copies.iter().map(|c| c.bytes()).sum();
+        let single = (copies.len() == 1 && copies[0].is_contiguous()).then(|| copies[0]);
+        let loc = match (end, single) {
+            (End::Sender, Some(c)) => c.src,
+            (End::Receiver, Some(c)) => c.dst,
+            (_, None) => {
+                let base = self.reserve(total);
+                let mut at = base;
+                for c in copies {
+                    match end {
+                        End::Sender => self.packs.push(pack(c.src, c.chunk_bytes, &c.dims, at)),
+                        End::Receiver => self.unpacks.push(unpack(c, at)),
+                    }
+                    at += c.bytes();
+                }
+                Loc { buffer: Buffer::Staging, tensor: 0, offset: base }
+            }
+        };
+        self.messages.push(Message { peer, loc, bytes: total });
+    }
+
+    /// One message per destination-contiguous piece, adjacent pieces merged; the sender packs
+    /// pieces whose source side is not contiguous.
+    fn groupable_pair(&mut self, end: End, peer: u32, copies: &[&Copy]) {
+        // Pending message: (first piece's src, first piece's dst, bytes, packed?).
+        let mut pending: Option<(Loc, Loc, u64, bool)> = None;
+        let mut pending_packs: Vec<(Loc, u64, Vec<CopyDim>)> = Vec::new();
+        let mut pieces = Vec::new();
+        for c in copies {
+            for_each_piece(c, |p| pieces.push(p));
+        }
+        for p in pieces {
+            let packed = !p.src_dims.is_empty();
+            if let Some((src, dst, bytes, was_packed)) = &mut pending {
+                let dst_adjacent = dst.tensor == p.dst.tensor && dst.offset + *bytes == p.dst.offset;
+                let src_adjacent = src.tensor == p.src.tensor && src.offset + *bytes == p.src.offset;
+                if dst_adjacent && packed == *was_packed && (packed || src_adjacent) {
+                    *bytes += p.bytes;
+                    if packed {
+                        pending_packs.push((p.src, p.chunk_bytes, p.src_dims));
+                    }
+                    continue;
+                }
+                let done = pending.take().expect("pending message");
+                self.flush(end, peer, done, &mut pending_packs);
+            }
+            if packed {
+                pending_packs.push((p.src, p.chunk_bytes, p.src_dims));
+            }
+            pending = Some((p.src, p.dst, p.bytes, packed));
+        }
+        if let Some(done) = pending {
+            self.flush(end, peer, done, &mut pending_packs);
+        }
+    }
+
+    fn flush(
+        &mut self,
+        end: End,
+        peer: u32,
+        (src, dst, bytes, packed): (Loc, Loc, u64, bool),
+        packs: &mut Vec<(Loc, u64, Vec<CopyDim>)>,
+    ) {
+        let loc = match end {
+            End::Receiver => dst,
+            End::Sender if !packed => src,
+            End::Sender => {
+                let base = self.reserve(bytes);
+                let mut at = base;
+                for (from, chunk_bytes, dims) in packs.iter() {
+                    let copy = pack(*from, *chunk_bytes, dims, at);
+                    at += copy.bytes();
+                    self.packs.push(copy);
+                }
+                Loc { buffer: Buffer::Staging, tensor: 0, offset: base }
+            }
+        };
+        packs.clear();
+        self.messages.push(Message { peer, loc, bytes });
+    }
+}

@@ -1,0 +1,233 @@
+//! The planner: tensors + config + rank → that rank's [`RankProgram`] (DESIGN §4–§5).
+//!
+//! Deterministic and local: every rank computes its program from the same descriptors without
+//! talking to anyone. A rank enumerates only the units it takes part in — as a receiver, the
+//! source shards overlapping its destination shard; as a sender, the destination shards
+//! overlapping its source shard — found per dim by intersecting index runs, so a rank in
+//! neither mesh does no work for a tensor and a participant never loops over rank pairs.
+
+mod assign;
+mod config;
+mod messages;
+mod program;
+
+pub use assign::Transfer;
+pub use config::{
+    fingerprint, Config, Mode, Topology, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MIN_MESSAGES,
+    DEFAULT_SPLIT_MIN_BYTES,
+};
+pub use messages::STAGING_ALIGN;
+pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram};
+
+use crate::error::{Error, Result};
+use crate::layout::{IndexRuns, Layout, LocalView, TensorSpec};
+use assign::{assign, Unit};
+use std::collections::hash_map::{Entry, HashMap};
+use std::collections::BTreeMap;
+use messages::{transfer_copies, Emitter, End, Side};
+
+/// Validated inputs of a plan, ready to produce any rank's program.
+#[derive(Clone, Debug)]
+pub struct Planner {
+    tensors: Vec<TensorSpec>,
+    config: Config,
+    fingerprint: u64,
+}
+
+/// A rank's geometry for one tensor on one side.
+struct RankGeometry {
+    indices: Vec<IndexRuns>,
+    view: LocalView,
+}
+
+fn geometry(spec: &TensorSpec, layout: &Layout, rank: u32) -> Option<RankGeometry> {
+    let indices = layout.rank_indices(&spec.shape, rank)?;
+    let shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
+    let view = layout.view(&shape, spec.elem_size());
+    Some(RankGeometry { indices, view })
+}
+
+impl Planner {
+    /// Validates every tensor and the config. Errors name the field: `tensors[3].src: …`.
+    pub fn new(tensors: Vec<TensorSpec>, config: Config) -> Result<Planner> {
+        if tensors.len() > i32::MAX as usize {
+            return Err(Error::invalid_argument("too many tensors"));
+        }
+        config.validate()?;
+        for (i, t) in tensors.iter().enumerate() {
+            t.validate().map_err(|e| e.context(format!("tensors[{i}]")))?;
+        }
+        let fingerprint = fingerprint(&tensors, &config);
+        Ok(Planner { tensors, config, fingerprint })
+    }
+
+    pub fn tensors(&self) -> &[TensorSpec] {
+        &self.tensors
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Every rank that appears in a source or destination mesh, ascending.
+    pub fn ranks(&self) -> Vec<u32> {
+        let mut ranks: Vec<u32> = self
+            .tensors
+            .iter()
+            .flat_map(|t| t.src.mesh.ranks().iter().chain(t.dst.mesh.ranks()).copied())
+            .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        ranks
+    }
+
+    /// This rank's transfers: those it receives (local copies included) and those it sends,
+    /// each list in canonical order (tensor, then region corner).
+    pub fn transfers(&self, rank: u32) -> Vec<Transfer> {
+        let mut out = Vec::new();
+        for (t, spec) in self.tensors.iter().enumerate() {
+            let t = t as u32;
+            if let Some(coord) = spec.dst.mesh.coord_of(rank) {
+                let mine = spec.dst.local_indices(&spec.shape, &coord);
+                units(spec, t, &spec.src, &spec.dst, &mine, &coord, true, &self.config, |tr| {
+                    if tr.to == rank {
+                        out.push(tr);
+                    }
+                });
+            }
+            if let Some(coord) = spec.src.mesh.coord_of(rank) {
+                let mine = spec.src.local_indices(&spec.shape, &coord);
+                units(spec, t, &spec.dst, &spec.src, &mine, &coord, false, &self.config, |tr| {
+                    if tr.from == rank && tr.to != rank {
+                        out.push(tr);
+                    }
+                });
+            }
+        }
+        out.sort_by(|a, b| (a.tensor, a.corner()).cmp(&(b.tensor, b.corner())));
+        out
+    }
+
+    /// The program `rank` runs. A rank outside every mesh gets an empty program.
+    pub fn rank_program(&self, rank: u32) -> Result<RankProgram> {
+        let transfers = self.transfers(rank);
+        // Geometry of every (tensor, rank, side) this rank exchanges with, computed once.
+        let mut cache: HashMap<(u32, u32, bool), RankGeometry> = HashMap::new();
+        for tr in &transfers {
+            for (who, src_side) in [(tr.from, true), (tr.to, false)] {
+                if let Entry::Vacant(slot) = cache.entry((tr.tensor, who, src_side)) {
+                    let spec = &self.tensors[tr.tensor as usize];
+                    let layout = if src_side { &spec.src } else { &spec.dst };
+                    let g = geometry(spec, layout, who).ok_or_else(|| {
+                        Error::internal(format!("rank {who} is not in tensor {}'s mesh", tr.tensor))
+                    })?;
+                    slot.insert(g);
+                }
+            }
+        }
+
+        let mut program = RankProgram { rank, fingerprint: self.fingerprint, ..Default::default() };
+        // (peer, direction) → copies in canonical order.
+        let mut outgoing: BTreeMap<u32, Vec<Copy>> = BTreeMap::new();
+        let mut incoming: BTreeMap<u32, Vec<Copy>> = BTreeMap::new();
+        for tr in &transfers {
+            let sg = &cache[&(tr.tensor, tr.from, true)];
+            let dg = &cache[&(tr.tensor, tr.to, false)];
+            let copies = transfer_copies(
+                tr,
+                &Side { indices: &sg.indices, view: &sg.view },
+                &Side { indices: &dg.indices, view: &dg.view },
+            );
+            let (list, peer) = if tr.from == tr.to {
+                program.local_copies.extend(copies.into_iter().filter(|c| c.bytes() > 0));
+                continue;
+            } else if tr.to == rank {
+                (&mut incoming, tr.from)
+            } else {
+                (&mut outgoing, tr.to)
+            };
+            list.entry(peer).or_default().extend(copies);
+        }
+
+        let mut emitter = Emitter::default();
+        for (peer, copies) in &outgoing {
+            emitter.pair(End::Sender, *peer, copies, self.config.mode);
+        }
+        program.sends = std::mem::take(&mut emitter.messages);
+        for (peer, copies) in &incoming {
+            emitter.pair(End::Receiver, *peer, copies, self.config.mode);
+        }
+        program.recvs = std::mem::take(&mut emitter.messages);
+        program.packs = emitter.packs;
+        program.unpacks = emitter.unpacks;
+        program.staging_bytes = emitter.staging_bytes;
+        Ok(program)
+    }
+}
+
+/// Enumerates the units between `mine` (this rank's shard on `own`) and every overlapping shard
+/// of `other`, and feeds the transfers of each unit to `sink`. `own_is_dst` says which side
+/// `own` is.
+#[allow(clippy::too_many_arguments)]
+fn units(
+    spec: &TensorSpec,
+    tensor: u32,
+    other: &Layout,
+    own: &Layout,
+    mine: &[IndexRuns],
+    coord: &[u64],
+    own_is_dst: bool,
+    config: &Config,
+    mut sink: impl FnMut(Transfer),
+) {
+    let ndim = spec.shape.len();
+    if mine.iter().any(IndexRuns::is_empty) {
+        return;
+    }
+    // Per dim: the other side's pieces overlapping mine, as (coords, overlap).
+    let mut overlaps: Vec<Vec<(Vec<u64>, IndexRuns)>> = Vec::with_capacity(ndim);
+    for (d, my_indices) in mine.iter().enumerate() {
+        let list: Vec<(Vec<u64>, IndexRuns)> = other
+            .dim_pieces(&spec.shape, d)
+            .into_iter()
+            .filter_map(|piece| {
+                let overlap = piece.indices.intersect(my_indices);
+                (!overlap.is_empty()).then_some((piece.coords, overlap))
+            })
+            .collect();
+        if list.is_empty() {
+            return;
+        }
+        overlaps.push(list);
+    }
+    let own_coords: Vec<Vec<u64>> =
+        (0..ndim).map(|d| own.shard_axes(d).iter().map(|&a| coord[a]).collect()).collect();
+    let own_refs: Vec<&[u64]> = own_coords.iter().map(Vec::as_slice).collect();
+    let mut choice = vec![0usize; ndim];
+    loop {
+        let other_refs: Vec<&[u64]> = (0..ndim).map(|d| overlaps[d][choice[d]].0.as_slice()).collect();
+        let region: Vec<IndexRuns> = (0..ndim).map(|d| overlaps[d][choice[d]].1.clone()).collect();
+        let (src_coords, dst_coords) =
+            if own_is_dst { (other_refs, own_refs.clone()) } else { (own_refs.clone(), other_refs) };
+        let unit = Unit { tensor, spec, src_coords, dst_coords, region };
+        for tr in assign(&unit, config) {
+            sink(tr);
+        }
+        let mut d = ndim;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            choice[d] += 1;
+            if choice[d] < overlaps[d].len() {
+                break;
+            }
+            choice[d] = 0;
+        }
+    }
+}
