@@ -37,14 +37,21 @@ pub fn sentinel(offset: usize) -> u8 {
 }
 
 /// Calls `f(byte offset in the view, global linear index)` for every element of a rank's view.
-fn for_each_element(shape: &[u64], indices: &[IndexRuns], view: &LocalView, mut f: impl FnMut(usize, u64)) {
+fn for_each_element(
+    shape: &[u64],
+    indices: &[IndexRuns],
+    view: &LocalView,
+    mut f: impl FnMut(usize, u64),
+) {
     if view.elements() == 0 {
         return;
     }
     let ndim = shape.len();
     // Per dim, the global indices of local positions (per dim, not per element).
-    let globals: Vec<Vec<u64>> =
-        indices.iter().map(|r| r.runs().iter().flat_map(|run| run.start..run.end).collect()).collect();
+    let globals: Vec<Vec<u64>> = indices
+        .iter()
+        .map(|r| r.runs().iter().flat_map(|run| run.start..run.end).collect())
+        .collect();
     let global_strides = crate::layout::row_major_strides(shape);
     let byte_strides = view.byte_strides();
     let mut pos = vec![0usize; ndim];
@@ -79,7 +86,8 @@ fn rank_view(spec: &TensorSpec, layout: &Layout, rank: u32) -> Option<(Vec<Index
 }
 
 fn alloc(extent: u64) -> Result<Vec<u8>> {
-    let len = usize::try_from(extent).map_err(|_| Error::invalid_argument("view too large for this host"))?;
+    let len = usize::try_from(extent)
+        .map_err(|_| Error::invalid_argument("view too large for this host"))?;
     Ok((0..len).map(sentinel).collect())
 }
 
@@ -87,8 +95,10 @@ fn alloc(extent: u64) -> Result<Vec<u8>> {
 pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
     let planner = Planner::new(tensors.to_vec(), config.clone())?;
     let ranks = planner.ranks();
-    let programs: Vec<RankProgram> =
-        ranks.iter().map(|&r| planner.rank_program(r)).collect::<Result<_>>()?;
+    let programs: Vec<RankProgram> = ranks
+        .iter()
+        .map(|&r| planner.rank_program(r))
+        .collect::<Result<_>>()?;
     let mut buffers = Vec::with_capacity(ranks.len());
     for &rank in &ranks {
         let mut memory = RankBuffers::default();
@@ -116,7 +126,10 @@ pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
     }
     execute(&programs, &mut buffers)?;
 
-    let mut report = CheckReport { ranks: ranks.len(), ..Default::default() };
+    let mut report = CheckReport {
+        ranks: ranks.len(),
+        ..Default::default()
+    };
     for p in &programs {
         report.bytes_sent += p.bytes_sent();
         report.bytes_copied_locally += p.bytes_copied_locally();
@@ -125,13 +138,17 @@ pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
     }
     for (i, &rank) in ranks.iter().enumerate() {
         for (t, spec) in tensors.iter().enumerate() {
-            let Some((indices, view)) = rank_view(spec, &spec.dst, rank) else { continue };
+            let Some((indices, view)) = rank_view(spec, &spec.dst, rank) else {
+                continue;
+            };
             let got = &buffers[i].dst[t];
             let size = spec.elem_size() as usize;
             let mut inside = vec![false; got.len()];
             let mut failure: Option<String> = None;
             for_each_element(&spec.shape, &indices, &view, |offset, global| {
-                inside[offset..offset + size].iter_mut().for_each(|b| *b = true);
+                inside[offset..offset + size]
+                    .iter_mut()
+                    .for_each(|b| *b = true);
                 let want = &element_value(t as u32, global).to_le_bytes()[..size];
                 if failure.is_none() && &got[offset..offset + size] != want {
                     failure = Some(format!(

@@ -26,15 +26,24 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn invalid_argument(message: impl Into<String>) -> Self {
-        Error { kind: ErrorKind::InvalidArgument, message: message.into() }
+        Error {
+            kind: ErrorKind::InvalidArgument,
+            message: message.into(),
+        }
     }
 
     pub fn invalid_usage(message: impl Into<String>) -> Self {
-        Error { kind: ErrorKind::InvalidUsage, message: message.into() }
+        Error {
+            kind: ErrorKind::InvalidUsage,
+            message: message.into(),
+        }
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
-        Error { kind: ErrorKind::Internal, message: message.into() }
+        Error {
+            kind: ErrorKind::Internal,
+            message: message.into(),
+        }
     }
 
     /// Prefixes the message with where the error happened (`tensors[3].src: …`).

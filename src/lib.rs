@@ -4,8 +4,8 @@
 //! another, moving only overlapping regions peer to peer. This crate is the pure core
 //! (layouts, planner, the `RankProgram` IR, a host executor); see DESIGN §4.
 
-pub mod error;
 pub mod check;
+pub mod error;
 pub mod exec;
 pub mod layout;
 pub mod plan;

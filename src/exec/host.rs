@@ -33,7 +33,10 @@ pub fn execute(programs: &[RankProgram], buffers: &mut [RankBuffers]) -> Result<
     }
     let mut ranks: Vec<u32> = programs.iter().map(|p| p.rank).collect();
     ranks.sort_unstable();
-    if let Some(p) = programs.iter().find(|p| p.fingerprint != programs[0].fingerprint) {
+    if let Some(p) = programs
+        .iter()
+        .find(|p| p.fingerprint != programs[0].fingerprint)
+    {
         return Err(Error::invalid_usage(format!(
             "rank {} planned from different descriptors than rank {} (fingerprint {:#x} vs {:#x})",
             p.rank, programs[0].rank, p.fingerprint, programs[0].fingerprint
@@ -52,11 +55,16 @@ pub fn execute(programs: &[RankProgram], buffers: &mut [RankBuffers]) -> Result<
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err(Error::internal("a rank thread panicked"))))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::internal("a rank thread panicked")))
+            })
             .collect()
     });
     results.into_iter().collect::<Result<Vec<()>>>()?;
-    let left = mailboxes.into_inner().map_err(|_| Error::internal("mailbox lock poisoned"))?;
+    let left = mailboxes
+        .into_inner()
+        .map_err(|_| Error::internal("mailbox lock poisoned"))?;
     if let Some(((from, to), queue)) = left.iter().find(|(_, q)| !q.is_empty()) {
         return Err(Error::invalid_usage(format!(
             "rank {from} sent {} message(s) to rank {to} that rank {to} never received",
@@ -88,7 +96,9 @@ fn run_rank(
                 )));
             }
             let bytes = read(memory, &staging, send.loc, send.bytes)?.to_vec();
-            let mut boxes = mailboxes.lock().map_err(|_| Error::internal("mailbox lock poisoned"))?;
+            let mut boxes = mailboxes
+                .lock()
+                .map_err(|_| Error::internal("mailbox lock poisoned"))?;
             boxes.entry((rank, send.peer)).or_default().push_back(bytes);
         }
         Ok(())
@@ -98,9 +108,12 @@ fn run_rank(
     let phase2 = phase1.and_then(|()| {
         for recv in &program.recvs {
             let message = {
-                let mut boxes =
-                    mailboxes.lock().map_err(|_| Error::internal("mailbox lock poisoned"))?;
-                boxes.get_mut(&(recv.peer, rank)).and_then(VecDeque::pop_front)
+                let mut boxes = mailboxes
+                    .lock()
+                    .map_err(|_| Error::internal("mailbox lock poisoned"))?;
+                boxes
+                    .get_mut(&(recv.peer, rank))
+                    .and_then(VecDeque::pop_front)
             };
             let message = message.ok_or_else(|| {
                 Error::invalid_usage(format!(
@@ -125,7 +138,6 @@ fn run_rank(
     });
     phase2
 }
-
 
 fn bounds(loc: Loc, bytes: u64, len: usize) -> Option<std::ops::Range<usize>> {
     let start = usize::try_from(loc.offset).ok()?;
@@ -153,7 +165,8 @@ fn buffer<'a>(memory: &'a RankBuffers, staging: &'a [u8], loc: Loc) -> Option<&'
 
 fn read<'a>(memory: &'a RankBuffers, staging: &'a [u8], loc: Loc, bytes: u64) -> Result<&'a [u8]> {
     let buf = buffer(memory, staging, loc).unwrap_or(&[]);
-    let range = bounds(loc, bytes, buf.len()).ok_or_else(|| out_of_bounds(loc, bytes, buf.len()))?;
+    let range =
+        bounds(loc, bytes, buf.len()).ok_or_else(|| out_of_bounds(loc, bytes, buf.len()))?;
     Ok(&buf[range])
 }
 
@@ -164,8 +177,14 @@ fn write<'a>(
     bytes: u64,
 ) -> Result<&'a mut [u8]> {
     let buf: &mut [u8] = match loc.buffer {
-        Buffer::Src => memory.src.get_mut(loc.tensor as usize).map_or(&mut [], Vec::as_mut_slice),
-        Buffer::Dst => memory.dst.get_mut(loc.tensor as usize).map_or(&mut [], Vec::as_mut_slice),
+        Buffer::Src => memory
+            .src
+            .get_mut(loc.tensor as usize)
+            .map_or(&mut [], Vec::as_mut_slice),
+        Buffer::Dst => memory
+            .dst
+            .get_mut(loc.tensor as usize)
+            .map_or(&mut [], Vec::as_mut_slice),
         Buffer::Staging => staging,
     };
     let len = buf.len();
@@ -190,8 +209,18 @@ fn run_copy(copy: &Copy, memory: &mut RankBuffers, staging: &mut [u8]) -> Result
     let chunk = copy.chunk_bytes as usize;
     let mut index = vec![0u64; copy.dims.len()];
     loop {
-        let s: u64 = copy.dims.iter().zip(&index).map(|(d, &i)| i * d.src_stride).sum();
-        let d: u64 = copy.dims.iter().zip(&index).map(|(d, &i)| i * d.dst_stride).sum();
+        let s: u64 = copy
+            .dims
+            .iter()
+            .zip(&index)
+            .map(|(d, &i)| i * d.src_stride)
+            .sum();
+        let d: u64 = copy
+            .dims
+            .iter()
+            .zip(&index)
+            .map(|(d, &i)| i * d.dst_stride)
+            .sum();
         let (s, d) = (s as usize, d as usize);
         dst[d..d + chunk].copy_from_slice(&src_bytes[s..s + chunk]);
         let mut k = copy.dims.len();

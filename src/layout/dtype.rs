@@ -52,7 +52,10 @@ impl DType {
     ];
 
     fn row(self) -> &'static (DType, i32, &'static str, u32) {
-        TABLE.iter().find(|row| row.0 == self).expect("every DType has a table row")
+        TABLE
+            .iter()
+            .find(|row| row.0 == self)
+            .expect("every DType has a table row")
     }
 
     /// Bytes per element.

@@ -37,10 +37,15 @@ impl Mesh {
             )));
         }
         if ranks.len() > i32::MAX as usize {
-            return Err(Error::invalid_argument("mesh has more ranks than NCCL can address"));
+            return Err(Error::invalid_argument(
+                "mesh has more ranks than NCCL can address",
+            ));
         }
-        let mut by_rank: Vec<(u32, u32)> =
-            ranks.iter().enumerate().map(|(i, &r)| (r, i as u32)).collect();
+        let mut by_rank: Vec<(u32, u32)> = ranks
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| (r, i as u32))
+            .collect();
         by_rank.sort_unstable();
         if let Some(w) = by_rank.windows(2).find(|w| w[0].0 == w[1].0) {
             return Err(Error::invalid_argument(format!(
@@ -48,12 +53,19 @@ impl Mesh {
                 w[0].0, w[0].1, w[1].1
             )));
         }
-        Ok(Mesh { shape, ranks, by_rank })
+        Ok(Mesh {
+            shape,
+            ranks,
+            by_rank,
+        })
     }
 
     /// A mesh over the contiguous ranks `first_rank, first_rank + 1, …` (`init_device_mesh`).
     pub fn contiguous(shape: Vec<u64>, first_rank: u32) -> Result<Mesh> {
-        let size = shape.iter().try_fold(1u64, |acc, &n| acc.checked_mul(n)).unwrap_or(u64::MAX);
+        let size = shape
+            .iter()
+            .try_fold(1u64, |acc, &n| acc.checked_mul(n))
+            .unwrap_or(u64::MAX);
         let last = u64::from(first_rank).checked_add(size);
         match last {
             Some(last) if size <= i32::MAX as u64 && last <= i32::MAX as u64 + 1 => {
@@ -117,7 +129,10 @@ impl Mesh {
 
     /// The rank at a coordinate.
     pub fn rank_at(&self, coord: &[u64]) -> u32 {
-        let index = coord.iter().zip(&self.shape).fold(0u64, |acc, (&c, &n)| acc * n + c);
+        let index = coord
+            .iter()
+            .zip(&self.shape)
+            .fold(0u64, |acc, (&c, &n)| acc * n + c);
         self.ranks[index as usize]
     }
 }

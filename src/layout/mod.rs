@@ -27,7 +27,10 @@ pub enum Placement {
     Replicate,
     Shard(usize),
     /// torch `_StridedShard(dim, split_factor)`: the FSDP2 + TP right-to-left sharding.
-    StridedShard { dim: usize, split_factor: u64 },
+    StridedShard {
+        dim: usize,
+        split_factor: u64,
+    },
 }
 
 impl Placement {
@@ -68,7 +71,10 @@ impl Placement {
         match (name, values.as_slice()) {
             ("Shard" | "S", &[dim]) => Ok(Placement::Shard(dim as usize)),
             ("StridedShard" | "_StridedShard" | "_S", &[dim, split_factor]) => {
-                Ok(Placement::StridedShard { dim: dim as usize, split_factor })
+                Ok(Placement::StridedShard {
+                    dim: dim as usize,
+                    split_factor,
+                })
             }
             _ => Err(bad()),
         }
@@ -125,13 +131,22 @@ impl LocalView {
         if self.shape.contains(&0) {
             return 0;
         }
-        let last: u64 = self.shape.iter().zip(&self.strides).map(|(&n, &s)| (n - 1) * s).sum();
+        let last: u64 = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .map(|(&n, &s)| (n - 1) * s)
+            .sum();
         (last + 1) * self.elem_size
     }
 
     /// Byte offset of the element at local position `pos`.
     pub fn byte_offset(&self, pos: &[u64]) -> u64 {
-        pos.iter().zip(&self.strides).map(|(&p, &s)| p * s).sum::<u64>() * self.elem_size
+        pos.iter()
+            .zip(&self.strides)
+            .map(|(&p, &s)| p * s)
+            .sum::<u64>()
+            * self.elem_size
     }
 
     /// Byte strides, one per dim.
@@ -151,7 +166,11 @@ pub fn row_major_strides(shape: &[u64]) -> Vec<u64> {
 
 impl Layout {
     pub fn new(mesh: Mesh, placements: Vec<Placement>) -> Layout {
-        Layout { mesh, placements, strides: None }
+        Layout {
+            mesh,
+            placements,
+            strides: None,
+        }
     }
 
     pub fn with_strides(mut self, strides: Vec<u64>) -> Layout {
@@ -161,12 +180,16 @@ impl Layout {
 
     /// Mesh axes that shard tensor dim `dim`, in application order.
     pub fn shard_axes(&self, dim: usize) -> Vec<usize> {
-        (0..self.placements.len()).filter(|&a| self.placements[a].dim() == Some(dim)).collect()
+        (0..self.placements.len())
+            .filter(|&a| self.placements[a].dim() == Some(dim))
+            .collect()
     }
 
     /// Mesh axes that shard no dim: ranks differing only there hold the same shard.
     pub fn replicate_axes(&self) -> Vec<usize> {
-        (0..self.placements.len()).filter(|&a| self.placements[a].dim().is_none()).collect()
+        (0..self.placements.len())
+            .filter(|&a| self.placements[a].dim().is_none())
+            .collect()
     }
 
     /// Applies one placement to the current index list along its dim.
@@ -185,22 +208,29 @@ impl Layout {
     pub fn local_indices(&self, shape: &[u64], coord: &[u64]) -> Vec<IndexRuns> {
         (0..shape.len())
             .map(|dim| {
-                self.shard_axes(dim).into_iter().fold(IndexRuns::full(shape[dim]), |list, axis| {
-                    self.apply(axis, coord[axis], &list)
-                })
+                self.shard_axes(dim)
+                    .into_iter()
+                    .fold(IndexRuns::full(shape[dim]), |list, axis| {
+                        self.apply(axis, coord[axis], &list)
+                    })
             })
             .collect()
     }
 
     /// The indices along every dim held by `rank`, or `None` when it is not in the mesh.
     pub fn rank_indices(&self, shape: &[u64], rank: u32) -> Option<Vec<IndexRuns>> {
-        self.mesh.coord_of(rank).map(|coord| self.local_indices(shape, &coord))
+        self.mesh
+            .coord_of(rank)
+            .map(|coord| self.local_indices(shape, &coord))
     }
 
     /// Every piece dim `dim` is cut into, in row-major order of the sharding axes' coordinates
     /// (empty pieces included).
     pub fn dim_pieces(&self, shape: &[u64], dim: usize) -> Vec<DimPiece> {
-        let mut pieces = vec![DimPiece { coords: Vec::new(), indices: IndexRuns::full(shape[dim]) }];
+        let mut pieces = vec![DimPiece {
+            coords: Vec::new(),
+            indices: IndexRuns::full(shape[dim]),
+        }];
         for axis in self.shard_axes(dim) {
             pieces = pieces
                 .iter()
@@ -208,7 +238,10 @@ impl Layout {
                     (0..self.mesh.shape()[axis]).map(move |c| {
                         let mut coords = piece.coords.clone();
                         coords.push(c);
-                        DimPiece { coords, indices: self.apply(axis, c, &piece.indices) }
+                        DimPiece {
+                            coords,
+                            indices: self.apply(axis, c, &piece.indices),
+                        }
                     })
                 })
                 .collect();
@@ -251,7 +284,10 @@ impl Layout {
     pub fn view(&self, local_shape: &[u64], elem_size: u32) -> LocalView {
         LocalView {
             shape: local_shape.to_vec(),
-            strides: self.strides.clone().unwrap_or_else(|| row_major_strides(local_shape)),
+            strides: self
+                .strides
+                .clone()
+                .unwrap_or_else(|| row_major_strides(local_shape)),
             elem_size: u64::from(elem_size),
         }
     }
@@ -284,12 +320,19 @@ impl Layout {
         }
         // The largest local extent per dim bounds every rank's view.
         let max_local: Vec<u64> = (0..shape.len())
-            .map(|d| self.dim_pieces(shape, d).iter().map(|p| p.indices.len()).max().unwrap_or(0))
+            .map(|d| {
+                self.dim_pieces(shape, d)
+                    .iter()
+                    .map(|p| p.indices.len())
+                    .max()
+                    .unwrap_or(0)
+            })
             .collect();
         let strides = match &self.strides {
             None => {
-                let elements =
-                    max_local.iter().try_fold(1u64, |acc, &n| checked_mul(acc, n, "local elements"))?;
+                let elements = max_local
+                    .iter()
+                    .try_fold(1u64, |acc, &n| checked_mul(acc, n, "local elements"))?;
                 checked_mul(elements, u64::from(elem_size), "local buffer bytes")?;
                 return Ok(());
             }
@@ -355,8 +398,12 @@ impl TensorSpec {
                 self.shape
             )));
         }
-        self.src.validate(&self.shape, self.elem_size()).map_err(|e| e.context("src"))?;
-        self.dst.validate(&self.shape, self.elem_size()).map_err(|e| e.context("dst"))?;
+        self.src
+            .validate(&self.shape, self.elem_size())
+            .map_err(|e| e.context("src"))?;
+        self.dst
+            .validate(&self.shape, self.elem_size())
+            .map_err(|e| e.context("dst"))?;
         Ok(())
     }
 }

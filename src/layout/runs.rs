@@ -86,7 +86,11 @@ impl IndexRuns {
                 return;
             }
         }
-        self.runs.push(Run { start, end, pos: self.len });
+        self.runs.push(Run {
+            start,
+            end,
+            pos: self.len,
+        });
         self.len += end - start;
     }
 
@@ -165,7 +169,10 @@ impl IndexRuns {
         for piece in 0..split_factor.min(self.len) {
             let (piece_start, piece_end) = chunk_bounds(self.len, split_factor, piece);
             let (start, end) = chunk_bounds(piece_end - piece_start, parts, coord);
-            for run in self.slice_positions(piece_start + start, piece_start + end).runs() {
+            for run in self
+                .slice_positions(piece_start + start, piece_start + end)
+                .runs()
+            {
                 out.push(run.start, run.end);
             }
         }
@@ -243,7 +250,12 @@ mod tests {
     #[test]
     fn chunk_bounds_follow_torch_chunk() {
         let sizes = |len, parts| -> Vec<u64> {
-            (0..parts).map(|c| { let (a, b) = chunk_bounds(len, parts, c); b - a }).collect()
+            (0..parts)
+                .map(|c| {
+                    let (a, b) = chunk_bounds(len, parts, c);
+                    b - a
+                })
+                .collect()
         };
         assert_eq!(sizes(5, 4), [2, 2, 1, 0]);
         assert_eq!(sizes(6, 4), [2, 2, 2, 0]);
@@ -276,6 +288,9 @@ mod tests {
         let other = IndexRuns::from_ranges([(0, 2), (3, 8)]);
         let set = holder.intersect(&other);
         assert_eq!(expand(&set), [0, 1, 3, 6, 7]);
-        assert_eq!(set.contiguous_pieces(&[&holder, &other]), [(0, 2), (3, 1), (6, 2)]);
+        assert_eq!(
+            set.contiguous_pieces(&[&holder, &other]),
+            [(0, 2), (3, 1), (6, 2)]
+        );
     }
 }

@@ -54,12 +54,10 @@ pub(crate) fn assign(unit: &Unit<'_>, config: &Config) -> Vec<Transfer> {
     let receivers = unit.spec.dst.replicas(&unit.dst_coords);
     let mut sorted_senders = senders.clone();
     sorted_senders.sort_unstable();
-    let rotation = mix(
-        std::iter::once(u64::from(unit.tensor))
-            .chain(unit.src_coords.iter().flat_map(|c| c.iter().copied()))
-            .chain([u64::MAX])
-            .chain(unit.dst_coords.iter().flat_map(|c| c.iter().copied())),
-    );
+    let rotation = mix(std::iter::once(u64::from(unit.tensor))
+        .chain(unit.src_coords.iter().flat_map(|c| c.iter().copied()))
+        .chain([u64::MAX])
+        .chain(unit.dst_coords.iter().flat_map(|c| c.iter().copied())));
 
     let mut out = Vec::new();
     let transfer = |from: u32, to: u32, region: Vec<IndexRuns>| Transfer {
@@ -69,8 +67,10 @@ pub(crate) fn assign(unit: &Unit<'_>, config: &Config) -> Vec<Transfer> {
         region,
     };
     // Replicas by node, sorted by (node, rank), when the topology is known.
-    let mut by_node: Vec<(u32, u32)> =
-        senders.iter().filter_map(|&s| config.topology.node(s).map(|n| (n, s))).collect();
+    let mut by_node: Vec<(u32, u32)> = senders
+        .iter()
+        .filter_map(|&s| config.topology.node(s).map(|n| (n, s)))
+        .collect();
     by_node.sort_unstable();
     let on_node = |n: u32| -> &[(u32, u32)] {
         let lo = by_node.partition_point(|&(m, _)| m < n);
@@ -103,7 +103,11 @@ pub(crate) fn assign(unit: &Unit<'_>, config: &Config) -> Vec<Transfer> {
         let start = rotation % k;
         if g >= k {
             for (i, &r) in members.iter().enumerate() {
-                out.push(transfer(candidates[((i as u64 + start) % k) as usize], r, unit.region.clone()));
+                out.push(transfer(
+                    candidates[((i as u64 + start) % k) as usize],
+                    r,
+                    unit.region.clone(),
+                ));
             }
             continue;
         }
@@ -123,7 +127,11 @@ pub(crate) fn assign(unit: &Unit<'_>, config: &Config) -> Vec<Transfer> {
 /// Splits a region into at most `parts` non-empty parts along its outermost dim that has more
 /// than one index (row-major outer splits keep parts contiguous).
 fn split_region(region: &[IndexRuns], parts: u64) -> Vec<Vec<IndexRuns>> {
-    let Some(dim) = region.iter().position(|r| r.len() > 1).filter(|_| parts > 1) else {
+    let Some(dim) = region
+        .iter()
+        .position(|r| r.len() > 1)
+        .filter(|_| parts > 1)
+    else {
         return vec![region.to_vec()];
     };
     let parts = parts.min(region[dim].len());

@@ -90,10 +90,14 @@ impl Default for Config {
 impl Config {
     pub fn validate(&self) -> Result<()> {
         if self.topology == Topology::RanksPerNode(0) {
-            return Err(Error::invalid_argument("config.ranks_per_node must be at least 1"));
+            return Err(Error::invalid_argument(
+                "config.ranks_per_node must be at least 1",
+            ));
         }
         if self.split_min_bytes == 0 {
-            return Err(Error::invalid_argument("config.split_min_bytes must be at least 1"));
+            return Err(Error::invalid_argument(
+                "config.split_min_bytes must be at least 1",
+            ));
         }
         Ok(())
     }
@@ -133,7 +137,14 @@ pub fn fingerprint(tensors: &[TensorSpec], config: &Config) -> u64 {
 
 fn layout_hash(h: &mut Fnv, layout: &Layout) {
     h.list(layout.mesh.shape());
-    h.list(&layout.mesh.ranks().iter().map(|&r| u64::from(r)).collect::<Vec<_>>());
+    h.list(
+        &layout
+            .mesh
+            .ranks()
+            .iter()
+            .map(|&r| u64::from(r))
+            .collect::<Vec<_>>(),
+    );
     h.u64(layout.placements.len() as u64);
     for p in &layout.placements {
         match *p {

@@ -35,17 +35,40 @@ pub(crate) fn transfer_copies(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_
     let mut choice = vec![0usize; ndim];
     let mut src_pos = vec![0u64; ndim];
     let mut dst_pos = vec![0u64; ndim];
-    let mut dims = vec![CopyDim { count: 0, src_stride: 0, dst_stride: 0 }; ndim];
+    let mut dims = vec![
+        CopyDim {
+            count: 0,
+            src_stride: 0,
+            dst_stride: 0
+        };
+        ndim
+    ];
     loop {
         for d in 0..ndim {
             let (start, len) = pieces[d][choice[d]];
-            src_pos[d] = src.indices[d].position_of(start).expect("sender holds its region");
-            dst_pos[d] = dst.indices[d].position_of(start).expect("receiver holds its region");
-            dims[d] = CopyDim { count: len, src_stride: src_strides[d], dst_stride: dst_strides[d] };
+            src_pos[d] = src.indices[d]
+                .position_of(start)
+                .expect("sender holds its region");
+            dst_pos[d] = dst.indices[d]
+                .position_of(start)
+                .expect("receiver holds its region");
+            dims[d] = CopyDim {
+                count: len,
+                src_stride: src_strides[d],
+                dst_stride: dst_strides[d],
+            };
         }
         copies.push(Copy::new(
-            Loc { buffer: Buffer::Src, tensor: transfer.tensor, offset: src.view.byte_offset(&src_pos) },
-            Loc { buffer: Buffer::Dst, tensor: transfer.tensor, offset: dst.view.byte_offset(&dst_pos) },
+            Loc {
+                buffer: Buffer::Src,
+                tensor: transfer.tensor,
+                offset: src.view.byte_offset(&src_pos),
+            },
+            Loc {
+                buffer: Buffer::Dst,
+                tensor: transfer.tensor,
+                offset: dst.view.byte_offset(&dst_pos),
+            },
             src.view.elem_size,
             &dims,
         ));
@@ -98,11 +121,25 @@ fn for_each_piece(copy: &Copy, mut f: impl FnMut(Piece)) {
     let inner = &copy.dims[k..];
     let mut index = vec![0u64; k];
     loop {
-        let src_off: u64 = outer.iter().zip(&index).map(|(d, &i)| i * d.src_stride).sum();
-        let dst_off: u64 = outer.iter().zip(&index).map(|(d, &i)| i * d.dst_stride).sum();
+        let src_off: u64 = outer
+            .iter()
+            .zip(&index)
+            .map(|(d, &i)| i * d.src_stride)
+            .sum();
+        let dst_off: u64 = outer
+            .iter()
+            .zip(&index)
+            .map(|(d, &i)| i * d.dst_stride)
+            .sum();
         f(Piece {
-            src: Loc { offset: copy.src.offset + src_off, ..copy.src },
-            dst: Loc { offset: copy.dst.offset + dst_off, ..copy.dst },
+            src: Loc {
+                offset: copy.src.offset + src_off,
+                ..copy.src
+            },
+            dst: Loc {
+                offset: copy.dst.offset + dst_off,
+                ..copy.dst
+            },
             chunk_bytes: copy.chunk_bytes,
             src_dims: inner.to_vec(),
             bytes,
@@ -139,9 +176,22 @@ fn pack(copy_src: Loc, chunk_bytes: u64, dims: &[CopyDim], at: u64) -> Copy {
     let dims: Vec<CopyDim> = dims
         .iter()
         .zip(&dense)
-        .map(|(d, &s)| CopyDim { count: d.count, src_stride: d.src_stride, dst_stride: s })
+        .map(|(d, &s)| CopyDim {
+            count: d.count,
+            src_stride: d.src_stride,
+            dst_stride: s,
+        })
         .collect();
-    Copy::new(copy_src, Loc { buffer: Buffer::Staging, tensor: 0, offset: at }, chunk_bytes, &dims)
+    Copy::new(
+        copy_src,
+        Loc {
+            buffer: Buffer::Staging,
+            tensor: 0,
+            offset: at,
+        },
+        chunk_bytes,
+        &dims,
+    )
 }
 
 /// A copy from dense staging bytes at `at` to `copy`'s destination.
@@ -151,9 +201,22 @@ fn unpack(copy: &Copy, at: u64) -> Copy {
         .dims
         .iter()
         .zip(&dense)
-        .map(|(d, &s)| CopyDim { count: d.count, src_stride: s, dst_stride: d.dst_stride })
+        .map(|(d, &s)| CopyDim {
+            count: d.count,
+            src_stride: s,
+            dst_stride: d.dst_stride,
+        })
         .collect();
-    Copy::new(Loc { buffer: Buffer::Staging, tensor: 0, offset: at }, copy.dst, copy.chunk_bytes, &dims)
+    Copy::new(
+        Loc {
+            buffer: Buffer::Staging,
+            tensor: 0,
+            offset: at,
+        },
+        copy.dst,
+        copy.chunk_bytes,
+        &dims,
+    )
 }
 
 /// Which end of a pair this rank is.
@@ -204,11 +267,14 @@ impl Emitter {
     /// One message for the whole pair; zero-copy on a side where it is one contiguous run.
     fn staged_pair(&mut self, end: End, peer: u32, copies: &[&Copy]) {
         let total: u64 = copies.iter().map(|c| c.bytes()).sum();
-        let single = (copies.len() == 1 && copies[0].is_contiguous()).then(|| copies[0]);
-        let loc = match (end, single) {
-            (End::Sender, Some(c)) => c.src,
-            (End::Receiver, Some(c)) => c.dst,
-            (_, None) => {
+        let direct = match (end, copies) {
+            (End::Sender, [c]) if c.src_is_contiguous() => Some(c.src),
+            (End::Receiver, [c]) if c.dst_is_contiguous() => Some(c.dst),
+            _ => None,
+        };
+        let loc = match direct {
+            Some(loc) => loc,
+            None => {
                 let base = self.reserve(total);
                 let mut at = base;
                 for c in copies {
@@ -218,10 +284,18 @@ impl Emitter {
                     }
                     at += c.bytes();
                 }
-                Loc { buffer: Buffer::Staging, tensor: 0, offset: base }
+                Loc {
+                    buffer: Buffer::Staging,
+                    tensor: 0,
+                    offset: base,
+                }
             }
         };
-        self.messages.push(Message { peer, loc, bytes: total });
+        self.messages.push(Message {
+            peer,
+            loc,
+            bytes: total,
+        });
     }
 
     /// One message per destination-contiguous piece, adjacent pieces merged; the sender packs
@@ -237,8 +311,10 @@ impl Emitter {
         for p in pieces {
             let packed = !p.src_dims.is_empty();
             if let Some((src, dst, bytes, was_packed)) = &mut pending {
-                let dst_adjacent = dst.tensor == p.dst.tensor && dst.offset + *bytes == p.dst.offset;
-                let src_adjacent = src.tensor == p.src.tensor && src.offset + *bytes == p.src.offset;
+                let dst_adjacent =
+                    dst.tensor == p.dst.tensor && dst.offset + *bytes == p.dst.offset;
+                let src_adjacent =
+                    src.tensor == p.src.tensor && src.offset + *bytes == p.src.offset;
                 if dst_adjacent && packed == *was_packed && (packed || src_adjacent) {
                     *bytes += p.bytes;
                     if packed {
@@ -277,7 +353,11 @@ impl Emitter {
                     at += copy.bytes();
                     self.packs.push(copy);
                 }
-                Loc { buffer: Buffer::Staging, tensor: 0, offset: base }
+                Loc {
+                    buffer: Buffer::Staging,
+                    tensor: 0,
+                    offset: base,
+                }
             }
         };
         packs.clear();

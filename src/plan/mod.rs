@@ -22,9 +22,9 @@ pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram};
 use crate::error::{Error, Result};
 use crate::layout::{IndexRuns, Layout, LocalView, TensorSpec};
 use assign::{assign, Unit};
+use messages::{transfer_copies, Emitter, End, Side};
 use std::collections::hash_map::{Entry, HashMap};
 use std::collections::BTreeMap;
-use messages::{transfer_copies, Emitter, End, Side};
 
 /// Validated inputs of a plan, ready to produce any rank's program.
 #[derive(Clone, Debug)]
@@ -55,10 +55,15 @@ impl Planner {
         }
         config.validate()?;
         for (i, t) in tensors.iter().enumerate() {
-            t.validate().map_err(|e| e.context(format!("tensors[{i}]")))?;
+            t.validate()
+                .map_err(|e| e.context(format!("tensors[{i}]")))?;
         }
         let fingerprint = fingerprint(&tensors, &config);
-        Ok(Planner { tensors, config, fingerprint })
+        Ok(Planner {
+            tensors,
+            config,
+            fingerprint,
+        })
     }
 
     pub fn tensors(&self) -> &[TensorSpec] {
@@ -93,19 +98,39 @@ impl Planner {
             let t = t as u32;
             if let Some(coord) = spec.dst.mesh.coord_of(rank) {
                 let mine = spec.dst.local_indices(&spec.shape, &coord);
-                units(spec, t, &spec.src, &spec.dst, &mine, &coord, true, &self.config, |tr| {
-                    if tr.to == rank {
-                        out.push(tr);
-                    }
-                });
+                units(
+                    spec,
+                    t,
+                    &spec.src,
+                    &spec.dst,
+                    &mine,
+                    &coord,
+                    true,
+                    &self.config,
+                    |tr| {
+                        if tr.to == rank {
+                            out.push(tr);
+                        }
+                    },
+                );
             }
             if let Some(coord) = spec.src.mesh.coord_of(rank) {
                 let mine = spec.src.local_indices(&spec.shape, &coord);
-                units(spec, t, &spec.dst, &spec.src, &mine, &coord, false, &self.config, |tr| {
-                    if tr.from == rank && tr.to != rank {
-                        out.push(tr);
-                    }
-                });
+                units(
+                    spec,
+                    t,
+                    &spec.dst,
+                    &spec.src,
+                    &mine,
+                    &coord,
+                    false,
+                    &self.config,
+                    |tr| {
+                        if tr.from == rank && tr.to != rank {
+                            out.push(tr);
+                        }
+                    },
+                );
             }
         }
         out.sort_by(|a, b| (a.tensor, a.corner()).cmp(&(b.tensor, b.corner())));
@@ -130,7 +155,11 @@ impl Planner {
             }
         }
 
-        let mut program = RankProgram { rank, fingerprint: self.fingerprint, ..Default::default() };
+        let mut program = RankProgram {
+            rank,
+            fingerprint: self.fingerprint,
+            ..Default::default()
+        };
         // (peer, direction) → copies in canonical order.
         let mut outgoing: BTreeMap<u32, Vec<Copy>> = BTreeMap::new();
         let mut incoming: BTreeMap<u32, Vec<Copy>> = BTreeMap::new();
@@ -139,11 +168,19 @@ impl Planner {
             let dg = &cache[&(tr.tensor, tr.to, false)];
             let copies = transfer_copies(
                 tr,
-                &Side { indices: &sg.indices, view: &sg.view },
-                &Side { indices: &dg.indices, view: &dg.view },
+                &Side {
+                    indices: &sg.indices,
+                    view: &sg.view,
+                },
+                &Side {
+                    indices: &dg.indices,
+                    view: &dg.view,
+                },
             );
             let (list, peer) = if tr.from == tr.to {
-                program.local_copies.extend(copies.into_iter().filter(|c| c.bytes() > 0));
+                program
+                    .local_copies
+                    .extend(copies.into_iter().filter(|c| c.bytes() > 0));
                 continue;
             } else if tr.to == rank {
                 (&mut incoming, tr.from)
@@ -204,16 +241,30 @@ fn units(
         }
         overlaps.push(list);
     }
-    let own_coords: Vec<Vec<u64>> =
-        (0..ndim).map(|d| own.shard_axes(d).iter().map(|&a| coord[a]).collect()).collect();
+    let own_coords: Vec<Vec<u64>> = (0..ndim)
+        .map(|d| own.shard_axes(d).iter().map(|&a| coord[a]).collect())
+        .collect();
     let own_refs: Vec<&[u64]> = own_coords.iter().map(Vec::as_slice).collect();
     let mut choice = vec![0usize; ndim];
     loop {
-        let other_refs: Vec<&[u64]> = (0..ndim).map(|d| overlaps[d][choice[d]].0.as_slice()).collect();
-        let region: Vec<IndexRuns> = (0..ndim).map(|d| overlaps[d][choice[d]].1.clone()).collect();
-        let (src_coords, dst_coords) =
-            if own_is_dst { (other_refs, own_refs.clone()) } else { (own_refs.clone(), other_refs) };
-        let unit = Unit { tensor, spec, src_coords, dst_coords, region };
+        let other_refs: Vec<&[u64]> = (0..ndim)
+            .map(|d| overlaps[d][choice[d]].0.as_slice())
+            .collect();
+        let region: Vec<IndexRuns> = (0..ndim)
+            .map(|d| overlaps[d][choice[d]].1.clone())
+            .collect();
+        let (src_coords, dst_coords) = if own_is_dst {
+            (other_refs, own_refs.clone())
+        } else {
+            (own_refs.clone(), other_refs)
+        };
+        let unit = Unit {
+            tensor,
+            spec,
+            src_coords,
+            dst_coords,
+            region,
+        };
         for tr in assign(&unit, config) {
             sink(tr);
         }
@@ -229,5 +280,158 @@ fn units(
             }
             choice[d] = 0;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{DType, Mesh, Placement};
+
+    fn layout(shape: &[u64], ranks: &[u32], placements: &[Placement]) -> Layout {
+        Layout::new(
+            Mesh::new(shape.to_vec(), ranks.to_vec()).unwrap(),
+            placements.to_vec(),
+        )
+    }
+
+    fn tp2_to_tp1_dim1(mode: Mode) -> Planner {
+        let spec = TensorSpec {
+            shape: vec![64, 32],
+            dtype: DType::Bfloat16,
+            src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
+            dst: layout(&[1], &[2], &[Placement::Replicate]),
+        };
+        Planner::new(
+            vec![spec],
+            Config {
+                mode,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn groupable_sends_one_message_per_destination_row() {
+        let planner = tp2_to_tp1_dim1(Mode::Groupable);
+        let receiver = planner.rank_program(2).unwrap();
+        assert_eq!(receiver.mode(), ExecMode::Groupable);
+        assert_eq!(receiver.recvs.len(), 2 * 64);
+        assert!(receiver
+            .recvs
+            .iter()
+            .all(|m| m.bytes == 16 * 2 && m.loc.buffer == Buffer::Dst));
+        // The sender's rows are contiguous in its buffer and adjacent rows merge on its side
+        // only if they are adjacent on the receiver's: they are not, so no merging, no packs.
+        let sender = planner.rank_program(0).unwrap();
+        assert_eq!(sender.sends.len(), 64);
+        assert!(sender.packs.is_empty());
+    }
+
+    #[test]
+    fn staged_coalesces_each_pair_into_one_message() {
+        for mode in [Mode::Staged, Mode::Auto] {
+            let planner = tp2_to_tp1_dim1(mode);
+            let receiver = planner.rank_program(2).unwrap();
+            assert_eq!(receiver.mode(), ExecMode::Staged);
+            assert_eq!(receiver.recvs.len(), 2);
+            assert!(receiver.recvs.iter().all(|m| m.bytes == 64 * 16 * 2));
+            assert_eq!(receiver.unpacks.len(), 2);
+            // The whole source shard is one contiguous run: sent without a pack.
+            let sender = planner.rank_program(1).unwrap();
+            assert_eq!(sender.sends.len(), 1);
+            assert!(sender.packs.is_empty());
+            assert_eq!(sender.sends[0].loc.buffer, Buffer::Src);
+        }
+    }
+
+    #[test]
+    fn gathering_a_row_split_packs_on_the_sender() {
+        // TP1 → TP2 on dim 1: each receiver's half is contiguous for it but strided for the
+        // sender, so the sender packs and sends one message per receiver.
+        let spec = TensorSpec {
+            shape: vec![8, 8],
+            dtype: DType::Float32,
+            src: layout(&[1], &[0], &[Placement::Replicate]),
+            dst: layout(&[2], &[1, 2], &[Placement::Shard(1)]),
+        };
+        let planner = Planner::new(vec![spec], Config::default()).unwrap();
+        let sender = planner.rank_program(0).unwrap();
+        assert_eq!(sender.sends.len(), 2);
+        assert_eq!(sender.packs.len(), 2);
+        assert!(sender
+            .sends
+            .iter()
+            .all(|m| m.loc.buffer == Buffer::Staging && m.bytes == 8 * 4 * 4));
+        assert_eq!(planner.rank_program(1).unwrap().recvs.len(), 1);
+    }
+
+    #[test]
+    fn colocated_rank_copies_its_own_overlap() {
+        let spec = TensorSpec {
+            shape: vec![8],
+            dtype: DType::Float32,
+            src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
+            dst: layout(&[2], &[1, 0], &[Placement::Shard(0)]),
+        };
+        let planner = Planner::new(vec![spec], Config::default()).unwrap();
+        let p = planner.rank_program(0).unwrap();
+        assert!(p.local_copies.is_empty());
+        assert_eq!((p.sends.len(), p.recvs.len()), (1, 1));
+        let same = TensorSpec {
+            shape: vec![8],
+            dtype: DType::Float32,
+            src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
+            dst: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
+        };
+        let p = Planner::new(vec![same], Config::default())
+            .unwrap()
+            .rank_program(1)
+            .unwrap();
+        assert_eq!(p.bytes_copied_locally(), 16);
+        assert!(p.sends.is_empty() && p.recvs.is_empty());
+    }
+
+    #[test]
+    fn replicas_share_the_sending() {
+        // DP4 replicas of a TP2 shard feed a single TP1 receiver: four senders split the rows.
+        let spec = TensorSpec {
+            shape: vec![4096, 1024],
+            dtype: DType::Bfloat16,
+            src: layout(
+                &[4, 2],
+                &(0..8).collect::<Vec<_>>(),
+                &[Placement::Replicate, Placement::Shard(0)],
+            ),
+            dst: layout(&[1], &[8], &[Placement::Replicate]),
+        };
+        let planner = Planner::new(vec![spec], Config::default()).unwrap();
+        let receiver = planner.rank_program(8).unwrap();
+        assert_eq!(receiver.peers(), (0..8).collect::<Vec<_>>());
+        assert_eq!(receiver.bytes_received(), 4096 * 1024 * 2);
+    }
+
+    #[test]
+    fn same_node_replica_is_preferred() {
+        let spec = TensorSpec {
+            shape: vec![1024],
+            dtype: DType::Float32,
+            src: layout(&[2], &[0, 8], &[Placement::Replicate]),
+            dst: layout(&[2], &[1, 9], &[Placement::Replicate]),
+        };
+        let config = Config {
+            topology: Topology::RanksPerNode(8),
+            ..Default::default()
+        };
+        let planner = Planner::new(vec![spec], config).unwrap();
+        assert_eq!(planner.rank_program(1).unwrap().peers(), [0]);
+        assert_eq!(planner.rank_program(9).unwrap().peers(), [8]);
+    }
+
+    #[test]
+    fn ranks_outside_every_mesh_get_empty_programs() {
+        let planner = tp2_to_tp1_dim1(Mode::Auto);
+        assert!(planner.rank_program(7).unwrap().is_empty());
     }
 }

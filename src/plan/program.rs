@@ -51,7 +51,12 @@ impl Copy {
         let mut chunk_bytes = elem_size;
         let mut kept: Vec<CopyDim> = dims.iter().copied().filter(|d| d.count != 1).collect();
         if kept.iter().any(|d| d.count == 0) {
-            return Copy { src, dst, chunk_bytes: 0, dims: Vec::new() };
+            return Copy {
+                src,
+                dst,
+                chunk_bytes: 0,
+                dims: Vec::new(),
+            };
         }
         while let Some(inner) = kept.last() {
             if inner.src_stride == chunk_bytes && inner.dst_stride == chunk_bytes {
@@ -78,7 +83,12 @@ impl Copy {
             }
             merged.push(dim);
         }
-        Copy { src, dst, chunk_bytes, dims: merged }
+        Copy {
+            src,
+            dst,
+            chunk_bytes,
+            dims: merged,
+        }
     }
 
     /// Bytes this copy moves.
@@ -89,6 +99,27 @@ impl Copy {
     /// True when both sides are one contiguous range.
     pub fn is_contiguous(&self) -> bool {
         self.dims.is_empty()
+    }
+
+    /// True when the source side is one contiguous range.
+    pub fn src_is_contiguous(&self) -> bool {
+        self.side_is_contiguous(|d| d.src_stride)
+    }
+
+    /// True when the destination side is one contiguous range.
+    pub fn dst_is_contiguous(&self) -> bool {
+        self.side_is_contiguous(|d| d.dst_stride)
+    }
+
+    fn side_is_contiguous(&self, stride: impl Fn(&CopyDim) -> u64) -> bool {
+        let mut run = self.chunk_bytes;
+        for d in self.dims.iter().rev() {
+            if stride(d) != run {
+                return false;
+            }
+            run *= d.count;
+        }
+        true
     }
 
     /// One past the highest source / destination byte touched, relative to the buffers.
@@ -104,7 +135,11 @@ impl Copy {
         if self.bytes() == 0 {
             return 0;
         }
-        self.dims.iter().map(|d| (d.count - 1) * stride(d)).sum::<u64>() + self.chunk_bytes
+        self.dims
+            .iter()
+            .map(|d| (d.count - 1) * stride(d))
+            .sum::<u64>()
+            + self.chunk_bytes
     }
 }
 
@@ -170,7 +205,12 @@ impl RankProgram {
 
     /// Distinct ranks this rank sends to or receives from.
     pub fn peers(&self) -> Vec<u32> {
-        let mut peers: Vec<u32> = self.sends.iter().chain(&self.recvs).map(|m| m.peer).collect();
+        let mut peers: Vec<u32> = self
+            .sends
+            .iter()
+            .chain(&self.recvs)
+            .map(|m| m.peer)
+            .collect();
         peers.sort_unstable();
         peers.dedup();
         peers
