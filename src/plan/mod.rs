@@ -133,7 +133,7 @@ impl Planner {
                 );
             }
         }
-        out.sort_by(|a, b| (a.tensor, a.corner()).cmp(&(b.tensor, b.corner())));
+        out.sort_by_cached_key(|t| (t.tensor, t.corner()));
         out
     }
 
