@@ -19,9 +19,21 @@ pub(crate) struct Side<'a> {
     pub view: &'a LocalView,
 }
 
-/// The block copies of one transfer, from the sender's source view to the receiver's
-/// destination view, in row-major order of the blocks.
-pub(crate) fn transfer_copies(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_>) -> Vec<Copy> {
+/// One block of a transfer: a box of the global tensor (`start`, `count` per dim) that is
+/// contiguous per dim in both ranks' local positions, and the copy that moves it from the
+/// sender's source view to the receiver's destination view.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Block {
+    pub tensor: u32,
+    pub from: u32,
+    pub to: u32,
+    pub start: Vec<u64>,
+    pub count: Vec<u64>,
+    pub copy: Copy,
+}
+
+/// The blocks of one transfer, in row-major order of the blocks.
+pub(crate) fn transfer_blocks(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_>) -> Vec<Block> {
     let ndim = transfer.region.len();
     let pieces: Vec<Vec<(u64, u64)>> = (0..ndim)
         .map(|d| transfer.region[d].contiguous_pieces(&[&src.indices[d], &dst.indices[d]]))
@@ -58,7 +70,7 @@ pub(crate) fn transfer_copies(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_
                 dst_stride: dst_strides[d],
             };
         }
-        copies.push(Copy::new(
+        let copy = Copy::new(
             Loc {
                 buffer: Buffer::Src,
                 tensor: transfer.tensor,
@@ -71,7 +83,15 @@ pub(crate) fn transfer_copies(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_
             },
             src.view.elem_size,
             &dims,
-        ));
+        );
+        copies.push(Block {
+            tensor: transfer.tensor,
+            from: transfer.from,
+            to: transfer.to,
+            start: (0..ndim).map(|d| pieces[d][choice[d]].0).collect(),
+            count: (0..ndim).map(|d| pieces[d][choice[d]].1).collect(),
+            copy,
+        });
         // Row-major odometer over the per-dim pieces.
         let mut d = ndim;
         loop {

@@ -16,13 +16,13 @@ pub use config::{
     fingerprint, Config, Mode, Topology, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MIN_MESSAGES,
     DEFAULT_SPLIT_MIN_BYTES,
 };
-pub use messages::STAGING_ALIGN;
+pub use messages::{Block, STAGING_ALIGN};
 pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram};
 
 use crate::error::{Error, Result};
 use crate::layout::{IndexRuns, Layout, LocalView, TensorSpec};
 use assign::{assign, Unit};
-use messages::{transfer_copies, Emitter, End, Side};
+use messages::{transfer_blocks, Emitter, End, Side};
 use std::collections::hash_map::{Entry, HashMap};
 use std::collections::BTreeMap;
 
@@ -137,11 +137,13 @@ impl Planner {
         out
     }
 
-    /// The program `rank` runs. A rank outside every mesh gets an empty program.
-    pub fn rank_program(&self, rank: u32) -> Result<RankProgram> {
+    /// This rank's blocks — every box of data it receives, sends or copies locally, with the
+    /// copy geometry on both ends — in canonical order (tensor, region corner, block order).
+    pub fn rank_blocks(&self, rank: u32) -> Result<Vec<Block>> {
         let transfers = self.transfers(rank);
         // Geometry of every (tensor, rank, side) this rank exchanges with, computed once.
         let mut cache: HashMap<(u32, u32, bool), RankGeometry> = HashMap::new();
+        let mut blocks = Vec::new();
         for tr in &transfers {
             for (who, src_side) in [(tr.from, true), (tr.to, false)] {
                 if let Entry::Vacant(slot) = cache.entry((tr.tensor, who, src_side)) {
@@ -153,41 +155,56 @@ impl Planner {
                     slot.insert(g);
                 }
             }
+            let sg = &cache[&(tr.tensor, tr.from, true)];
+            let dg = &cache[&(tr.tensor, tr.to, false)];
+            blocks.extend(
+                transfer_blocks(
+                    tr,
+                    &Side {
+                        indices: &sg.indices,
+                        view: &sg.view,
+                    },
+                    &Side {
+                        indices: &dg.indices,
+                        view: &dg.view,
+                    },
+                )
+                .into_iter()
+                .filter(|b| b.copy.bytes() > 0),
+            );
         }
+        Ok(blocks)
+    }
 
+    /// The program `rank` runs. A rank outside every mesh gets an empty program.
+    pub fn rank_program(&self, rank: u32) -> Result<RankProgram> {
+        Ok(self.program_from_blocks(rank, &self.rank_blocks(rank)?))
+    }
+
+    /// Forms `rank`'s program from its blocks (as [`Planner::rank_blocks`] returns them).
+    pub fn program_from_blocks(&self, rank: u32, blocks: &[Block]) -> RankProgram {
         let mut program = RankProgram {
             rank,
             fingerprint: self.fingerprint,
             ..Default::default()
         };
-        // (peer, direction) → copies in canonical order.
+        // Per peer, per direction: copies in canonical order.
         let mut outgoing: BTreeMap<u32, Vec<Copy>> = BTreeMap::new();
         let mut incoming: BTreeMap<u32, Vec<Copy>> = BTreeMap::new();
-        for tr in &transfers {
-            let sg = &cache[&(tr.tensor, tr.from, true)];
-            let dg = &cache[&(tr.tensor, tr.to, false)];
-            let copies = transfer_copies(
-                tr,
-                &Side {
-                    indices: &sg.indices,
-                    view: &sg.view,
-                },
-                &Side {
-                    indices: &dg.indices,
-                    view: &dg.view,
-                },
-            );
-            let (list, peer) = if tr.from == tr.to {
-                program
-                    .local_copies
-                    .extend(copies.into_iter().filter(|c| c.bytes() > 0));
-                continue;
-            } else if tr.to == rank {
-                (&mut incoming, tr.from)
+        for block in blocks {
+            if block.from == block.to {
+                program.local_copies.push(block.copy.clone());
+            } else if block.to == rank {
+                incoming
+                    .entry(block.from)
+                    .or_default()
+                    .push(block.copy.clone());
             } else {
-                (&mut outgoing, tr.to)
-            };
-            list.entry(peer).or_default().extend(copies);
+                outgoing
+                    .entry(block.to)
+                    .or_default()
+                    .push(block.copy.clone());
+            }
         }
 
         let mut emitter = Emitter::default();
@@ -202,7 +219,7 @@ impl Planner {
         program.packs = emitter.packs;
         program.unpacks = emitter.unpacks;
         program.staging_bytes = emitter.staging_bytes;
-        Ok(program)
+        program
     }
 }
 
