@@ -85,16 +85,45 @@ fn rank_view(spec: &TensorSpec, layout: &Layout, rank: u32) -> Option<(Vec<Index
     Some((indices, view))
 }
 
+/// The most host memory `check` allocates for all ranks' views together.
+pub const MAX_CHECK_BYTES: u64 = 16 << 30;
+
 fn alloc(extent: u64) -> Result<Vec<u8>> {
     let len = usize::try_from(extent)
         .map_err(|_| Error::invalid_argument("view too large for this host"))?;
-    Ok((0..len).map(sentinel).collect())
+    let mut bytes = Vec::new();
+    bytes.try_reserve_exact(len).map_err(|_| {
+        Error::invalid_argument(format!("cannot allocate a {extent}-byte view on this host"))
+    })?;
+    bytes.extend((0..len).map(sentinel));
+    Ok(bytes)
+}
+
+/// Host bytes `check` needs: every rank's source and destination views.
+fn host_bytes_needed(tensors: &[TensorSpec], ranks: &[u32]) -> u64 {
+    let mut total = 0u64;
+    for &rank in ranks {
+        for spec in tensors {
+            for layout in [&spec.src, &spec.dst] {
+                if let Some((_, view)) = rank_view(spec, layout, rank) {
+                    total = total.saturating_add(view.extent_bytes());
+                }
+            }
+        }
+    }
+    total
 }
 
 /// Plans, executes and verifies a reshard of `tensors` under `config` on the host.
 pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
     let planner = Planner::new(tensors.to_vec(), config.clone())?;
     let ranks = planner.ranks();
+    let needed = host_bytes_needed(tensors, &ranks);
+    if needed > MAX_CHECK_BYTES {
+        return Err(Error::invalid_argument(format!(
+            "checking this case needs {needed} bytes of host memory for all ranks' views; check is limited to {MAX_CHECK_BYTES}"
+        )));
+    }
     let programs: Vec<RankProgram> = ranks
         .iter()
         .map(|&r| planner.rank_program(r))

@@ -12,6 +12,9 @@ pub enum ErrorKind {
     InvalidUsage,
     /// A broken invariant inside the library (`ncclInternalError`); always a bug.
     Internal,
+    /// A system facility is missing or failed: a library that cannot be loaded, an executor
+    /// this build or machine lacks (`ncclSystemError`).
+    System,
 }
 
 /// An error with a message that names the offending field and value, meant to be read by the
@@ -35,6 +38,13 @@ impl Error {
     pub fn invalid_usage(message: impl Into<String>) -> Self {
         Error {
             kind: ErrorKind::InvalidUsage,
+            message: message.into(),
+        }
+    }
+
+    pub fn system(message: impl Into<String>) -> Self {
+        Error {
+            kind: ErrorKind::System,
             message: message.into(),
         }
     }

@@ -7,9 +7,13 @@
 pub mod check;
 pub mod error;
 pub mod exec;
+pub mod ffi;
 pub mod layout;
 pub mod plan;
 
 pub use error::{Error, ErrorKind, Result};
+
+/// The library version (from Cargo.toml, its only home).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 pub use layout::{DType, IndexRuns, Layout, Mesh, Placement, TensorSpec};
 pub use plan::{Config, Mode, Planner, RankProgram, Topology};

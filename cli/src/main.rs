@@ -1,1 +1,112 @@
-fn main(){}
+//! `ncclreshard`: check, inspect and time reshard plans described in JSON case files.
+//!
+//! Exit status: 0 on success, 1 when a check fails, 2 on a usage or input-file error.
+
+mod args;
+mod case;
+mod commands;
+mod out;
+
+use std::process::ExitCode;
+
+const VERSION: &str = ncclreshard::VERSION;
+
+const HELP: &str = "\
+ncclreshard — check, inspect and time Reshard plans
+
+Usage: ncclreshard <COMMAND> [OPTIONS]
+
+Commands:
+  check       Plan, run on the host executor and verify every case of case files
+  layout      Show every rank's local shard (shape and global index runs)
+  plan        Summarise rank programs and the traffic between ranks
+  bench-plan  Time the planner on a generated many-tensor plan
+  help        Show help for a command
+
+Options:
+  -h, --help     Show help (also `ncclreshard <COMMAND> --help`)
+  -V, --version  Print the version
+
+Case files are JSON; see `ncclreshard help check` for the format.
+Exit status: 0 success, 1 a check failed, 2 usage or input-file error.
+";
+
+/// Why a command could not do its job; both kinds exit with status 2.
+#[derive(Debug)]
+pub enum Failure {
+    /// The command line is wrong: the message is followed by a pointer to the command's help.
+    Usage {
+        command: &'static str,
+        message: String,
+    },
+    /// An input file is unreadable or invalid, or the library rejected its contents.
+    Input(String),
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match run(&args) {
+        Ok(code) => ExitCode::from(code),
+        Err(Failure::Usage { command, message }) => {
+            let help = if command.is_empty() {
+                "ncclreshard --help".to_string()
+            } else {
+                format!("ncclreshard {command} --help")
+            };
+            eprintln!("ncclreshard: error: {message}\n(see `{help}`)");
+            ExitCode::from(2)
+        }
+        Err(Failure::Input(message)) => {
+            eprintln!("ncclreshard: error: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(args: &[String]) -> Result<u8, Failure> {
+    let Some((command, rest)) = args.split_first() else {
+        eprint!("{HELP}");
+        return Ok(2);
+    };
+    match command.as_str() {
+        "-h" | "--help" => {
+            out::print(HELP);
+            Ok(0)
+        }
+        "-V" | "--version" => {
+            out::print(&format!("ncclreshard {VERSION}\n"));
+            Ok(0)
+        }
+        "help" => match rest.first().map(String::as_str) {
+            None => {
+                out::print(HELP);
+                Ok(0)
+            }
+            Some(name) => match commands::find(name) {
+                Some(cmd) => {
+                    out::print(cmd.help);
+                    Ok(0)
+                }
+                None => Err(Failure::Usage {
+                    command: "",
+                    message: format!("unknown command {name:?}"),
+                }),
+            },
+        },
+        name => {
+            let cmd = commands::find(name).ok_or_else(|| Failure::Usage {
+                command: "",
+                message: format!("unknown command {name:?}"),
+            })?;
+            if args::wants_help(rest) {
+                out::print(cmd.help);
+                return Ok(0);
+            }
+            let parsed = args::parse(rest, cmd.options).map_err(|message| Failure::Usage {
+                command: cmd.name,
+                message,
+            })?;
+            (cmd.run)(&parsed)
+        }
+    }
+}

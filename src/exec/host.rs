@@ -82,11 +82,20 @@ fn run_rank(
     ranks: &[u32],
 ) -> Result<()> {
     let rank = program.rank;
-    let mut staging = vec![0u8; usize::try_from(program.staging_bytes).unwrap_or(usize::MAX)];
-    // Phase 1: local copies, packs, sends. Errors are held until every phase's barrier is met.
-    let phase1 = (|| -> Result<()> {
+    let mut staging = Vec::new();
+    // Phase 1: local copies, packs, sends. Errors (and panics) are held until the barrier is
+    // met, so one bad rank can never leave the others waiting.
+    let phase1 = guarded(rank, || {
+        let len = usize::try_from(program.staging_bytes).unwrap_or(usize::MAX);
+        staging.try_reserve_exact(len).map_err(|_| {
+            Error::invalid_usage(format!(
+                "rank {rank}: cannot allocate {} bytes of staging",
+                program.staging_bytes
+            ))
+        })?;
+        staging.resize(len, 0);
         for copy in program.local_copies.iter().chain(&program.packs) {
-            run_copy(copy, memory, &mut staging)?;
+            run_copy(copy, memory, &mut staging).map_err(|e| e.context(format!("rank {rank}")))?;
         }
         for send in &program.sends {
             if ranks.binary_search(&send.peer).is_err() {
@@ -95,48 +104,64 @@ fn run_rank(
                     send.peer
                 )));
             }
-            let bytes = read(memory, &staging, send.loc, send.bytes)?.to_vec();
+            let bytes = read(memory, &staging, send.loc, send.bytes)
+                .map_err(|e| e.context(format!("rank {rank}")))?
+                .to_vec();
             let mut boxes = mailboxes
                 .lock()
                 .map_err(|_| Error::internal("mailbox lock poisoned"))?;
             boxes.entry((rank, send.peer)).or_default().push_back(bytes);
         }
         Ok(())
-    })();
+    });
     barrier.wait();
     // Phase 2: every send is posted; receives either find their message or fail.
     let phase2 = phase1.and_then(|()| {
-        for recv in &program.recvs {
-            let message = {
-                let mut boxes = mailboxes
-                    .lock()
-                    .map_err(|_| Error::internal("mailbox lock poisoned"))?;
-                boxes
-                    .get_mut(&(recv.peer, rank))
-                    .and_then(VecDeque::pop_front)
-            };
-            let message = message.ok_or_else(|| {
-                Error::invalid_usage(format!(
-                    "rank {rank} expects a {}-byte message from rank {} that never arrives",
-                    recv.bytes, recv.peer
-                ))
-            })?;
-            if message.len() as u64 != recv.bytes {
-                return Err(Error::invalid_usage(format!(
-                    "rank {rank} expects {} bytes from rank {} but it sent {}",
-                    recv.bytes,
-                    recv.peer,
-                    message.len()
-                )));
+        guarded(rank, || {
+            for recv in &program.recvs {
+                let message = {
+                    let mut boxes = mailboxes
+                        .lock()
+                        .map_err(|_| Error::internal("mailbox lock poisoned"))?;
+                    boxes
+                        .get_mut(&(recv.peer, rank))
+                        .and_then(VecDeque::pop_front)
+                };
+                let message = message.ok_or_else(|| {
+                    Error::invalid_usage(format!(
+                        "rank {rank} expects a {}-byte message from rank {} that never arrives",
+                        recv.bytes, recv.peer
+                    ))
+                })?;
+                if message.len() as u64 != recv.bytes {
+                    return Err(Error::invalid_usage(format!(
+                        "rank {rank} expects {} bytes from rank {} but it sent {}",
+                        recv.bytes,
+                        recv.peer,
+                        message.len()
+                    )));
+                }
+                write(memory, &mut staging, recv.loc, recv.bytes)
+                    .map_err(|e| e.context(format!("rank {rank}")))?
+                    .copy_from_slice(&message);
             }
-            write(memory, &mut staging, recv.loc, recv.bytes)?.copy_from_slice(&message);
-        }
-        for copy in &program.unpacks {
-            run_copy(copy, memory, &mut staging)?;
-        }
-        Ok(())
+            for copy in &program.unpacks {
+                run_copy(copy, memory, &mut staging)
+                    .map_err(|e| e.context(format!("rank {rank}")))?;
+            }
+            Ok(())
+        })
     });
     phase2
+}
+
+/// Runs one phase of a rank, turning a panic (a malformed program) into an error.
+fn guarded(rank: u32, phase: impl FnOnce() -> Result<()>) -> Result<()> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(phase)).unwrap_or_else(|_| {
+        Err(Error::internal(format!(
+            "rank {rank}: the program is malformed (a copy or message is out of range)"
+        )))
+    })
 }
 
 fn bounds(loc: Loc, bytes: u64, len: usize) -> Option<std::ops::Range<usize>> {

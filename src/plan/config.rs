@@ -12,15 +12,21 @@ pub enum Mode {
     /// One message per peer pair covering every tensor, packed and unpacked around it; must
     /// run outside a user group.
     Staged,
-    /// Per peer pair: staged when the groupable form would need many small messages
-    /// ([`AUTO_STAGE_MIN_MESSAGES`] or more, averaging under [`AUTO_STAGE_MAX_AVG_BYTES`]).
+    /// Per peer pair: staged when the groupable form would need many messages
+    /// ([`AUTO_STAGE_MIN_MESSAGES`] or more, averaging under [`AUTO_STAGE_MAX_AVG_BYTES`] or
+    /// more than [`AUTO_STAGE_MAX_MESSAGES`] of them).
     Auto,
 }
 
 /// In `Auto` mode a pair is staged when its groupable form has at least this many messages…
 pub const AUTO_STAGE_MIN_MESSAGES: u64 = 4;
-/// …and they average fewer bytes than this.
+/// …and they average fewer bytes than this…
 pub const AUTO_STAGE_MAX_AVG_BYTES: u64 = 1 << 20;
+/// …or there are more of them than this.
+pub const AUTO_STAGE_MAX_MESSAGES: u64 = 256;
+/// Groupable mode refuses a pair that needs more messages than this (the plan would be huge and
+/// slow to post); auto and staged modes coalesce such pairs.
+pub const GROUPABLE_MAX_MESSAGES_PER_PAIR: u64 = 1 << 20;
 
 /// Default for [`Config::split_min_bytes`].
 pub const DEFAULT_SPLIT_MIN_BYTES: u64 = 1 << 20;

@@ -5,9 +5,13 @@
 //! (source view → destination view). The messages of one (sender, receiver) pair are derived
 //! from that pair's copies by one function both sides run, so their sizes and order agree.
 
-use super::config::{Mode, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MIN_MESSAGES};
+use super::config::{
+    Mode, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES,
+    GROUPABLE_MAX_MESSAGES_PER_PAIR,
+};
 use super::program::{Buffer, Copy, CopyDim, Loc, Message};
 use super::Transfer;
+use crate::error::{Error, Result};
 use crate::layout::{IndexRuns, LocalView};
 
 /// Staging regions start at multiples of this many bytes (vector-friendly for kernels).
@@ -263,18 +267,39 @@ impl Emitter {
     }
 
     /// Emits this rank's half of the pair whose copies (canonical order) are given.
-    pub fn pair(&mut self, end: End, peer: u32, copies: &[Copy], mode: Mode) {
+    /// `pair` is (sender, receiver), for messages.
+    pub fn pair(&mut self, end: End, pair: (u32, u32), copies: &[Copy], mode: Mode) -> Result<()> {
+        let peer = match end {
+            End::Sender => pair.1,
+            End::Receiver => pair.0,
+        };
         let copies: Vec<&Copy> = copies.iter().filter(|c| c.bytes() > 0).collect();
         if copies.is_empty() {
-            return;
+            return Ok(());
         }
+        let messages = || {
+            copies
+                .iter()
+                .map(|c| groupable_piece_count(c))
+                .fold(0u64, u64::saturating_add)
+        };
         let staged = match mode {
-            Mode::Groupable => false,
+            Mode::Groupable => {
+                let n = messages();
+                if n > GROUPABLE_MAX_MESSAGES_PER_PAIR {
+                    return Err(Error::invalid_usage(format!(
+                        "groupable mode needs {n} messages from rank {} to rank {} (their regions interleave in the destination); use auto or staged mode",
+                        pair.0, pair.1
+                    )));
+                }
+                false
+            }
             Mode::Staged => true,
             Mode::Auto => {
-                let messages: u64 = copies.iter().map(|c| groupable_piece_count(c)).sum();
+                let n = messages();
                 let bytes: u64 = copies.iter().map(|c| c.bytes()).sum();
-                messages >= AUTO_STAGE_MIN_MESSAGES && bytes / messages < AUTO_STAGE_MAX_AVG_BYTES
+                n >= AUTO_STAGE_MIN_MESSAGES
+                    && (bytes / n < AUTO_STAGE_MAX_AVG_BYTES || n > AUTO_STAGE_MAX_MESSAGES)
             }
         };
         if staged {
@@ -282,6 +307,7 @@ impl Emitter {
         } else {
             self.groupable_pair(end, peer, &copies);
         }
+        Ok(())
     }
 
     /// One message for the whole pair; zero-copy on a side where it is one contiguous run.

@@ -13,8 +13,8 @@ mod program;
 
 pub use assign::Transfer;
 pub use config::{
-    fingerprint, Config, Mode, Topology, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MIN_MESSAGES,
-    DEFAULT_SPLIT_MIN_BYTES,
+    fingerprint, Config, Mode, Topology, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES,
+    AUTO_STAGE_MIN_MESSAGES, DEFAULT_SPLIT_MIN_BYTES, GROUPABLE_MAX_MESSAGES_PER_PAIR,
 };
 pub use messages::{Block, STAGING_ALIGN};
 pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram};
@@ -57,6 +57,19 @@ impl Planner {
         for (i, t) in tensors.iter().enumerate() {
             t.validate()
                 .map_err(|e| e.context(format!("tensors[{i}]")))?;
+        }
+        if let Topology::NodeTable(table) = &config.topology {
+            let ranks = tensors
+                .iter()
+                .flat_map(|t| t.src.mesh.ranks().iter().chain(t.dst.mesh.ranks()));
+            if let Some(&rank) = ranks.max() {
+                if rank as usize >= table.len() {
+                    return Err(Error::invalid_argument(format!(
+                        "config: the node table has {} entries but the tensors use rank {rank}; give every rank's node",
+                        table.len()
+                    )));
+                }
+            }
         }
         let fingerprint = fingerprint(&tensors, &config);
         Ok(Planner {
@@ -178,11 +191,11 @@ impl Planner {
 
     /// The program `rank` runs. A rank outside every mesh gets an empty program.
     pub fn rank_program(&self, rank: u32) -> Result<RankProgram> {
-        Ok(self.program_from_blocks(rank, &self.rank_blocks(rank)?))
+        self.program_from_blocks(rank, &self.rank_blocks(rank)?)
     }
 
     /// Forms `rank`'s program from its blocks (as [`Planner::rank_blocks`] returns them).
-    pub fn program_from_blocks(&self, rank: u32, blocks: &[Block]) -> RankProgram {
+    pub fn program_from_blocks(&self, rank: u32, blocks: &[Block]) -> Result<RankProgram> {
         let mut program = RankProgram {
             rank,
             fingerprint: self.fingerprint,
@@ -209,17 +222,17 @@ impl Planner {
 
         let mut emitter = Emitter::default();
         for (peer, copies) in &outgoing {
-            emitter.pair(End::Sender, *peer, copies, self.config.mode);
+            emitter.pair(End::Sender, (rank, *peer), copies, self.config.mode)?;
         }
         program.sends = std::mem::take(&mut emitter.messages);
         for (peer, copies) in &incoming {
-            emitter.pair(End::Receiver, *peer, copies, self.config.mode);
+            emitter.pair(End::Receiver, (*peer, rank), copies, self.config.mode)?;
         }
         program.recvs = std::mem::take(&mut emitter.messages);
         program.packs = emitter.packs;
         program.unpacks = emitter.unpacks;
         program.staging_bytes = emitter.staging_bytes;
-        program
+        Ok(program)
     }
 }
 
@@ -450,5 +463,44 @@ mod tests {
     fn ranks_outside_every_mesh_get_empty_programs() {
         let planner = tp2_to_tp1_dim1(Mode::Auto);
         assert!(planner.rank_program(7).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_node_table_must_cover_every_rank() {
+        let planner = tp2_to_tp1_dim1(Mode::Auto);
+        let config = Config {
+            topology: Topology::NodeTable(vec![0, 0]),
+            ..Default::default()
+        };
+        let err = Planner::new(planner.tensors().to_vec(), config).unwrap_err();
+        assert!(
+            err.message
+                .contains("node table has 2 entries but the tensors use rank 2"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn groupable_refuses_absurd_message_counts() {
+        // 2^21 rows, each half a row from each of two senders: groupable would need 2^21
+        // messages per pair; auto coalesces them.
+        let spec = TensorSpec {
+            shape: vec![1 << 21, 2],
+            dtype: DType::Int8,
+            src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
+            dst: layout(&[1], &[2], &[Placement::Replicate]),
+        };
+        let groupable = Planner::new(vec![spec.clone()], Config::default()).unwrap();
+        let err = groupable.rank_program(2).unwrap_err();
+        assert!(err.message.contains("use auto or staged mode"), "{err}");
+        let auto = Planner::new(
+            vec![spec],
+            Config {
+                mode: Mode::Auto,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(auto.rank_program(2).unwrap().recvs.len(), 2);
     }
 }

@@ -93,7 +93,11 @@ impl Copy {
 
     /// Bytes this copy moves.
     pub fn bytes(&self) -> u64 {
-        self.dims.iter().map(|d| d.count).product::<u64>() * self.chunk_bytes
+        // Saturating: the planner's sizes are checked, but a malformed program handed to an
+        // executor must fail its bounds checks, not overflow.
+        self.dims
+            .iter()
+            .fold(self.chunk_bytes, |acc, d| acc.saturating_mul(d.count))
     }
 
     /// True when both sides are one contiguous range.
@@ -124,22 +128,20 @@ impl Copy {
 
     /// One past the highest source / destination byte touched, relative to the buffers.
     pub fn src_end(&self) -> u64 {
-        self.src.offset + self.reach(|d| d.src_stride)
+        self.src.offset.saturating_add(self.reach(|d| d.src_stride))
     }
 
     pub fn dst_end(&self) -> u64 {
-        self.dst.offset + self.reach(|d| d.dst_stride)
+        self.dst.offset.saturating_add(self.reach(|d| d.dst_stride))
     }
 
     fn reach(&self, stride: impl Fn(&CopyDim) -> u64) -> u64 {
         if self.bytes() == 0 {
             return 0;
         }
-        self.dims
-            .iter()
-            .map(|d| (d.count - 1) * stride(d))
-            .sum::<u64>()
-            + self.chunk_bytes
+        self.dims.iter().fold(self.chunk_bytes, |acc, d| {
+            acc.saturating_add((d.count - 1).saturating_mul(stride(d)))
+        })
     }
 }
 

@@ -1,0 +1,165 @@
+//! `ncclreshard check`: plan every case, run all ranks on the host executor, verify every
+//! destination byte (`ncclreshard::check::check`).
+
+use super::{usage, Command};
+use crate::args::{flag, value, Parsed};
+use crate::case;
+use crate::out;
+use crate::Failure;
+use ncclreshard::check::CheckReport;
+use ncclreshard::{Config, TensorSpec};
+use std::panic::{self, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
+use std::time::Instant;
+
+pub const COMMAND: Command = Command {
+    name: "check",
+    help: HELP,
+    options: &[value("jobs"), flag("quiet")],
+    run,
+};
+
+const HELP: &str = r#"Plan, execute on the host and verify every case of the given case files
+
+Usage: ncclreshard check [OPTIONS] FILE...
+
+For each case, every rank's program is planned, all ranks run on the host executor, and every
+destination element (and every byte around strided views) is compared with the expected
+value. A case whose config gives no mode runs once per mode (groupable, staged, auto), each
+counted as a case and named NAME[mode].
+
+Prints one line per case:
+  ok   NAME  ranks=… elements=… bytes_sent=… local_bytes=… messages=… staged_ranks=… ms=…
+  FAIL NAME: ERROR
+then `N passed, M failed`.
+
+Options:
+  --jobs N   Cases checked at once (default: the number of CPUs)
+  --quiet    Print only failures and the summary
+  -h, --help Show this help
+
+Exit status: 0 all passed, 1 some case failed, 2 usage or input-file error.
+
+Case file format (JSON): one case or an array of cases.
+  single tensor: {"name"?, "shape": [..], "dtype": "bfloat16", "src": SIDE, "dst": SIDE,
+                  "config"?: CONFIG}
+  multi-tensor:  {"name"?, "tensors": [{"name"?, "shape", "dtype", "src", "dst"}, ..],
+                  "config"?: CONFIG}
+  SIDE:   {"mesh": [..], "ranks": [..] | "first_rank": N (default 0, contiguous),
+           "placements": ["Replicate", "Shard(0)", "StridedShard(0,2)", ..],
+           "strides"?: [..] (element strides of every rank's local view)}
+  CONFIG: {"mode"?: "groupable"|"staged"|"auto" (absent: every mode),
+           "ranks_per_node"?: N | "node_of_rank"?: [..], "split_min_bytes"?: N}
+dtype names are torch's (bfloat16, float32, int8, float8_e4m3fn, ...). Unknown keys are
+errors.
+"#;
+
+struct Job {
+    name: String,
+    tensors: Vec<TensorSpec>,
+    config: Config,
+}
+
+type Outcome = Result<(CheckReport, f64), String>;
+
+fn run(parsed: &Parsed) -> Result<u8, Failure> {
+    if parsed.positional.is_empty() {
+        return Err(usage("check", "expected at least one FILE"));
+    }
+    let jobs_wanted = parsed
+        .number::<usize>("jobs")
+        .map_err(|e| usage("check", e))?;
+    let quiet = parsed.flag("quiet");
+    let mut jobs = Vec::new();
+    let mut errors = Vec::new();
+    for path in &parsed.positional {
+        match case::load(Path::new(path)) {
+            Ok(file) => {
+                for case in &file.cases {
+                    let tensors = case.specs();
+                    for (name, config) in case.variants() {
+                        jobs.push(Job {
+                            name,
+                            tensors: tensors.clone(),
+                            config,
+                        });
+                    }
+                }
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(Failure::Input(errors.join("\nncclreshard: error: ")));
+    }
+
+    let workers = jobs_wanted
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+        .clamp(1, jobs.len().max(1));
+    let next = AtomicUsize::new(0);
+    let (tx, rx) = mpsc::channel::<(usize, Outcome)>();
+    let (mut passed, mut failed) = (0usize, 0usize);
+    std::thread::scope(|scope| {
+        for _ in 0..workers {
+            let (tx, next, jobs) = (tx.clone(), &next, &jobs);
+            scope.spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(job) = jobs.get(i) else { break };
+                if tx.send((i, check_one(job))).is_err() {
+                    break;
+                }
+            });
+        }
+        drop(tx);
+        // Results arrive in any order; print them in case order as soon as possible.
+        let mut results: Vec<Option<Outcome>> = jobs.iter().map(|_| None).collect();
+        let mut shown = 0;
+        for (i, outcome) in rx {
+            results[i] = Some(outcome);
+            while let Some(Some(outcome)) = results.get_mut(shown).map(Option::take) {
+                let name = &jobs[shown].name;
+                match outcome {
+                    Ok((r, ms)) => {
+                        passed += 1;
+                        if !quiet {
+                            out::line(&format!(
+                                "ok   {name}  ranks={} elements={} bytes_sent={} local_bytes={} messages={} staged_ranks={} ms={ms:.1}",
+                                r.ranks, r.elements_checked, r.bytes_sent, r.bytes_copied_locally, r.messages, r.staged_ranks
+                            ));
+                        }
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        out::line(&format!("FAIL {name}: {e}"));
+                    }
+                }
+                shown += 1;
+            }
+        }
+    });
+    out::line(&format!("{passed} passed, {failed} failed"));
+    Ok(u8::from(failed > 0))
+}
+
+/// Checks one job; a panic inside the library is reported as a failure of that case.
+fn check_one(job: &Job) -> Outcome {
+    let started = Instant::now();
+    let result = panic::catch_unwind(AssertUnwindSafe(|| {
+        ncclreshard::check::check(&job.tensors, &job.config)
+    }));
+    let ms = started.elapsed().as_secs_f64() * 1e3;
+    match result {
+        Ok(Ok(report)) => Ok((report, ms)),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied())
+                .unwrap_or("(no message)");
+            Err(format!("the library panicked (a bug): {message}"))
+        }
+    }
+}

@@ -1,0 +1,300 @@
+//! C descriptors → the core's types, validating every field and naming it in errors
+//! (`tensors[2].src->placements[1].dim: …`).
+
+use super::boundary::{array, read_versioned};
+use super::types::*;
+use crate::error::{Error, Result};
+use crate::layout::{DType, Layout, Mesh, Placement, TensorSpec};
+use crate::plan::{Config, Mode, Topology, DEFAULT_SPLIT_MIN_BYTES};
+use std::os::raw::c_int;
+
+/// Sizes of the first released version of each struct: callers must provide at least these.
+pub(crate) const LAYOUT_MIN_SIZE: usize = std::mem::size_of::<ncclReshardLayout_t>();
+pub(crate) const TENSOR_MIN_SIZE: usize = std::mem::size_of::<ncclReshardTensor_t>();
+pub(crate) const CONFIG_MIN_SIZE: usize = std::mem::size_of::<ncclReshardConfig_t>();
+pub(crate) const INFO_MIN_SIZE: usize = std::mem::size_of::<ncclReshardPlanInfo_t>();
+pub(crate) const TRANSFER_MIN_SIZE: usize = std::mem::size_of::<ncclReshardTransfer_t>();
+
+/// A converted tensor and this rank's view offsets in the single-buffer call.
+pub(crate) struct TensorInput {
+    pub spec: TensorSpec,
+    pub src_offset: u64,
+    pub dst_offset: u64,
+    pub name: Option<String>,
+}
+
+fn count(value: c_int, max: usize, field: &str) -> Result<usize> {
+    usize::try_from(value)
+        .ok()
+        .filter(|&n| n <= max)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!("{field} is {value}; it must be 0 to {max}"))
+        })
+}
+
+fn rank(value: c_int, field: &str) -> Result<u32> {
+    u32::try_from(value)
+        .map_err(|_| Error::invalid_argument(format!("{field} is {value}; ranks are non-negative")))
+}
+
+fn sizes(values: &[i64], field: &str) -> Result<Vec<u64>> {
+    values
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            u64::try_from(v).map_err(|_| {
+                Error::invalid_argument(format!("{field}[{i}] is {v}; sizes are non-negative"))
+            })
+        })
+        .collect()
+}
+
+fn default_layout() -> ncclReshardLayout_t {
+    ncclReshardLayout_t {
+        size: LAYOUT_MIN_SIZE,
+        version: 0,
+        meshNdim: 0,
+        meshShape: [0; NCCL_RESHARD_MAX_DIMS],
+        ranks: std::ptr::null(),
+        firstRank: 0,
+        placements: [ncclReshardPlacement_t::default(); NCCL_RESHARD_MAX_DIMS],
+        strides: std::ptr::null(),
+    }
+}
+
+/// # Safety
+/// `ptr` must be NULL or point to a layout whose pointers are NULL or valid for the lengths
+/// the layout implies.
+unsafe fn layout(ptr: *const ncclReshardLayout_t, ndim: usize, field: &str) -> Result<Layout> {
+    // SAFETY: forwarded contract.
+    let c = unsafe { read_versioned(ptr, LAYOUT_MIN_SIZE, default_layout(), field) }?;
+    let mesh_ndim = count(
+        c.meshNdim,
+        NCCL_RESHARD_MAX_DIMS,
+        &format!("{field}->meshNdim"),
+    )?;
+    if mesh_ndim == 0 {
+        return Err(Error::invalid_argument(format!(
+            "{field}->meshNdim is 0; a mesh needs at least one axis"
+        )));
+    }
+    let shape = sizes(&c.meshShape[..mesh_ndim], &format!("{field}->meshShape"))?;
+    let mesh = if c.ranks.is_null() {
+        let first = rank(c.firstRank, &format!("{field}->firstRank"))?;
+        Mesh::contiguous(shape, first)
+    } else {
+        let n = shape
+            .iter()
+            .try_fold(1u64, |a, &b| a.checked_mul(b))
+            .unwrap_or(u64::MAX);
+        if n > i32::MAX as u64 {
+            return Err(Error::invalid_argument(format!(
+                "{field}->meshShape {shape:?} holds more ranks than NCCL can address"
+            )));
+        }
+        // SAFETY: the caller's rank table has one entry per mesh position.
+        let table = unsafe { array(c.ranks, n as usize, &format!("{field}->ranks")) }?;
+        let ranks = table
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| rank(r, &format!("{field}->ranks[{i}]")))
+            .collect::<Result<Vec<u32>>>()?;
+        Mesh::new(shape, ranks)
+    }
+    .map_err(|e| e.context(field))?;
+    let placements = c.placements[..mesh_ndim]
+        .iter()
+        .enumerate()
+        .map(|(axis, p)| {
+            let at = format!("{field}->placements[{axis}]");
+            let dim = || {
+                usize::try_from(p.dim).map_err(|_| {
+                    Error::invalid_argument(format!("{at}.dim is {}; dims are non-negative", p.dim))
+                })
+            };
+            match p.kind {
+                0 => Ok(Placement::Replicate),
+                1 => Ok(Placement::Shard(dim()?)),
+                2 => {
+                    let split_factor = u64::try_from(p.splitFactor).ok().filter(|&s| s >= 1);
+                    let split_factor = split_factor.ok_or_else(|| {
+                        Error::invalid_argument(format!(
+                            "{at}.splitFactor is {}; it must be at least 1",
+                            p.splitFactor
+                        ))
+                    })?;
+                    Ok(Placement::StridedShard { dim: dim()?, split_factor })
+                }
+                other => Err(Error::invalid_argument(format!(
+                    "{at}.kind is {other}; use ncclReshardReplicate, ncclReshardShard or ncclReshardStridedShard (Partial is not supported)"
+                ))),
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut result = Layout::new(mesh, placements);
+    if !c.strides.is_null() {
+        // SAFETY: strides has one entry per tensor dim.
+        let strides = unsafe { array(c.strides, ndim, &format!("{field}->strides")) }?;
+        result.strides = Some(sizes(strides, &format!("{field}->strides"))?);
+    }
+    Ok(result)
+}
+
+fn default_tensor() -> ncclReshardTensor_t {
+    ncclReshardTensor_t {
+        size: TENSOR_MIN_SIZE,
+        version: 0,
+        ndim: 0,
+        shape: [0; NCCL_RESHARD_MAX_DIMS],
+        dtype: 0,
+        src: std::ptr::null(),
+        dst: std::ptr::null(),
+        srcOffset: 0,
+        dstOffset: 0,
+        name: std::ptr::null(),
+    }
+}
+
+/// Converts the tensor array. The array's element stride is `tensors[0].size` (all elements
+/// must state the same size), so callers built against older headers work.
+///
+/// # Safety
+/// `tensors` must point to `ntensors` tensor structs of `tensors[0].size` bytes each whose
+/// pointers are NULL or valid.
+pub(crate) unsafe fn tensors(
+    tensors: *const ncclReshardTensor_t,
+    ntensors: c_int,
+) -> Result<Vec<TensorInput>> {
+    let n = usize::try_from(ntensors)
+        .ok()
+        .filter(|&n| n >= 1)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!("ntensors is {ntensors}; it must be at least 1"))
+        })?;
+    if tensors.is_null() {
+        return Err(Error::invalid_argument("tensors is NULL"));
+    }
+    // SAFETY: tensors[0] begins with its size.
+    let stride = unsafe { std::ptr::read_unaligned(tensors.cast::<usize>()) };
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let field = format!("tensors[{i}]");
+        // SAFETY: element i starts at i * stride bytes within the caller's array; stride is
+        // validated against the minimum size by read_versioned on element 0 first.
+        let ptr = unsafe { tensors.cast::<u8>().add(i * stride) }.cast::<ncclReshardTensor_t>();
+        let c = unsafe { read_versioned(ptr, TENSOR_MIN_SIZE, default_tensor(), &field) }?;
+        if c.size != stride {
+            return Err(Error::invalid_argument(format!(
+                "{field}.size is {} but tensors[0].size is {stride}; all tensors must use the same struct size",
+                c.size
+            )));
+        }
+        let ndim = count(c.ndim, NCCL_RESHARD_MAX_DIMS, &format!("{field}.ndim"))?;
+        let shape = sizes(&c.shape[..ndim], &format!("{field}.shape"))?;
+        let dtype = DType::from_nccl_code(c.dtype).ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "{field}.dtype is {}, not an ncclDataType_t",
+                c.dtype
+            ))
+        })?;
+        // SAFETY: forwarded contract.
+        let src = unsafe { layout(c.src, ndim, &format!("{field}.src")) }?;
+        let dst = unsafe { layout(c.dst, ndim, &format!("{field}.dst")) }?;
+        let name = (!c.name.is_null())
+            // SAFETY: a non-NULL name is a NUL-terminated string per the API.
+            .then(|| {
+                unsafe { std::ffi::CStr::from_ptr(c.name) }
+                    .to_string_lossy()
+                    .into_owned()
+            });
+        out.push(TensorInput {
+            spec: TensorSpec {
+                shape,
+                dtype,
+                src,
+                dst,
+            },
+            src_offset: c.srcOffset as u64,
+            dst_offset: c.dstOffset as u64,
+            name,
+        });
+    }
+    Ok(out)
+}
+
+/// Converts the optional config (NULL → defaults); also returns `maxStagingBytes` (0 = the
+/// executor's default), which bounds execution, not the plan.
+///
+/// # Safety
+/// `config` must be NULL or point to a config whose `nodeOfRank` is NULL or holds
+/// `nodeOfRankCount` entries.
+pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Config, u64)> {
+    if config.is_null() {
+        return Ok((Config::default(), 0));
+    }
+    let defaults = ncclReshardConfig_t {
+        size: CONFIG_MIN_SIZE,
+        magic: NCCL_RESHARD_CONFIG_MAGIC,
+        version: 0,
+        mode: 0,
+        ranksPerNode: 0,
+        nodeOfRank: std::ptr::null(),
+        nodeOfRankCount: 0,
+        splitMinBytes: 0,
+        maxStagingBytes: 0,
+    };
+    // SAFETY: forwarded contract.
+    let c = unsafe { read_versioned(config, CONFIG_MIN_SIZE, defaults, "config") }?;
+    if c.magic != NCCL_RESHARD_CONFIG_MAGIC {
+        return Err(Error::invalid_argument(format!(
+            "config.magic is {:#x}, not NCCL_RESHARD_CONFIG_MAGIC; initialise the config with NCCL_RESHARD_CONFIG_INITIALIZER",
+            c.magic
+        )));
+    }
+    let mode = match c.mode {
+        0 => Mode::Groupable,
+        1 => Mode::Staged,
+        2 => Mode::Auto,
+        other => {
+            return Err(Error::invalid_argument(format!(
+                "config.mode is {other}; use ncclReshardModeGroupable, ncclReshardModeStaged or ncclReshardModeAuto"
+            )))
+        }
+    };
+    let topology = if !c.nodeOfRank.is_null() {
+        let n = usize::try_from(c.nodeOfRankCount).map_err(|_| {
+            Error::invalid_argument(format!("config.nodeOfRankCount is {}", c.nodeOfRankCount))
+        })?;
+        // SAFETY: nodeOfRank holds nodeOfRankCount entries.
+        let table = unsafe { array(c.nodeOfRank, n, "config.nodeOfRank") }?;
+        Topology::NodeTable(
+            table
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| rank(v, &format!("config.nodeOfRank[{i}]")))
+                .collect::<Result<_>>()?,
+        )
+    } else {
+        match c.ranksPerNode {
+            0 => Topology::Unknown,
+            n if n > 0 => Topology::RanksPerNode(n as u32),
+            n => {
+                return Err(Error::invalid_argument(format!(
+                    "config.ranksPerNode is {n}; use 0 for unknown or a positive count"
+                )))
+            }
+        }
+    };
+    let split_min_bytes = match c.splitMinBytes {
+        0 => DEFAULT_SPLIT_MIN_BYTES,
+        n => n as u64,
+    };
+    Ok((
+        Config {
+            mode,
+            topology,
+            split_min_bytes,
+        },
+        c.maxStagingBytes as u64,
+    ))
+}

@@ -1,0 +1,303 @@
+//! The C ABI (DESIGN §3): the only module with `#[no_mangle]` exports and C naming.
+//!
+//! Every export runs inside [`boundary::boundary`]: arguments are NULL-checked and validated,
+//! errors return NCCL result codes with a message in `ncclReshardGetLastError()`, outputs are
+//! written only on success, and no panic crosses into C. `include/ncclReshard.h` is generated
+//! from this module by cbindgen (see `tests/header.rs`).
+
+#![allow(non_camel_case_types, non_snake_case)]
+// The safety contract of every export is its C documentation: pointers are NULL or valid for
+// the sizes it states, handles come from ncclReshardPlanCreate.
+#![allow(clippy::missing_safety_doc)]
+
+mod boundary;
+mod convert;
+mod plan;
+pub mod types;
+
+use crate::error::{Error, Result};
+use boundary::{arg, array, boundary, read_versioned, write_versioned};
+use plan::PlanObject;
+use std::os::raw::{c_char, c_int, c_void};
+pub use types::*;
+
+// The crate version as NCCL-style numbers (the version lives in Cargo.toml only); the header
+// gets the same macros from tests/header.rs, which derives them from the same place.
+/// cbindgen:ignore
+pub const NCCL_RESHARD_MAJOR: c_int = parse_version(env!("CARGO_PKG_VERSION_MAJOR"));
+/// cbindgen:ignore
+pub const NCCL_RESHARD_MINOR: c_int = parse_version(env!("CARGO_PKG_VERSION_MINOR"));
+/// cbindgen:ignore
+pub const NCCL_RESHARD_PATCH: c_int = parse_version(env!("CARGO_PKG_VERSION_PATCH"));
+/// cbindgen:ignore
+pub const NCCL_RESHARD_VERSION_CODE: c_int =
+    NCCL_RESHARD_MAJOR * 10000 + NCCL_RESHARD_MINOR * 100 + NCCL_RESHARD_PATCH;
+
+const fn parse_version(text: &str) -> c_int {
+    let bytes = text.as_bytes();
+    let mut value = 0;
+    let mut i = 0;
+    while i < bytes.len() {
+        value = value * 10 + (bytes[i] - b'0') as c_int;
+        i += 1;
+    }
+    value
+}
+
+/// An opaque reshard plan: created once per rank by `ncclReshardPlanCreate`, immutable after,
+/// destroyed by `ncclReshardPlanDestroy`.
+pub struct ncclReshardPlan(PlanObject);
+
+/// Handle to a plan.
+pub type ncclReshardPlan_t = *mut ncclReshardPlan;
+
+fn plan_ref<'a>(plan: ncclReshardPlan_t) -> Result<&'a PlanObject> {
+    // SAFETY: a non-NULL plan handle comes from ncclReshardPlanCreate and has not been
+    // destroyed (the API contract); plans are immutable, so shared access is sound.
+    unsafe { arg(plan.cast_const(), "plan") }.map(|p| &p.0)
+}
+
+/// Creates this rank's plan for resharding `ntensors` tensors.
+///
+/// Every participating rank must call it with identical `tensors` (except the per-rank
+/// `srcOffset`/`dstOffset`) and `config`; the plan is computed locally and deterministically,
+/// with no communication. `rank` is this rank's rank in the communicator that will run the
+/// plan. `config` may be NULL for defaults. The descriptors (and the arrays they point to) are
+/// read during the call only.
+///
+/// On success `*plan` receives a new plan; on error `*plan` is left untouched and
+/// `ncclInvalidArgument` names the bad field in `ncclReshardGetLastError()`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardPlanCreate(
+    plan: *mut ncclReshardPlan_t,
+    ntensors: c_int,
+    tensors: *const ncclReshardTensor_t,
+    rank: c_int,
+    config: *const ncclReshardConfig_t,
+) -> ncclResult_t {
+    boundary("ncclReshardPlanCreate", || {
+        if plan.is_null() {
+            return Err(Error::invalid_argument("plan is NULL"));
+        }
+        let rank = u32::try_from(rank).map_err(|_| {
+            Error::invalid_argument(format!("rank is {rank}; ranks are non-negative"))
+        })?;
+        // SAFETY: the caller passes ntensors valid descriptors and a NULL or valid config.
+        let inputs = unsafe { convert::tensors(tensors, ntensors) }?;
+        let (config, max_staging_bytes) = unsafe { convert::config(config) }?;
+        let object = PlanObject::new(inputs, rank, config, max_staging_bytes)?;
+        let handle = Box::into_raw(Box::new(ncclReshardPlan(object)));
+        // SAFETY: plan is non-NULL and writable per the contract.
+        unsafe { plan.write(handle) };
+        Ok(())
+    })
+}
+
+/// Destroys a plan. NULL is a no-op. The plan must not be in use by any call, and work it
+/// enqueued must have completed, before it is destroyed.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardPlanDestroy(plan: ncclReshardPlan_t) -> ncclResult_t {
+    boundary("ncclReshardPlanDestroy", || {
+        if !plan.is_null() {
+            // SAFETY: a non-NULL handle came from Box::into_raw in ncclReshardPlanCreate and is
+            // destroyed once (the API contract).
+            drop(unsafe { Box::from_raw(plan) });
+        }
+        Ok(())
+    })
+}
+
+/// Reshards every tensor of `plan`: this rank's source views are read from `sendbuff` (+ each
+/// tensor's `srcOffset`), its destination views written into `recvbuff` (+ `dstOffset`).
+///
+/// Stream-ordered and asynchronous: returns once the work is enqueued on `stream`; the
+/// destination is complete when `stream` reaches that point (after the outermost
+/// `ncclGroupEnd` when called inside a group). Sources must not change until then.
+/// `sendbuff` may be NULL on a rank outside every source mesh and `recvbuff` on a rank outside
+/// every destination mesh; a rank with nothing to do may skip the call. A groupable plan may be
+/// called between `ncclGroupStart`/`ncclGroupEnd`; a staged one must not. The two buffers must
+/// not overlap.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshard(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    plan: ncclReshardPlan_t,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    boundary("ncclReshard", || {
+        let plan = plan_ref(plan)?;
+        let buffers = plan.single_buffers(sendbuff as usize, recvbuff as usize)?;
+        plan.execute(&buffers, comm, stream)
+    })
+}
+
+/// Like `ncclReshard`, with one source and one destination pointer per tensor (in plan
+/// order): `sendbuffs[t]` is tensor t's source view, `recvbuffs[t]` its destination view
+/// (`srcOffset`/`dstOffset` are not used). Either array may be NULL on a rank that has no
+/// views on that side; entries for tensors this rank does not hold on a side may be NULL.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardMulti(
+    sendbuffs: *const *const c_void,
+    recvbuffs: *const *mut c_void,
+    plan: ncclReshardPlan_t,
+    comm: ncclComm_t,
+    stream: cudaStream_t,
+) -> ncclResult_t {
+    boundary("ncclReshardMulti", || {
+        let plan = plan_ref(plan)?;
+        let n = plan.ntensors();
+        let pointers = |table: *const usize, needed: bool, name: &str| -> Result<Vec<usize>> {
+            if table.is_null() && !needed {
+                return Ok(vec![0; n]);
+            }
+            // SAFETY: a non-NULL table holds one pointer per tensor (the API contract).
+            Ok(unsafe { array(table, n, name) }?.to_vec())
+        };
+        let send = pointers(sendbuffs.cast(), plan.needs_send_buffer(), "sendbuffs")?;
+        let recv = pointers(recvbuffs.cast(), plan.needs_recv_buffer(), "recvbuffs")?;
+        let buffers = plan.multi_buffers(&send, &recv)?;
+        plan.execute(&buffers, comm, stream)
+    })
+}
+
+/// Fills `*info` with what the plan does on its rank. Set `info->size` first (use
+/// `NCCL_RESHARD_PLAN_INFO_INITIALIZER`); fields beyond it are not written.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardPlanGetInfo(
+    plan: ncclReshardPlan_t,
+    info: *mut ncclReshardPlanInfo_t,
+) -> ncclResult_t {
+    boundary("ncclReshardPlanGetInfo", || {
+        let plan = plan_ref(plan)?;
+        // SAFETY: info is NULL or points to a struct of at least its stated size.
+        let caller = unsafe {
+            read_versioned(
+                info.cast_const(),
+                convert::INFO_MIN_SIZE,
+                ncclReshardPlanInfo_t::default(),
+                "info",
+            )
+        }?;
+        // SAFETY: as above; the write is bounded by the caller's size.
+        unsafe { write_versioned(info, &plan.info(), caller.size) };
+        Ok(())
+    })
+}
+
+/// This rank's transfers as data, so other transports (NIXL, RDMA writes, …) can run the plan.
+///
+/// With `transfers` NULL, only `*count` is set to the number of transfers. Otherwise
+/// `transfers` holds `capacity` structs whose first has `size` set (use
+/// `NCCL_RESHARD_TRANSFER_INITIALIZER`); all transfers are written and `*count` set, or, when
+/// `capacity` is too small, nothing is written and `ncclInvalidArgument` is returned.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
+    plan: ncclReshardPlan_t,
+    transfers: *mut ncclReshardTransfer_t,
+    capacity: c_int,
+    count: *mut c_int,
+) -> ncclResult_t {
+    boundary("ncclReshardPlanGetTransfers", || {
+        let plan = plan_ref(plan)?;
+        if count.is_null() {
+            return Err(Error::invalid_argument("count is NULL"));
+        }
+        let entries = plan.transfers();
+        let total = c_int::try_from(entries.len()).map_err(|_| {
+            Error::invalid_usage("the plan has more transfers than an int can count")
+        })?;
+        if !transfers.is_null() {
+            if capacity < total {
+                return Err(Error::invalid_argument(format!(
+                    "capacity is {capacity} but the plan has {total} transfers; call with transfers = NULL to get the count"
+                )));
+            }
+            // SAFETY: transfers[0] begins with the stride the caller uses.
+            let first = unsafe {
+                read_versioned(
+                    transfers.cast_const(),
+                    convert::TRANSFER_MIN_SIZE,
+                    ncclReshardTransfer_t::default(),
+                    "transfers[0]",
+                )
+            }?;
+            for (i, entry) in entries.iter().enumerate() {
+                // SAFETY: the caller's array holds `capacity` ≥ total structs of `first.size`
+                // bytes each.
+                unsafe {
+                    let at = transfers
+                        .cast::<u8>()
+                        .add(i * first.size)
+                        .cast::<ncclReshardTransfer_t>();
+                    write_versioned(at, entry, first.size);
+                }
+            }
+        }
+        // SAFETY: count is non-NULL and writable.
+        unsafe { count.write(total) };
+        Ok(())
+    })
+}
+
+/// A rank's local shape (and optionally its index runs) under `layout` for a tensor of `ndim`
+/// dims and global `shape`, so callers can allocate views.
+///
+/// `localShape` receives `ndim` sizes. When `runsPerDim` is not NULL it receives, per dim, the
+/// number of `[start, end)` runs of global indices the rank holds; when `runs` is not NULL too
+/// it receives all runs (dim 0's first) as `start, end` pairs, and `runsCapacity` (in pairs)
+/// must be large enough. `rank` must be in the layout's mesh.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardLocalShape(
+    layout: *const ncclReshardLayout_t,
+    ndim: c_int,
+    shape: *const i64,
+    rank: c_int,
+    localShape: *mut i64,
+    runs: *mut i64,
+    runsCapacity: c_int,
+    runsPerDim: *mut c_int,
+) -> ncclResult_t {
+    boundary("ncclReshardLocalShape", || {
+        // SAFETY: pointers are NULL or valid for the lengths the arguments state.
+        unsafe {
+            plan::local_shape(
+                layout,
+                ndim,
+                shape,
+                rank,
+                localShape,
+                runs,
+                runsCapacity,
+                runsPerDim,
+            )
+        }
+    })
+}
+
+/// The detail of this thread's last failing call (never NULL; empty when none failed). Valid
+/// until the next failing call on this thread.
+#[no_mangle]
+pub extern "C" fn ncclReshardGetLastError() -> *const c_char {
+    boundary::last_error_ptr()
+}
+
+/// A static description of an `ncclResult_t`.
+#[no_mangle]
+pub extern "C" fn ncclReshardGetErrorString(result: ncclResult_t) -> *const c_char {
+    boundary::error_string(result).as_ptr()
+}
+
+/// The library's version as `NCCL_RESHARD_VERSION_CODE` (compare with the header's macro to
+/// detect a header/library mismatch).
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardGetVersion(version: *mut c_int) -> ncclResult_t {
+    boundary("ncclReshardGetVersion", || {
+        if version.is_null() {
+            return Err(Error::invalid_argument("version is NULL"));
+        }
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { version.write(NCCL_RESHARD_VERSION_CODE) };
+        Ok(())
+    })
+}

@@ -1,0 +1,192 @@
+//! The C ABI's data types. `#[repr(C)]`, NCCL style: structs start with `size` and `version`
+//! (the config also `magic`), fields are only ever appended, and the library accepts any
+//! `size` from the first released one up, filling defaults for fields the caller lacks.
+
+#![allow(non_camel_case_types, non_snake_case)]
+
+use std::os::raw::{c_char, c_int, c_uint, c_void};
+
+/// NCCL's result code (`ncclResult_t` from nccl.h, a C enum: int-sized).
+pub type ncclResult_t = c_int;
+/// NCCL's element type (`ncclDataType_t` from nccl.h).
+pub type ncclDataType_t = c_int;
+/// NCCL's communicator handle (`ncclComm_t` from nccl.h).
+pub type ncclComm_t = *mut c_void;
+/// A CUDA stream (`cudaStream_t` from cuda_runtime_api.h).
+pub type cudaStream_t = *mut c_void;
+
+/// Most tensor dims and most mesh axes a descriptor can carry.
+pub const NCCL_RESHARD_MAX_DIMS: usize = 8;
+/// Identifies an initialised `ncclReshardConfig_t` (NCCL's configs carry a magic the same way).
+pub const NCCL_RESHARD_CONFIG_MAGIC: c_uint = 0x5245_5348;
+
+/// How a tensor is placed along one mesh axis (torch `Replicate`, `Shard`, `_StridedShard`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ncclReshardPlacementKind_t {
+    ncclReshardReplicate = 0,
+    ncclReshardShard = 1,
+    ncclReshardStridedShard = 2,
+}
+
+/// How messages are formed (see DESIGN §3): groupable (default; callable inside
+/// `ncclGroupStart/End`), staged (coalesced per peer, unpacked after; outside groups only), or
+/// auto (staged per peer pair only where groupable would need many small messages).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ncclReshardMode_t {
+    ncclReshardModeGroupable = 0,
+    ncclReshardModeStaged = 1,
+    ncclReshardModeAuto = 2,
+}
+
+/// Which part a transfer plays for the plan's rank.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ncclReshardTransferKind_t {
+    /// This rank sends the block to `peer`.
+    ncclReshardTransferSend = 0,
+    /// This rank receives the block from `peer`.
+    ncclReshardTransferRecv = 1,
+    /// This rank holds the block on both sides and copies it locally (`peer` is itself).
+    ncclReshardTransferLocal = 2,
+}
+
+/// One placement: `kind` is an `ncclReshardPlacementKind_t`; `dim` is the tensor dim for
+/// Shard and StridedShard; `splitFactor` is StridedShard's split factor (≥ 1).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ncclReshardPlacement_t {
+    pub kind: c_int,
+    pub dim: c_int,
+    pub splitFactor: i64,
+}
+
+/// One side of a reshard: a device mesh of communicator ranks and one placement per mesh axis.
+///
+/// `ranks` is the row-major rank table of `meshShape` (last axis fastest), any order, no
+/// duplicates; when NULL the mesh is the contiguous ranks `firstRank, firstRank + 1, …`.
+/// `strides`, when not NULL, holds one element stride per tensor dim for every rank's local
+/// view (a view into a larger buffer, e.g. one half of a fused parameter); NULL means dense
+/// row-major. The pointed-to arrays are read during `ncclReshardPlanCreate` only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ncclReshardLayout_t {
+    pub size: usize,
+    pub version: c_uint,
+    pub meshNdim: c_int,
+    pub meshShape: [i64; NCCL_RESHARD_MAX_DIMS],
+    pub ranks: *const c_int,
+    pub firstRank: c_int,
+    pub placements: [ncclReshardPlacement_t; NCCL_RESHARD_MAX_DIMS],
+    pub strides: *const i64,
+}
+
+/// One global tensor: shape, dtype, source and destination layouts, and where this rank's
+/// views sit inside the buffers passed to `ncclReshard`.
+///
+/// `srcOffset`/`dstOffset` are byte offsets of this tensor's local views from `sendbuff` /
+/// `recvbuff` in `ncclReshard` (ignored by `ncclReshardMulti`, which takes one pointer per
+/// tensor). They are local to the calling rank and may differ between ranks; the views of
+/// different tensors in one buffer must not overlap. Every other field must be identical on all
+/// ranks. `name` is optional (NULL), used in messages only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ncclReshardTensor_t {
+    pub size: usize,
+    pub version: c_uint,
+    pub ndim: c_int,
+    pub shape: [i64; NCCL_RESHARD_MAX_DIMS],
+    pub dtype: ncclDataType_t,
+    pub src: *const ncclReshardLayout_t,
+    pub dst: *const ncclReshardLayout_t,
+    pub srcOffset: usize,
+    pub dstOffset: usize,
+    pub name: *const c_char,
+}
+
+/// Plan options; pass NULL for defaults. Every rank must pass the same values.
+///
+/// `mode` is an `ncclReshardMode_t`. The topology (for preferring same-node senders) is
+/// `ranksPerNode` (rank r on node r / ranksPerNode; 0 = unknown) or, when `nodeOfRank` is not
+/// NULL, the node id of each of `nodeOfRankCount` ranks. `splitMinBytes` is the smallest part a
+/// replicated overlap is split into across senders (0 = 1 MiB). `maxStagingBytes` bounds the
+/// staging memory the CUDA executor allocates per plan (0 = its default).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ncclReshardConfig_t {
+    pub size: usize,
+    pub magic: c_uint,
+    pub version: c_uint,
+    pub mode: c_int,
+    pub ranksPerNode: c_int,
+    pub nodeOfRank: *const c_int,
+    pub nodeOfRankCount: c_int,
+    pub splitMinBytes: usize,
+    pub maxStagingBytes: usize,
+}
+
+/// What a plan does on its rank (`ncclReshardPlanGetInfo`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ncclReshardPlanInfo_t {
+    pub size: usize,
+    pub version: c_uint,
+    /// The plan's rank.
+    pub rank: c_int,
+    pub ntensors: c_int,
+    /// The configured `ncclReshardMode_t`.
+    pub mode: c_int,
+    /// 1 when every receive of this rank lands in the destination buffer (no unpack), so its
+    /// call may sit inside a group. In auto mode ranks can differ; a plan created with
+    /// `ncclReshardModeGroupable` is groupable on every rank.
+    pub groupable: c_int,
+    /// Number of distinct peers this rank sends to or receives from.
+    pub peers: c_int,
+    pub messagesSent: i64,
+    pub messagesReceived: i64,
+    pub bytesSent: u64,
+    pub bytesReceived: u64,
+    /// Bytes copied locally (colocated source and destination on this rank).
+    pub bytesCopied: u64,
+    /// Staging arena bytes the plan addresses (packs and unpacks).
+    pub stagingBytes: u64,
+    /// Equal on all ranks iff they created the plan from the same descriptors and config.
+    pub fingerprint: u64,
+    /// Bytes of this rank's source / destination buffer the plan reads / writes: the end of
+    /// the last tensor view (`offset + extent`).
+    pub sendBytes: u64,
+    pub recvBytes: u64,
+}
+
+/// One block of data the plan's rank sends, receives or copies locally
+/// (`ncclReshardPlanGetTransfers`): a box of the global tensor and the strided copy that moves
+/// it from the sender's source view to the receiver's destination view.
+///
+/// The box is `globalStart[d] .. globalStart[d] + globalCount[d]` for d < `ndim`. The copy is
+/// `chunkBytes` contiguous bytes at every point of a `copyNdim`-dim grid (`count`, byte strides
+/// `srcStride` on the sender and `dstStride` on the receiver, outermost first), starting at
+/// `srcOffset` in the sender's source view of `tensor` and `dstOffset` in the receiver's
+/// destination view; `bytes` is the total. Offsets are relative to the views (add the
+/// tensor's `srcOffset`/`dstOffset` for positions in single-buffer calls).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ncclReshardTransfer_t {
+    pub size: usize,
+    pub version: c_uint,
+    /// An `ncclReshardTransferKind_t`.
+    pub kind: c_int,
+    pub peer: c_int,
+    pub tensor: c_int,
+    pub ndim: c_int,
+    pub globalStart: [i64; NCCL_RESHARD_MAX_DIMS],
+    pub globalCount: [i64; NCCL_RESHARD_MAX_DIMS],
+    pub srcOffset: u64,
+    pub dstOffset: u64,
+    pub chunkBytes: u64,
+    pub copyNdim: c_int,
+    pub count: [i64; NCCL_RESHARD_MAX_DIMS],
+    pub srcStride: [i64; NCCL_RESHARD_MAX_DIMS],
+    pub dstStride: [i64; NCCL_RESHARD_MAX_DIMS],
+    pub bytes: u64,
+}

@@ -1,0 +1,730 @@
+//! End to end on the host executor (DESIGN §7 step 2), verified only through the oracle: every
+//! rank's buffers are filled and checked from the oracle's index lists and view geometry, never
+//! from the crate's layout code.
+
+mod oracle;
+
+use ncclreshard::exec::host::{execute, RankBuffers};
+use ncclreshard::plan::Buffer;
+use ncclreshard::{
+    Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
+};
+use oracle::strategies::{layout_on, mesh, stride_recipe};
+use proptest::prelude::*;
+
+/// Bytes past the end of every destination view: a program writing beyond the view's extent
+/// shows up as a changed sentinel. Source buffers are exactly the extent, so an out-of-view
+/// read is an executor error.
+const DST_SLACK: usize = 16;
+
+const SRC_SIDE: u8 = 0;
+const DST_SIDE: u8 = 1;
+
+/// A rank's local tensor on one side, as the oracle sees it.
+struct OracleView {
+    lists: Vec<Vec<u64>>,
+    local_shape: Vec<u64>,
+    strides: Option<Vec<u64>>,
+    elem_size: u64,
+}
+
+impl OracleView {
+    fn of(spec: &TensorSpec, layout: &Layout, rank: u32) -> Option<OracleView> {
+        let lists = oracle::local_index_lists(&spec.shape, layout, rank)?;
+        let local_shape = lists.iter().map(|l| l.len() as u64).collect();
+        Some(OracleView {
+            lists,
+            local_shape,
+            strides: layout.strides.clone(),
+            elem_size: u64::from(spec.dtype.size()),
+        })
+    }
+
+    fn extent(&self) -> usize {
+        oracle::view_extent_bytes(&self.local_shape, self.strides.as_deref(), self.elem_size)
+            as usize
+    }
+
+    fn elements(&self) -> u64 {
+        oracle::element_count(&self.local_shape)
+    }
+
+    /// Calls `f(byte offset, global linear index)` for every element of the view.
+    fn for_each(&self, shape: &[u64], mut f: impl FnMut(usize, u64)) {
+        oracle::for_each_local_element(&self.lists, |pos, global| {
+            let offset = oracle::local_byte_offset(
+                &self.local_shape,
+                self.strides.as_deref(),
+                self.elem_size,
+                pos,
+            );
+            f(offset as usize, oracle::linear_index(shape, global));
+        });
+    }
+
+    /// The buffer's full content: sentinels, with every element's value where it lives.
+    fn image(&self, shape: &[u64], tensor: usize, rank: u32, side: u8, len: usize) -> Vec<u8> {
+        let mut bytes: Vec<u8> = (0..len)
+            .map(|o| oracle::sentinel_byte(rank, tensor, side, o))
+            .collect();
+        let size = self.elem_size as usize;
+        self.for_each(shape, |offset, global| {
+            bytes[offset..offset + size]
+                .copy_from_slice(&oracle::element_bytes(tensor, global, size));
+        });
+        bytes
+    }
+}
+
+/// Every rank in any mesh, ascending, by the oracle.
+fn all_ranks(tensors: &[TensorSpec]) -> Vec<u32> {
+    let mut ranks: Vec<u32> = tensors
+        .iter()
+        .flat_map(|t| {
+            oracle::mesh_ranks(&t.src)
+                .into_iter()
+                .chain(oracle::mesh_ranks(&t.dst))
+        })
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
+}
+
+fn initial_buffers(tensors: &[TensorSpec], ranks: &[u32]) -> Vec<RankBuffers> {
+    ranks
+        .iter()
+        .map(|&rank| {
+            let mut memory = RankBuffers::default();
+            for (t, spec) in tensors.iter().enumerate() {
+                memory
+                    .src
+                    .push(match OracleView::of(spec, &spec.src, rank) {
+                        Some(v) => v.image(&spec.shape, t, rank, SRC_SIDE, v.extent()),
+                        None => Vec::new(),
+                    });
+                memory
+                    .dst
+                    .push(match OracleView::of(spec, &spec.dst, rank) {
+                        Some(v) => (0..v.extent() + DST_SLACK)
+                            .map(|o| oracle::sentinel_byte(rank, t, DST_SIDE, o))
+                            .collect(),
+                        None => Vec::new(),
+                    });
+            }
+            memory
+        })
+        .collect()
+}
+
+/// Says which element (if any) of a view lives at `offset`, for failure messages.
+fn describe_byte(view: &OracleView, shape: &[u64], offset: usize) -> String {
+    let size = view.elem_size as usize;
+    let mut found = None;
+    view.for_each(shape, |at, global| {
+        if (at..at + size).contains(&offset) {
+            found = Some(global);
+        }
+    });
+    match found {
+        Some(global) => format!("inside the element with global index {global}"),
+        None => "outside every element of the view".to_string(),
+    }
+}
+
+/// Checks every buffer after `execute` against the oracle.
+fn verify(tensors: &[TensorSpec], ranks: &[u32], before: &[RankBuffers], after: &[RankBuffers]) {
+    for (i, &rank) in ranks.iter().enumerate() {
+        for (t, spec) in tensors.iter().enumerate() {
+            assert!(
+                after[i].src[t] == before[i].src[t],
+                "rank {rank} tensor {t}: source changed"
+            );
+            let got = &after[i].dst[t];
+            let Some(view) = OracleView::of(spec, &spec.dst, rank) else {
+                assert!(got.is_empty(), "rank {rank} tensor {t}: has no destination");
+                continue;
+            };
+            let want = view.image(&spec.shape, t, rank, DST_SIDE, view.extent() + DST_SLACK);
+            assert_eq!(
+                got.len(),
+                want.len(),
+                "rank {rank} tensor {t}: buffer resized"
+            );
+            if let Some(offset) = (0..want.len()).find(|&o| got[o] != want[o]) {
+                panic!(
+                    "rank {rank} tensor {t} ({:?} {:?}, dst {:?} strides {:?}): byte {offset} \
+                     ({}) is {:#04x}, expected {:#04x}",
+                    spec.shape,
+                    spec.dtype,
+                    spec.dst.placements,
+                    spec.dst.strides,
+                    describe_byte(&view, &spec.shape, offset),
+                    got[offset],
+                    want[offset]
+                );
+            }
+        }
+    }
+}
+
+/// Checks what the programs claim to move against what the oracle says must move: every
+/// destination element arrives exactly once, and a rank's own overlap is a local copy.
+fn verify_accounting(tensors: &[TensorSpec], ranks: &[u32], programs: &[RankProgram]) {
+    for (&rank, program) in ranks.iter().zip(programs) {
+        let mut must_arrive = 0u64;
+        let mut own = 0u64;
+        for spec in tensors {
+            let Some(dst) = OracleView::of(spec, &spec.dst, rank) else {
+                continue;
+            };
+            must_arrive += dst.elements() * dst.elem_size;
+            if let Some(src) = OracleView::of(spec, &spec.src, rank) {
+                let common: u64 = src
+                    .lists
+                    .iter()
+                    .zip(&dst.lists)
+                    .map(|(a, b)| a.iter().filter(|i| b.contains(i)).count() as u64)
+                    .product();
+                own += common * dst.elem_size;
+            }
+        }
+        assert_eq!(
+            program.bytes_copied_locally(),
+            own,
+            "rank {rank}: local copies should cover exactly its own overlap"
+        );
+        assert_eq!(
+            program.bytes_received() + program.bytes_copied_locally(),
+            must_arrive,
+            "rank {rank}: bytes received + copied locally vs its destination bytes"
+        );
+    }
+}
+
+/// What the mode promises about the shape of every program.
+fn verify_mode(mode: Mode, programs: &[RankProgram]) {
+    for p in programs {
+        match mode {
+            Mode::Groupable => {
+                assert!(
+                    p.unpacks.is_empty(),
+                    "rank {}: groupable plan unpacks",
+                    p.rank
+                );
+                for m in &p.recvs {
+                    assert_eq!(
+                        m.loc.buffer,
+                        Buffer::Dst,
+                        "rank {}: groupable receive into {:?}",
+                        p.rank,
+                        m.loc.buffer
+                    );
+                }
+            }
+            Mode::Staged => {
+                for messages in [&p.sends, &p.recvs] {
+                    let mut peers: Vec<u32> = messages.iter().map(|m| m.peer).collect();
+                    peers.sort_unstable();
+                    let n = peers.len();
+                    peers.dedup();
+                    assert_eq!(
+                        peers.len(),
+                        n,
+                        "rank {}: staged pair with several messages",
+                        p.rank
+                    );
+                }
+            }
+            Mode::Auto => {}
+        }
+    }
+}
+
+/// Plans every rank, runs all of them on the host executor and checks everything against the
+/// oracle. Returns the programs for further assertions.
+fn run_checked(tensors: &[TensorSpec], config: &Config) -> Vec<RankProgram> {
+    let planner = Planner::new(tensors.to_vec(), config.clone())
+        .unwrap_or_else(|e| panic!("plan rejected: {e}"));
+    let ranks = planner.ranks();
+    assert_eq!(ranks, all_ranks(tensors), "planner.ranks()");
+    let programs: Vec<RankProgram> = ranks
+        .iter()
+        .map(|&r| {
+            planner
+                .rank_program(r)
+                .unwrap_or_else(|e| panic!("rank {r}: {e}"))
+        })
+        .collect();
+    for (&r, p) in ranks.iter().zip(&programs) {
+        assert_eq!(p.rank, r);
+        assert_eq!(p.fingerprint, programs[0].fingerprint);
+    }
+    let before = initial_buffers(tensors, &ranks);
+    let mut buffers = before.clone();
+    execute(&programs, &mut buffers).unwrap_or_else(|e| panic!("execute: {e}"));
+    verify(tensors, &ranks, &before, &buffers);
+    verify_accounting(tensors, &ranks, &programs);
+    verify_mode(config.mode, &programs);
+    programs
+}
+
+// Random cases.
+
+fn dtype() -> impl Strategy<Value = DType> {
+    prop::sample::select(vec![
+        DType::Int8,
+        DType::Float16,
+        DType::Bfloat16,
+        DType::Float32,
+        DType::Float64,
+    ])
+}
+
+/// Rank 0..=4 with dims 0..=12, rank 1..=2 with dims up to 48, rank 8 with dims 1..=3, or
+/// rank 5..=7 with dims 0..=3.
+fn e2e_shape() -> impl Strategy<Value = Vec<u64>> {
+    prop_oneof![
+        6 => prop::collection::vec(0u64..=12, 0..=4),
+        1 => prop::collection::vec(0u64..=48, 1..=2),
+        1 => prop::collection::vec(1u64..=3, 8),
+        1 => prop::collection::vec(0u64..=3, 5..=7),
+    ]
+}
+
+/// The destination mesh relative to the source one: any mesh over the same small rank pool
+/// (partially overlapping or not), the source's own ranks reshaped and shuffled (colocated),
+/// or ranks disjoint from every source.
+fn dst_mesh(src: Mesh) -> BoxedStrategy<Mesh> {
+    let ranks = src.ranks().to_vec();
+    let n = ranks.len() as u64;
+    let shapes: Vec<Vec<u64>> = std::iter::once(vec![n])
+        .chain((2..n).filter(|a| n % a == 0).map(|a| vec![a, n / a]))
+        .chain(std::iter::once(src.shape().to_vec()))
+        .collect();
+    let colocated = (prop::sample::select(shapes), Just(ranks).prop_shuffle())
+        .prop_map(|(shape, ranks)| Mesh::new(shape, ranks).expect("valid mesh"));
+    let disjoint = mesh(3, 4, 16, 4).prop_map(|m| {
+        Mesh::new(
+            m.shape().to_vec(),
+            m.ranks().iter().map(|r| r + 40).collect(),
+        )
+        .expect("valid mesh")
+    });
+    prop_oneof![
+        2 => mesh(3, 4, 16, 4),
+        2 => colocated,
+        1 => disjoint,
+    ]
+    .boxed()
+}
+
+fn tensor() -> impl Strategy<Value = TensorSpec> {
+    (e2e_shape(), dtype(), mesh(3, 4, 16, 4))
+        .prop_flat_map(|(shape, dtype, src_mesh)| {
+            let ndim = shape.len();
+            (
+                Just(shape),
+                Just(dtype),
+                layout_on(src_mesh.clone(), ndim),
+                dst_mesh(src_mesh).prop_flat_map(move |m| layout_on(m, ndim)),
+                prop::option::weighted(0.25, stride_recipe()),
+                prop::option::weighted(0.35, stride_recipe()),
+            )
+        })
+        .prop_map(|(shape, dtype, mut src, mut dst, src_recipe, dst_recipe)| {
+            if let Some(r) = src_recipe {
+                src.strides = Some(r.strides(&oracle::max_local_shape(&shape, &src)));
+            }
+            if let Some(r) = dst_recipe {
+                dst.strides = Some(r.strides(&oracle::max_local_shape(&shape, &dst)));
+            }
+            TensorSpec {
+                shape,
+                dtype,
+                src,
+                dst,
+            }
+        })
+}
+
+fn mode() -> impl Strategy<Value = Mode> {
+    prop::sample::select(vec![Mode::Groupable, Mode::Staged, Mode::Auto])
+}
+
+fn config(mode: impl Strategy<Value = Mode>) -> impl Strategy<Value = Config> {
+    (
+        mode,
+        prop_oneof![
+            Just(Topology::Unknown),
+            (1u32..=4).prop_map(Topology::RanksPerNode),
+            // A node for every rank the strategies can draw (a shorter table is rejected).
+            prop::collection::vec(0u32..4, 256).prop_map(Topology::NodeTable),
+        ],
+        prop::sample::select(vec![1u64, 3, 64, 1 << 20]),
+    )
+        .prop_map(|(mode, topology, split_min_bytes)| Config {
+            mode,
+            topology,
+            split_min_bytes,
+        })
+}
+
+fn tensors() -> impl Strategy<Value = Vec<TensorSpec>> {
+    prop_oneof![
+        3 => prop::collection::vec(tensor(), 1),
+        2 => prop::collection::vec(tensor(), 2..=5),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1024))]
+
+    #[test]
+    fn random_reshards_are_byte_exact(tensors in tensors(), config in config(mode())) {
+        run_checked(&tensors, &config);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn groupable_plans_never_unpack(
+        tensors in tensors(),
+        config in config(Just(Mode::Groupable)),
+    ) {
+        // `run_checked` asserts that no program unpacks and every receive lands in the
+        // destination view.
+        run_checked(&tensors, &config);
+    }
+}
+
+// Fixed cases.
+
+fn grid(shape: &[u64], first: u32) -> Mesh {
+    Mesh::contiguous(shape.to_vec(), first).expect("valid mesh")
+}
+
+fn layout(mesh: Mesh, placements: &[Placement]) -> Layout {
+    Layout::new(mesh, placements.to_vec())
+}
+
+fn with_mode(mode: Mode) -> Config {
+    Config {
+        mode,
+        ..Default::default()
+    }
+}
+
+const MODES: [Mode; 3] = [Mode::Groupable, Mode::Staged, Mode::Auto];
+
+#[test]
+fn sixty_four_ranks_8x8_to_64() {
+    let t = TensorSpec {
+        shape: vec![256, 256],
+        dtype: DType::Float32,
+        src: layout(
+            grid(&[8, 8], 0),
+            &[Placement::Shard(0), Placement::Shard(1)],
+        ),
+        dst: layout(grid(&[64], 0), &[Placement::Shard(1)]),
+    };
+    for mode in [Mode::Groupable, Mode::Auto] {
+        let programs = run_checked(std::slice::from_ref(&t), &with_mode(mode));
+        assert_eq!(programs.len(), 64);
+    }
+}
+
+fn tp2_to_tp1_dim1() -> TensorSpec {
+    TensorSpec {
+        shape: vec![6, 10],
+        dtype: DType::Float32,
+        src: layout(grid(&[2], 0), &[Placement::Shard(1)]),
+        dst: layout(grid(&[1], 2), &[Placement::Replicate]),
+    }
+}
+
+#[test]
+fn tp2_to_tp1_on_dim1_groupable_lands_directly() {
+    let programs = run_checked(&[tp2_to_tp1_dim1()], &with_mode(Mode::Groupable));
+    for p in &programs {
+        assert!(p.unpacks.is_empty(), "rank {}", p.rank);
+    }
+    // Rows of the destination interleave the two sources: one message per row and source.
+    assert_eq!(programs[2].recvs.len(), 12);
+}
+
+#[test]
+fn tp2_to_tp1_on_dim1_staged_unpacks() {
+    let programs = run_checked(&[tp2_to_tp1_dim1()], &with_mode(Mode::Staged));
+    assert!(!programs[2].unpacks.is_empty());
+    assert_eq!(programs[2].recvs.len(), 2, "one message per source");
+    let programs = run_checked(&[tp2_to_tp1_dim1()], &with_mode(Mode::Auto));
+    assert!(
+        !programs[2].unpacks.is_empty(),
+        "six 20-byte pieces per pair are staged in auto"
+    );
+}
+
+/// DP4 × TP2 (ranks 0..8, [Replicate, Shard(0)]) → TP8 (ranks 8..16).
+fn dp4_tp2_to_tp8() -> TensorSpec {
+    TensorSpec {
+        shape: vec![64, 64],
+        dtype: DType::Float32,
+        src: layout(
+            grid(&[4, 2], 0),
+            &[Placement::Replicate, Placement::Shard(0)],
+        ),
+        dst: layout(grid(&[8], 8), &[Placement::Shard(0)]),
+    }
+}
+
+#[test]
+fn replicated_source_spreads_the_load() {
+    for config in [
+        Config::default(),
+        Config {
+            topology: Topology::RanksPerNode(8),
+            ..Default::default()
+        },
+    ] {
+        let programs = run_checked(&[dp4_tp2_to_tp8()], &config);
+        for tp in 0..2u32 {
+            let replicas: Vec<u32> = (0..4).map(|dp| dp * 2 + tp).collect();
+            let senders = replicas
+                .iter()
+                .filter(|&&r| programs[r as usize].bytes_sent() > 0)
+                .count();
+            assert!(
+                senders > 1,
+                "{config:?}: TP shard {tp} is sent by {senders} replica(s)"
+            );
+        }
+    }
+    // With small split sizes every receiver is fed by several replicas at once.
+    let config = Config {
+        split_min_bytes: 256,
+        ..Default::default()
+    };
+    let programs = run_checked(&[dp4_tp2_to_tp8()], &config);
+    for p in &programs[8..] {
+        assert!(
+            p.peers().len() > 1,
+            "rank {} receives from {:?}",
+            p.rank,
+            p.peers()
+        );
+    }
+}
+
+#[test]
+fn groupable_mode_never_unpacks() {
+    let awkward = vec![
+        tp2_to_tp1_dim1(),
+        dp4_tp2_to_tp8(),
+        TensorSpec {
+            shape: vec![8, 6, 5],
+            dtype: DType::Float16,
+            src: layout(
+                Mesh::new(vec![2, 2], vec![3, 0, 2, 1]).expect("valid mesh"),
+                &[
+                    Placement::StridedShard {
+                        dim: 0,
+                        split_factor: 2,
+                    },
+                    Placement::Shard(2),
+                ],
+            ),
+            dst: layout(grid(&[3], 1), &[Placement::Shard(1)]).with_strides(vec![70, 1, 14]),
+        },
+    ];
+    let programs = run_checked(&awkward, &with_mode(Mode::Groupable));
+    assert!(programs.iter().all(|p| p.unpacks.is_empty()));
+}
+
+#[test]
+fn scalars_and_rank_eight_tensors() {
+    let scalar = TensorSpec {
+        shape: vec![],
+        dtype: DType::Float64,
+        src: layout(grid(&[2], 0), &[Placement::Replicate]),
+        dst: layout(
+            grid(&[2, 2], 1),
+            &[Placement::Replicate, Placement::Replicate],
+        ),
+    };
+    let eight = TensorSpec {
+        shape: vec![2, 3, 1, 2, 3, 2, 1, 3],
+        dtype: DType::Bfloat16,
+        src: layout(
+            grid(&[2, 3], 0),
+            &[Placement::Shard(7), Placement::Shard(1)],
+        ),
+        dst: layout(
+            grid(&[3, 2], 2),
+            &[Placement::Shard(4), Placement::Shard(0)],
+        ),
+    };
+    for mode in MODES {
+        run_checked(&[scalar.clone(), eight.clone()], &with_mode(mode));
+    }
+}
+
+#[test]
+fn padded_destination_view_keeps_the_other_half() {
+    // vLLM-style fused gate_up_proj: the destination is the gate half of each row
+    // (row stride 2 × 12 elements), the up half must stay untouched.
+    let t = TensorSpec {
+        shape: vec![16, 12],
+        dtype: DType::Bfloat16,
+        src: layout(grid(&[4], 0), &[Placement::Shard(1)]),
+        dst: layout(grid(&[2], 4), &[Placement::Shard(0)]).with_strides(vec![24, 1]),
+    };
+    for mode in MODES {
+        run_checked(std::slice::from_ref(&t), &with_mode(mode));
+    }
+}
+
+/// Two ranks planned from slightly different tensors: rank 0 from `[4, 4]`, rank 1 from
+/// `[4, 5]`, the source on rank 0 and the destination on rank 1.
+fn mismatched_programs() -> (Vec<TensorSpec>, Vec<RankProgram>) {
+    let a = vec![TensorSpec {
+        shape: vec![4, 4],
+        dtype: DType::Float32,
+        src: layout(grid(&[1], 0), &[Placement::Replicate]),
+        dst: layout(grid(&[1], 1), &[Placement::Replicate]),
+    }];
+    let mut b = a.clone();
+    b[0].shape = vec![4, 5];
+    let plan_a = Planner::new(a.clone(), Config::default()).expect("valid plan");
+    let plan_b = Planner::new(b, Config::default()).expect("valid plan");
+    let programs = vec![
+        plan_a.rank_program(0).expect("program"),
+        plan_b.rank_program(1).expect("program"),
+    ];
+    (a, programs)
+}
+
+/// Runs `execute` on its own thread and gives up after a deadline, so that a hang fails the
+/// test instead of the whole run (the stuck threads are leaked). `None` means it hung.
+fn execute_with_deadline(
+    programs: Vec<RankProgram>,
+    mut buffers: Vec<RankBuffers>,
+) -> Option<ncclreshard::Result<()>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            execute(&programs, &mut buffers)
+        }))
+        .unwrap_or_else(|_| Err(ncclreshard::Error::internal("execute panicked")));
+        let _ = tx.send(result);
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(10)).ok()
+}
+
+#[test]
+fn inconsistent_programs_are_an_error() {
+    let (a, programs) = mismatched_programs();
+    let buffers = initial_buffers(&a, &[0, 1]);
+    match execute_with_deadline(programs, buffers) {
+        None => panic!("execute hung on programs planned from different tensors"),
+        Some(Ok(())) => panic!("programs planned from different tensors ran"),
+        Some(Err(e)) => assert!(e.message.contains("fingerprint"), "{}", e.message),
+    }
+}
+
+#[test]
+fn mismatched_programs_with_forged_fingerprints_are_an_error() {
+    // Even when the fingerprints agree, a size mismatch must be an error naming the ranks.
+    let (a, mut programs) = mismatched_programs();
+    programs[1].fingerprint = programs[0].fingerprint;
+    let buffers = initial_buffers(&a, &[0, 1]);
+    match execute_with_deadline(programs, buffers) {
+        None => panic!("execute hung on mismatched programs"),
+        Some(Ok(())) => panic!("mismatched programs ran"),
+        Some(Err(e)) => assert!(
+            e.message.contains("rank 0") && e.message.contains("rank 1"),
+            "{}",
+            e.message
+        ),
+    }
+}
+
+/// A rank whose program cannot run — a staging size that cannot be allocated, copy dims whose
+/// byte count overflows — must make `execute` return an error naming the rank, never leave the
+/// other ranks waiting at a phase barrier.
+#[test]
+fn a_malformed_program_is_an_error_not_a_hang() {
+    let staging = RankProgram {
+        rank: 0,
+        staging_bytes: u64::MAX,
+        ..Default::default()
+    };
+    let overflow = RankProgram {
+        rank: 0,
+        local_copies: vec![ncclreshard::plan::Copy {
+            src: ncclreshard::plan::Loc {
+                buffer: Buffer::Src,
+                tensor: 0,
+                offset: 0,
+            },
+            dst: ncclreshard::plan::Loc {
+                buffer: Buffer::Dst,
+                tensor: 0,
+                offset: 0,
+            },
+            chunk_bytes: 1,
+            dims: vec![ncclreshard::plan::CopyDim {
+                count: u64::MAX / 2,
+                src_stride: 4,
+                dst_stride: 4,
+            }],
+        }],
+        ..Default::default()
+    };
+    for bad in [staging, overflow] {
+        let peer = RankProgram {
+            rank: 1,
+            fingerprint: bad.fingerprint,
+            ..Default::default()
+        };
+        let buffers = vec![
+            RankBuffers {
+                src: vec![vec![0; 8]],
+                dst: vec![vec![0; 8]],
+            },
+            RankBuffers::default(),
+        ];
+        match execute_with_deadline(vec![bad.clone(), peer], buffers) {
+            None => panic!("execute hung on {bad:?}"),
+            Some(Ok(())) => panic!("a malformed program ran: {bad:?}"),
+            Some(Err(e)) => assert!(e.message.contains("rank"), "{}", e.message),
+        }
+    }
+}
+
+#[test]
+fn four_axis_mesh_and_zero_strides_on_unit_dims() {
+    // torch allows any stride on a dim of length 1 (e.g. after `unsqueeze` or `expand`).
+    let t = TensorSpec {
+        shape: vec![6, 9, 1],
+        dtype: DType::Float8E4M3,
+        src: layout(
+            Mesh::new(vec![2, 1, 2, 2], vec![7, 5, 3, 1, 6, 4, 2, 0]).expect("valid mesh"),
+            &[
+                Placement::Shard(0),
+                Placement::Replicate,
+                Placement::StridedShard {
+                    dim: 1,
+                    split_factor: 3,
+                },
+                Placement::Shard(0),
+            ],
+        ),
+        dst: layout(grid(&[3], 2), &[Placement::Shard(1)]).with_strides(vec![3, 1, 0]),
+    };
+    for mode in MODES {
+        run_checked(std::slice::from_ref(&t), &with_mode(mode));
+    }
+}
