@@ -231,6 +231,17 @@ fn run_copy(copy: &Copy, memory: &mut RankBuffers, staging: &mut [u8]) -> Result
     let dst_span = copy.dst_end() - copy.dst.offset;
     let src_bytes = read(memory, staging, copy.src, src_span)?.to_vec();
     let dst = write(memory, staging, copy.dst, dst_span)?;
+    copy_block(copy, &src_bytes, dst);
+    Ok(())
+}
+
+/// The semantics of a [`Copy`]: `src` and `dst` start at the copy's source and destination
+/// offsets (they must span `src_end() - src.offset` and `dst_end() - dst.offset` bytes).
+/// The CUDA kernels implement exactly this.
+pub fn copy_block(copy: &Copy, src: &[u8], dst: &mut [u8]) {
+    if copy.bytes() == 0 {
+        return;
+    }
     let chunk = copy.chunk_bytes as usize;
     let mut index = vec![0u64; copy.dims.len()];
     loop {
@@ -247,11 +258,11 @@ fn run_copy(copy: &Copy, memory: &mut RankBuffers, staging: &mut [u8]) -> Result
             .map(|(d, &i)| i * d.dst_stride)
             .sum();
         let (s, d) = (s as usize, d as usize);
-        dst[d..d + chunk].copy_from_slice(&src_bytes[s..s + chunk]);
+        dst[d..d + chunk].copy_from_slice(&src[s..s + chunk]);
         let mut k = copy.dims.len();
         loop {
             if k == 0 {
-                return Ok(());
+                return;
             }
             k -= 1;
             index[k] += 1;

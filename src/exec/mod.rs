@@ -1,1 +1,2 @@
+pub mod cuda;
 pub mod host;

@@ -1,0 +1,4 @@
+//! The CUDA + NCCL executor (DESIGN §4): runs a rank's `RankProgram` on the caller's stream and
+//! communicator, with kernels compiled by NVRTC at first use and NCCL taken from the process.
+
+pub mod descriptors;
