@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The project's test command (README): formatting, lints, every Rust test (unit, property,
-# end to end on the host executor, CLI, header drift), then the C/CMake side.
+# end to end on the host executor, CLI, header drift), then the native side (NVRTC kernels,
+# C ABI, CMake package, examples).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
-bash scripts/c-tests.sh
+bash scripts/native-tests.sh

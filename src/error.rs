@@ -15,6 +15,10 @@ pub enum ErrorKind {
     /// A system facility is missing or failed: a library that cannot be loaded, an executor
     /// this build or machine lacks (`ncclSystemError`).
     System,
+    /// A CUDA driver call failed (`ncclUnhandledCudaError`).
+    Cuda,
+    /// An NCCL call failed with this `ncclResult_t`, passed through unchanged.
+    Nccl(i32),
 }
 
 /// An error with a message that names the offending field and value, meant to be read by the

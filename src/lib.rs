@@ -5,6 +5,7 @@
 //! (layouts, planner, the `RankProgram` IR, a host executor); see DESIGN §4.
 
 pub mod check;
+pub mod debug;
 pub mod error;
 pub mod exec;
 pub mod ffi;

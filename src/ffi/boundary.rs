@@ -39,6 +39,8 @@ fn code(kind: ErrorKind) -> ncclResult_t {
         ErrorKind::InvalidUsage => NCCL_INVALID_USAGE,
         ErrorKind::Internal => NCCL_INTERNAL_ERROR,
         ErrorKind::System => NCCL_SYSTEM_ERROR,
+        ErrorKind::Cuda => NCCL_UNHANDLED_CUDA_ERROR,
+        ErrorKind::Nccl(code) => code,
     }
 }
 

@@ -147,16 +147,16 @@ pub unsafe extern "C" fn ncclReshardMulti(
     boundary("ncclReshardMulti", || {
         let plan = plan_ref(plan)?;
         let n = plan.ntensors();
-        let pointers = |table: *const usize, needed: bool, name: &str| -> Result<Vec<usize>> {
-            if table.is_null() && !needed {
-                return Ok(vec![0; n]);
+        let pointers = |table: *const usize, name: &str| -> Result<&[usize]> {
+            if table.is_null() {
+                return Ok(&[]);
             }
             // SAFETY: a non-NULL table holds one pointer per tensor (the API contract).
-            Ok(unsafe { array(table, n, name) }?.to_vec())
+            unsafe { array(table, n, name) }
         };
-        let send = pointers(sendbuffs.cast(), plan.needs_send_buffer(), "sendbuffs")?;
-        let recv = pointers(recvbuffs.cast(), plan.needs_recv_buffer(), "recvbuffs")?;
-        let buffers = plan.multi_buffers(&send, &recv)?;
+        let send = pointers(sendbuffs.cast(), "sendbuffs")?;
+        let recv = pointers(recvbuffs.cast(), "recvbuffs")?;
+        let buffers = plan.multi_buffers(send, recv)?;
         plan.execute(&buffers, comm, stream)
     })
 }

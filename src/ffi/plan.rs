@@ -4,10 +4,13 @@
 use super::boundary::array;
 use super::convert::{self, TensorInput};
 use super::types::*;
+use crate::debug::{self, Level};
 use crate::error::{Error, Result};
+use crate::exec::cuda::{CallBuffers, CudaExecutor};
 use crate::layout::{IndexRuns, TensorSpec};
 use crate::plan::{Block, Config, Planner, RankProgram};
 use std::os::raw::c_int;
+use std::sync::Arc;
 
 /// Where one tensor's views sit for this rank: (byte offset in the single-buffer call, bytes),
 /// `None` when the rank has no view on that side.
@@ -20,17 +23,12 @@ struct Views {
 pub(crate) struct PlanObject {
     rank: u32,
     planner: Planner,
-    program: RankProgram,
+    program: Arc<RankProgram>,
     blocks: Vec<Block>,
     views: Vec<Views>,
     names: Vec<Option<String>>,
-    /// Bounds the CUDA executor's staging (0 = its default).
-    #[allow(dead_code)]
-    max_staging_bytes: u64,
+    executor: CudaExecutor,
 }
-
-/// Per tensor, the addresses of this rank's source and destination views (0 = none).
-pub(crate) struct Buffers(Vec<(usize, usize)>);
 
 fn local_extent(spec: &TensorSpec, src: bool, rank: u32) -> Option<u64> {
     let layout = if src { &spec.src } else { &spec.dst };
@@ -110,7 +108,28 @@ impl PlanObject {
             .collect();
         check_disjoint(dst_ranges, "recvbuff", "dstOffset")?;
         let blocks = planner.rank_blocks(rank)?;
-        let program = planner.program_from_blocks(rank, &blocks)?;
+        let program = Arc::new(planner.program_from_blocks(rank, &blocks)?);
+        debug::log(Level::Info, || {
+            format!(
+                "plan for rank {rank}: {} tensors, {:?} mode, {} peers, {} sends ({} bytes), {} receives ({} bytes), {} bytes copied locally, {} staging bytes, fingerprint {:#018x}",
+                views.len(),
+                program.mode(),
+                program.peers().len(),
+                program.sends.len(),
+                program.bytes_sent(),
+                program.recvs.len(),
+                program.bytes_received(),
+                program.bytes_copied_locally(),
+                program.staging_bytes,
+                program.fingerprint
+            )
+        });
+        let executor = CudaExecutor::new(
+            program.clone(),
+            views.iter().map(|v| v.src.map_or(0, |(o, _)| o)).collect(),
+            views.iter().map(|v| v.dst.map_or(0, |(o, _)| o)).collect(),
+            max_staging_bytes,
+        );
         Ok(PlanObject {
             rank,
             planner,
@@ -118,7 +137,7 @@ impl PlanObject {
             blocks,
             views,
             names,
-            max_staging_bytes,
+            executor,
         })
     }
 
@@ -158,7 +177,7 @@ impl PlanObject {
     }
 
     /// Buffers for the single-buffer call, after checking NULLs and overlap.
-    pub fn single_buffers(&self, send: usize, recv: usize) -> Result<Buffers> {
+    pub fn single_buffers(&self, send: usize, recv: usize) -> Result<CallBuffers<'static>> {
         if send == 0 && self.needs_send_buffer() {
             return Err(Error::invalid_argument(format!(
                 "sendbuff is NULL but rank {} holds source data of {}",
@@ -195,32 +214,28 @@ impl PlanObject {
                 "sendbuff ({send:#x}, {sb} bytes) and recvbuff ({recv:#x}, {rb} bytes) overlap; in-place reshards are not supported"
             )));
         }
-        Ok(Buffers(
-            self.views
-                .iter()
-                .map(|v| {
-                    (
-                        v.src.map_or(0, |(o, _)| send.wrapping_add(o as usize)),
-                        v.dst.map_or(0, |(o, _)| recv.wrapping_add(o as usize)),
-                    )
-                })
-                .collect(),
-        ))
+        Ok(CallBuffers::Single { send, recv })
     }
 
     /// Buffers for the per-tensor call, after checking NULLs and per-tensor overlap.
-    pub fn multi_buffers(&self, send: &[usize], recv: &[usize]) -> Result<Buffers> {
+    pub fn multi_buffers<'a>(
+        &self,
+        send: &'a [usize],
+        recv: &'a [usize],
+    ) -> Result<CallBuffers<'a>> {
+        let send_at = |t: usize| send.get(t).copied().unwrap_or(0);
+        let recv_at = |t: usize| recv.get(t).copied().unwrap_or(0);
         for (t, v) in self.views.iter().enumerate() {
             let src = v.src.filter(|&(_, e)| e > 0);
             let dst = v.dst.filter(|&(_, e)| e > 0);
-            if src.is_some() && send[t] == 0 {
+            if src.is_some() && send_at(t) == 0 {
                 return Err(Error::invalid_argument(format!(
                     "sendbuffs[{t}] is NULL but rank {} holds source data of {}",
                     self.rank,
                     self.tensor_name(t)
                 )));
             }
-            if dst.is_some() && recv[t] == 0 {
+            if dst.is_some() && recv_at(t) == 0 {
                 return Err(Error::invalid_argument(format!(
                     "recvbuffs[{t}] is NULL but rank {} receives data of {}",
                     self.rank,
@@ -228,7 +243,7 @@ impl PlanObject {
                 )));
             }
             if let (Some((_, se)), Some((_, de))) = (src, dst) {
-                let (s, d) = (send[t], recv[t]);
+                let (s, d) = (send_at(t), recv_at(t));
                 if s < d.saturating_add(de as usize) && d < s.saturating_add(se as usize) {
                     return Err(Error::invalid_argument(format!(
                         "sendbuffs[{t}] and recvbuffs[{t}] overlap; in-place reshards are not supported"
@@ -236,33 +251,17 @@ impl PlanObject {
                 }
             }
         }
-        Ok(Buffers(
-            send.iter().copied().zip(recv.iter().copied()).collect(),
-        ))
+        Ok(CallBuffers::PerTensor { send, recv })
     }
 
     /// Runs the program on the caller's stream and communicator.
     pub fn execute(
         &self,
-        buffers: &Buffers,
+        buffers: &CallBuffers<'_>,
         comm: ncclComm_t,
-        _stream: cudaStream_t,
+        stream: cudaStream_t,
     ) -> Result<()> {
-        debug_assert_eq!(buffers.0.len(), self.views.len());
-        if self.program.is_empty() {
-            return Ok(());
-        }
-        if comm.is_null() && !(self.program.sends.is_empty() && self.program.recvs.is_empty()) {
-            return Err(Error::invalid_argument(format!(
-                "comm is NULL but rank {} exchanges data with {} peer(s)",
-                self.rank,
-                self.program.peers().len()
-            )));
-        }
-        Err(Error::system(format!(
-            "this build of libncclreshard {} has no GPU executor yet: plans, info and transfers work, moving data on GPUs arrives with the CUDA executor",
-            env!("CARGO_PKG_VERSION")
-        )))
+        self.executor.execute(buffers, comm, stream)
     }
 
     pub fn info(&self) -> ncclReshardPlanInfo_t {

@@ -2,6 +2,7 @@
  * error codes, error messages and that outputs stay untouched on error. Exit 0 = pass. */
 #include <ncclReshard.h>
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -155,6 +156,14 @@ static void test_plan_lifecycle(void) {
       EXPECT_ERROR(ncclReshardMulti(NULL, NULL, plan, NULL, NULL), ncclInvalidArgument, "recvbuffs");
       EXPECT_ERROR(ncclReshardMulti(NULL, (void* const*)recvs, plan, NULL, NULL), ncclInvalidArgument,
                    "comm is NULL");
+      /* Without a CUDA driver the call fails cleanly (never crashes) and says what is missing. */
+      void* libcuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+      if (libcuda == NULL) {
+        EXPECT_ERROR(ncclReshard(NULL, recv, plan, (ncclComm_t)(void*)recv, NULL), ncclSystemError,
+                     "CUDA driver (libcuda.so.1) was not found");
+      } else {
+        dlclose(libcuda);
+      }
     }
     OK(ncclReshardPlanDestroy(plan));
   }

@@ -2,3 +2,10 @@
 //! communicator, with kernels compiled by NVRTC at first use and NCCL taken from the process.
 
 pub mod descriptors;
+pub(crate) mod driver;
+mod executor;
+pub(crate) mod libs;
+pub(crate) mod nccl;
+pub mod nvrtc;
+
+pub use executor::{CallBuffers, CudaExecutor, DEFAULT_MAX_STAGING_BYTES};
