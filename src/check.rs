@@ -114,6 +114,72 @@ fn host_bytes_needed(tensors: &[TensorSpec], ranks: &[u32]) -> u64 {
     total
 }
 
+/// The bytes of `rank`'s source view of tensor `t` as `check` fills it (each element's value
+/// from its global index, sentinels between the elements of a strided view), or `None` when
+/// the rank has no source view. Executors other than the host one use it to set up the same
+/// data (the GPU tests).
+pub fn source_view_bytes(spec: &TensorSpec, t: u32, rank: u32) -> Result<Option<Vec<u8>>> {
+    let Some((indices, view)) = rank_view(spec, &spec.src, rank) else {
+        return Ok(None);
+    };
+    let mut bytes = alloc(view.extent_bytes())?;
+    let size = spec.elem_size() as usize;
+    for_each_element(&spec.shape, &indices, &view, |offset, global| {
+        let value = element_value(t, global).to_le_bytes();
+        bytes[offset..offset + size].copy_from_slice(&value[..size]);
+    });
+    Ok(Some(bytes))
+}
+
+/// A destination view as it starts: sentinels everywhere (`None` when `rank` has no view).
+pub fn destination_view_bytes(spec: &TensorSpec, rank: u32) -> Result<Option<Vec<u8>>> {
+    rank_view(spec, &spec.dst, rank)
+        .map(|(_, view)| alloc(view.extent_bytes()))
+        .transpose()
+}
+
+/// Checks `rank`'s destination view of tensor `t` after a reshard: every element holds its
+/// value and every byte between elements still holds its sentinel. Returns the elements
+/// checked.
+pub fn verify_destination_view(spec: &TensorSpec, t: u32, rank: u32, got: &[u8]) -> Result<u64> {
+    let Some((indices, view)) = rank_view(spec, &spec.dst, rank) else {
+        return Ok(0);
+    };
+    if got.len() as u64 != view.extent_bytes() {
+        return Err(Error::internal(format!(
+            "tensor {t} rank {rank}: the destination view is {} bytes, not {}",
+            got.len(),
+            view.extent_bytes()
+        )));
+    }
+    let size = spec.elem_size() as usize;
+    let mut inside = vec![false; got.len()];
+    let mut failure: Option<String> = None;
+    let mut checked = 0;
+    for_each_element(&spec.shape, &indices, &view, |offset, global| {
+        inside[offset..offset + size]
+            .iter_mut()
+            .for_each(|b| *b = true);
+        let want = &element_value(t, global).to_le_bytes()[..size];
+        if failure.is_none() && &got[offset..offset + size] != want {
+            failure = Some(format!(
+                "tensor {t} rank {rank}: element with global index {global} at byte {offset} is {:02x?}, expected {want:02x?}",
+                &got[offset..offset + size]
+            ));
+        }
+        checked += 1;
+    });
+    if let Some(message) = failure {
+        return Err(Error::internal(message));
+    }
+    if let Some(offset) = (0..got.len()).find(|&o| !inside[o] && got[o] != sentinel(o)) {
+        return Err(Error::internal(format!(
+            "tensor {t} rank {rank}: byte {offset} outside the destination view was overwritten"
+        )));
+    }
+    Ok(checked)
+}
+
 /// Plans, executes and verifies a reshard of `tensors` under `config` on the host.
 pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
     let planner = Planner::new(tensors.to_vec(), config.clone())?;
@@ -132,24 +198,12 @@ pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
     for &rank in &ranks {
         let mut memory = RankBuffers::default();
         for (t, spec) in tensors.iter().enumerate() {
-            let src = match rank_view(spec, &spec.src, rank) {
-                Some((indices, view)) => {
-                    let mut bytes = alloc(view.extent_bytes())?;
-                    let size = spec.elem_size() as usize;
-                    for_each_element(&spec.shape, &indices, &view, |offset, global| {
-                        let value = element_value(t as u32, global).to_le_bytes();
-                        bytes[offset..offset + size].copy_from_slice(&value[..size]);
-                    });
-                    bytes
-                }
-                None => Vec::new(),
-            };
-            let dst = match rank_view(spec, &spec.dst, rank) {
-                Some((_, view)) => alloc(view.extent_bytes())?,
-                None => Vec::new(),
-            };
-            memory.src.push(src);
-            memory.dst.push(dst);
+            memory
+                .src
+                .push(source_view_bytes(spec, t as u32, rank)?.unwrap_or_default());
+            memory
+                .dst
+                .push(destination_view_bytes(spec, rank)?.unwrap_or_default());
         }
         buffers.push(memory);
     }
@@ -167,34 +221,8 @@ pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
     }
     for (i, &rank) in ranks.iter().enumerate() {
         for (t, spec) in tensors.iter().enumerate() {
-            let Some((indices, view)) = rank_view(spec, &spec.dst, rank) else {
-                continue;
-            };
-            let got = &buffers[i].dst[t];
-            let size = spec.elem_size() as usize;
-            let mut inside = vec![false; got.len()];
-            let mut failure: Option<String> = None;
-            for_each_element(&spec.shape, &indices, &view, |offset, global| {
-                inside[offset..offset + size]
-                    .iter_mut()
-                    .for_each(|b| *b = true);
-                let want = &element_value(t as u32, global).to_le_bytes()[..size];
-                if failure.is_none() && &got[offset..offset + size] != want {
-                    failure = Some(format!(
-                        "tensor {t} rank {rank}: element with global index {global} at byte {offset} is {:02x?}, expected {want:02x?}",
-                        &got[offset..offset + size]
-                    ));
-                }
-                report.elements_checked += 1;
-            });
-            if let Some(message) = failure {
-                return Err(Error::internal(message));
-            }
-            if let Some(offset) = (0..got.len()).find(|&o| !inside[o] && got[o] != sentinel(o)) {
-                return Err(Error::internal(format!(
-                    "tensor {t} rank {rank}: byte {offset} outside the destination view was overwritten"
-                )));
-            }
+            report.elements_checked +=
+                verify_destination_view(spec, t as u32, rank, &buffers[i].dst[t])?;
         }
     }
     Ok(report)

@@ -294,6 +294,7 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
             mode,
             topology,
             split_min_bytes,
+            local_via_messages: false,
         },
         c.maxStagingBytes as u64,
     ))

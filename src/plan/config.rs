@@ -81,6 +81,9 @@ pub struct Config {
     /// A replicated overlap is split across several senders only into parts of at least this
     /// many bytes.
     pub split_min_bytes: u64,
+    /// Route data a rank holds on both sides through a message to itself instead of a local
+    /// copy. Slower; it exists so one GPU can exercise the whole NCCL path (GPU tests).
+    pub local_via_messages: bool,
 }
 
 impl Default for Config {
@@ -89,6 +92,7 @@ impl Default for Config {
             mode: Mode::Groupable,
             topology: Topology::Unknown,
             split_min_bytes: DEFAULT_SPLIT_MIN_BYTES,
+            local_via_messages: false,
         }
     }
 }
@@ -138,6 +142,7 @@ pub fn fingerprint(tensors: &[TensorSpec], config: &Config) -> u64 {
         }
     }
     h.u64(config.split_min_bytes);
+    h.u64(u64::from(config.local_via_messages));
     h.0
 }
 
