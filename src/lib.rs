@@ -10,6 +10,7 @@ pub mod error;
 pub mod exec;
 pub mod ffi;
 pub mod layout;
+pub mod models;
 pub mod plan;
 
 pub use error::{Error, ErrorKind, Result};

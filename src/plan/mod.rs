@@ -20,11 +20,12 @@ pub use messages::{Block, STAGING_ALIGN};
 pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram};
 
 use crate::error::{Error, Result};
-use crate::layout::{IndexRuns, Layout, LocalView, TensorSpec};
+use crate::layout::{DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
 use assign::{assign, Unit};
 use messages::{transfer_blocks, Emitter, End, Side};
-use std::collections::hash_map::{Entry, HashMap};
 use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::rc::Rc;
 
 /// Validated inputs of a plan, ready to produce any rank's program.
 #[derive(Clone, Debug)]
@@ -32,19 +33,81 @@ pub struct Planner {
     tensors: Vec<TensorSpec>,
     config: Config,
     fingerprint: u64,
+    /// Per tensor, ids of its (source, destination) layout among the plan's distinct layouts:
+    /// tensors sharing a layout and shape share the geometry computed for them.
+    layout_ids: Vec<[u32; 2]>,
+}
+
+/// Geometry computed once per rank call and shared by every tensor with the same layout,
+/// shape (and element size, for views).
+#[derive(Default)]
+struct Memo<'a> {
+    /// (layout id, shape, dim) → the layout's pieces of that dim (the key's last field is
+    /// the dim here, a rank below).
+    pieces: HashMap<RankKey<'a>, Rc<Vec<DimPiece>>>,
+    /// (layout id, shape, rank) → the rank's indices, if it is in the mesh.
+    indices: HashMap<RankKey<'a>, Option<Rc<Vec<IndexRuns>>>>,
+    /// (layout id, shape, element size, rank) → the rank's indices and view.
+    geometry: HashMap<(RankKey<'a>, u32), Option<Rc<RankGeometry>>>,
+}
+
+type RankKey<'a> = (u32, &'a [u64], u32);
+
+impl<'a> Memo<'a> {
+    fn pieces(
+        &mut self,
+        id: u32,
+        layout: &Layout,
+        shape: &'a [u64],
+        dim: usize,
+    ) -> Rc<Vec<DimPiece>> {
+        self.pieces
+            .entry((id, shape, dim as u32))
+            .or_insert_with(|| Rc::new(layout.dim_pieces(shape, dim)))
+            .clone()
+    }
+
+    fn indices(
+        &mut self,
+        id: u32,
+        layout: &Layout,
+        shape: &'a [u64],
+        rank: u32,
+    ) -> Option<Rc<Vec<IndexRuns>>> {
+        self.indices
+            .entry((id, shape, rank))
+            .or_insert_with(|| layout.rank_indices(shape, rank).map(Rc::new))
+            .clone()
+    }
+
+    fn geometry(
+        &mut self,
+        id: u32,
+        spec: &'a TensorSpec,
+        layout: &Layout,
+        rank: u32,
+    ) -> Option<Rc<RankGeometry>> {
+        let key = ((id, spec.shape.as_slice(), rank), spec.elem_size());
+        if let Some(hit) = self.geometry.get(&key) {
+            return hit.clone();
+        }
+        let made = self.indices(id, layout, &spec.shape, rank).map(|indices| {
+            let shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
+            let view = layout.view(&shape, spec.elem_size());
+            Rc::new(RankGeometry {
+                indices: (*indices).clone(),
+                view,
+            })
+        });
+        self.geometry.insert(key, made.clone());
+        made
+    }
 }
 
 /// A rank's geometry for one tensor on one side.
 struct RankGeometry {
     indices: Vec<IndexRuns>,
     view: LocalView,
-}
-
-fn geometry(spec: &TensorSpec, layout: &Layout, rank: u32) -> Option<RankGeometry> {
-    let indices = layout.rank_indices(&spec.shape, rank)?;
-    let shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
-    let view = layout.view(&shape, spec.elem_size());
-    Some(RankGeometry { indices, view })
 }
 
 impl Planner {
@@ -72,10 +135,19 @@ impl Planner {
             }
         }
         let fingerprint = fingerprint(&tensors, &config);
+        let layout_ids = {
+            let mut ids: HashMap<&Layout, u32> = HashMap::new();
+            let mut id = |layout| {
+                let next = ids.len() as u32;
+                *ids.entry(layout).or_insert(next)
+            };
+            tensors.iter().map(|t| [id(&t.src), id(&t.dst)]).collect()
+        };
         Ok(Planner {
             tensors,
             config,
             fingerprint,
+            layout_ids,
         })
     }
 
@@ -106,40 +178,44 @@ impl Planner {
     /// This rank's transfers: those it receives (local copies included) and those it sends,
     /// each list in canonical order (tensor, then region corner).
     pub fn transfers(&self, rank: u32) -> Vec<Transfer> {
+        self.transfers_with(rank, &mut Memo::default())
+    }
+
+    fn transfers_with<'a>(&'a self, rank: u32, memo: &mut Memo<'a>) -> Vec<Transfer> {
         let mut out = Vec::new();
         for (t, spec) in self.tensors.iter().enumerate() {
+            let [src_id, dst_id] = self.layout_ids[t];
             let t = t as u32;
-            if let Some(coord) = spec.dst.mesh.coord_of(rank) {
-                let mine = spec.dst.local_indices(&spec.shape, &coord);
+            let sides = [
+                (true, dst_id, &spec.dst, src_id, &spec.src),
+                (false, src_id, &spec.src, dst_id, &spec.dst),
+            ];
+            for (own_is_dst, own_id, own, other_id, other) in sides {
+                let Some(coord) = own.mesh.coord_of(rank) else {
+                    continue;
+                };
+                let Some(mine) = memo.indices(own_id, own, &spec.shape, rank) else {
+                    continue;
+                };
+                let other_pieces: Vec<Rc<Vec<DimPiece>>> = (0..spec.shape.len())
+                    .map(|d| memo.pieces(other_id, other, &spec.shape, d))
+                    .collect();
                 units(
                     spec,
                     t,
-                    &spec.src,
-                    &spec.dst,
+                    &other_pieces,
+                    own,
                     &mine,
                     &coord,
-                    true,
+                    own_is_dst,
                     &self.config,
                     |tr| {
-                        if tr.to == rank {
-                            out.push(tr);
-                        }
-                    },
-                );
-            }
-            if let Some(coord) = spec.src.mesh.coord_of(rank) {
-                let mine = spec.src.local_indices(&spec.shape, &coord);
-                units(
-                    spec,
-                    t,
-                    &spec.dst,
-                    &spec.src,
-                    &mine,
-                    &coord,
-                    false,
-                    &self.config,
-                    |tr| {
-                        if tr.from == rank && tr.to != rank {
+                        let keep = if own_is_dst {
+                            tr.to == rank
+                        } else {
+                            tr.from == rank && tr.to != rank
+                        };
+                        if keep {
                             out.push(tr);
                         }
                     },
@@ -153,23 +229,21 @@ impl Planner {
     /// This rank's blocks — every box of data it receives, sends or copies locally, with the
     /// copy geometry on both ends — in canonical order (tensor, region corner, block order).
     pub fn rank_blocks(&self, rank: u32) -> Result<Vec<Block>> {
-        let transfers = self.transfers(rank);
-        // Geometry of every (tensor, rank, side) this rank exchanges with, computed once.
-        let mut cache: HashMap<(u32, u32, bool), RankGeometry> = HashMap::new();
+        let mut memo = Memo::default();
+        let transfers = self.transfers_with(rank, &mut memo);
         let mut blocks = Vec::new();
         for tr in &transfers {
-            for (who, src_side) in [(tr.from, true), (tr.to, false)] {
-                if let Entry::Vacant(slot) = cache.entry((tr.tensor, who, src_side)) {
-                    let spec = &self.tensors[tr.tensor as usize];
-                    let layout = if src_side { &spec.src } else { &spec.dst };
-                    let g = geometry(spec, layout, who).ok_or_else(|| {
-                        Error::internal(format!("rank {who} is not in tensor {}'s mesh", tr.tensor))
-                    })?;
-                    slot.insert(g);
-                }
-            }
-            let sg = &cache[&(tr.tensor, tr.from, true)];
-            let dg = &cache[&(tr.tensor, tr.to, false)];
+            let spec = &self.tensors[tr.tensor as usize];
+            let [src_id, dst_id] = self.layout_ids[tr.tensor as usize];
+            let missing = |who: u32| {
+                Error::internal(format!("rank {who} is not in tensor {}'s mesh", tr.tensor))
+            };
+            let sg = memo
+                .geometry(src_id, spec, &spec.src, tr.from)
+                .ok_or_else(|| missing(tr.from))?;
+            let dg = memo
+                .geometry(dst_id, spec, &spec.dst, tr.to)
+                .ok_or_else(|| missing(tr.to))?;
             blocks.extend(
                 transfer_blocks(
                     tr,
@@ -246,7 +320,7 @@ impl Planner {
 fn units(
     spec: &TensorSpec,
     tensor: u32,
-    other: &Layout,
+    other_pieces: &[Rc<Vec<DimPiece>>],
     own: &Layout,
     mine: &[IndexRuns],
     coord: &[u64],
@@ -259,14 +333,13 @@ fn units(
         return;
     }
     // Per dim: the other side's pieces overlapping mine, as (coords, overlap).
-    let mut overlaps: Vec<Vec<(Vec<u64>, IndexRuns)>> = Vec::with_capacity(ndim);
+    let mut overlaps: Vec<Vec<(&[u64], IndexRuns)>> = Vec::with_capacity(ndim);
     for (d, my_indices) in mine.iter().enumerate() {
-        let list: Vec<(Vec<u64>, IndexRuns)> = other
-            .dim_pieces(&spec.shape, d)
-            .into_iter()
+        let list: Vec<(&[u64], IndexRuns)> = other_pieces[d]
+            .iter()
             .filter_map(|piece| {
                 let overlap = piece.indices.intersect(my_indices);
-                (!overlap.is_empty()).then_some((piece.coords, overlap))
+                (!overlap.is_empty()).then_some((piece.coords.as_slice(), overlap))
             })
             .collect();
         if list.is_empty() {
@@ -280,9 +353,7 @@ fn units(
     let own_refs: Vec<&[u64]> = own_coords.iter().map(Vec::as_slice).collect();
     let mut choice = vec![0usize; ndim];
     loop {
-        let other_refs: Vec<&[u64]> = (0..ndim)
-            .map(|d| overlaps[d][choice[d]].0.as_slice())
-            .collect();
+        let other_refs: Vec<&[u64]> = (0..ndim).map(|d| overlaps[d][choice[d]].0).collect();
         let region: Vec<IndexRuns> = (0..ndim)
             .map(|d| overlaps[d][choice[d]].1.clone())
             .collect();
