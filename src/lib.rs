@@ -12,6 +12,7 @@ pub mod ffi;
 pub mod layout;
 pub mod models;
 pub mod plan;
+pub mod sim;
 
 pub use error::{Error, ErrorKind, Result};
 

@@ -49,7 +49,15 @@ pub(crate) struct Unit<'a> {
 ///   a smaller group splits the region (along its outermost dim with more than one index)
 ///   so that every candidate sends a part, down to `split_min_bytes` per part.
 /// - The starting candidate rotates with a hash of the unit, spreading load across units.
-pub(crate) fn assign(unit: &Unit<'_>, config: &Config) -> Vec<Transfer> {
+///
+/// Only the transfers `keep(from, to)` accepts are materialised (a rank needs its own), so a
+/// unit with many replicas costs no copies of regions nobody asked for.
+pub(crate) fn assign(
+    unit: &Unit<'_>,
+    config: &Config,
+    keep: impl Fn(u32, u32) -> bool,
+    mut sink: impl FnMut(Transfer),
+) {
     let senders = unit.spec.src.replicas(&unit.src_coords);
     let receivers = unit.spec.dst.replicas(&unit.dst_coords);
     let mut sorted_senders = senders.clone();
@@ -59,12 +67,15 @@ pub(crate) fn assign(unit: &Unit<'_>, config: &Config) -> Vec<Transfer> {
         .chain([u64::MAX])
         .chain(unit.dst_coords.iter().flat_map(|c| c.iter().copied())));
 
-    let mut out = Vec::new();
-    let transfer = |from: u32, to: u32, region: Vec<IndexRuns>| Transfer {
-        tensor: unit.tensor,
-        from,
-        to,
-        region,
+    let mut out = |from: u32, to: u32, region: &[IndexRuns]| {
+        if keep(from, to) {
+            sink(Transfer {
+                tensor: unit.tensor,
+                from,
+                to,
+                region: region.to_vec(),
+            });
+        }
     };
     // Replicas by node, sorted by (node, rank), when the topology is known.
     let mut by_node: Vec<(u32, u32)> = senders
@@ -81,7 +92,7 @@ pub(crate) fn assign(unit: &Unit<'_>, config: &Config) -> Vec<Transfer> {
     let mut groups: Vec<(Option<u32>, Vec<u32>)> = Vec::new();
     for &r in &receivers {
         if sorted_senders.binary_search(&r).is_ok() {
-            out.push(transfer(r, r, unit.region.clone()));
+            out(r, r, &unit.region);
             continue;
         }
         let node = config.topology.node(r).filter(|&n| !on_node(n).is_empty());
@@ -103,11 +114,11 @@ pub(crate) fn assign(unit: &Unit<'_>, config: &Config) -> Vec<Transfer> {
         let start = rotation % k;
         if g >= k {
             for (i, &r) in members.iter().enumerate() {
-                out.push(transfer(
+                out(
                     candidates[((i as u64 + start) % k) as usize],
                     r,
-                    unit.region.clone(),
-                ));
+                    &unit.region,
+                );
             }
             continue;
         }
@@ -116,12 +127,14 @@ pub(crate) fn assign(unit: &Unit<'_>, config: &Config) -> Vec<Transfer> {
         let p = parts.len() as u64;
         for (i, &r) in members.iter().enumerate() {
             for (q, part) in parts.iter().enumerate() {
-                let sender = candidates[((i as u64 * p + q as u64 + start) % k) as usize];
-                out.push(transfer(sender, r, part.clone()));
+                out(
+                    candidates[((i as u64 * p + q as u64 + start) % k) as usize],
+                    r,
+                    part,
+                );
             }
         }
     }
-    out
 }
 
 /// Splits a region into at most `parts` non-empty parts along its outermost dim that has more

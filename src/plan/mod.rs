@@ -8,6 +8,7 @@
 
 mod assign;
 mod config;
+mod fxhash;
 mod messages;
 mod program;
 
@@ -22,9 +23,9 @@ pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram};
 use crate::error::{Error, Result};
 use crate::layout::{DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
 use assign::{assign, Unit};
+use fxhash::FxHashMap;
 use messages::{transfer_blocks, Emitter, End, Side};
 use std::collections::BTreeMap;
-use std::collections::HashMap;
 use std::rc::Rc;
 
 /// Validated inputs of a plan, ready to produce any rank's program.
@@ -44,11 +45,11 @@ pub struct Planner {
 struct Memo<'a> {
     /// (layout id, shape, dim) → the layout's pieces of that dim (the key's last field is
     /// the dim here, a rank below).
-    pieces: HashMap<RankKey<'a>, Rc<Vec<DimPiece>>>,
+    pieces: FxHashMap<RankKey<'a>, Rc<Vec<DimPiece>>>,
     /// (layout id, shape, rank) → the rank's indices, if it is in the mesh.
-    indices: HashMap<RankKey<'a>, Option<Rc<Vec<IndexRuns>>>>,
+    indices: FxHashMap<RankKey<'a>, Option<Rc<Vec<IndexRuns>>>>,
     /// (layout id, shape, element size, rank) → the rank's indices and view.
-    geometry: HashMap<(RankKey<'a>, u32), Option<Rc<RankGeometry>>>,
+    geometry: FxHashMap<(RankKey<'a>, u32), Option<Rc<RankGeometry>>>,
 }
 
 type RankKey<'a> = (u32, &'a [u64], u32);
@@ -136,7 +137,7 @@ impl Planner {
         }
         let fingerprint = fingerprint(&tensors, &config);
         let layout_ids = {
-            let mut ids: HashMap<&Layout, u32> = HashMap::new();
+            let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
             let mut id = |layout| {
                 let next = ids.len() as u32;
                 *ids.entry(layout).or_insert(next)
@@ -209,16 +210,14 @@ impl Planner {
                     &coord,
                     own_is_dst,
                     &self.config,
-                    |tr| {
-                        let keep = if own_is_dst {
-                            tr.to == rank
+                    &|from, to| {
+                        if own_is_dst {
+                            to == rank
                         } else {
-                            tr.from == rank && tr.to != rank
-                        };
-                        if keep {
-                            out.push(tr);
+                            from == rank && to != rank
                         }
                     },
+                    |tr| out.push(tr),
                 );
             }
         }
@@ -326,6 +325,7 @@ fn units(
     coord: &[u64],
     own_is_dst: bool,
     config: &Config,
+    keep: &dyn Fn(u32, u32) -> bool,
     mut sink: impl FnMut(Transfer),
 ) {
     let ndim = spec.shape.len();
@@ -369,9 +369,7 @@ fn units(
             dst_coords,
             region,
         };
-        for tr in assign(&unit, config) {
-            sink(tr);
-        }
+        assign(&unit, config, keep, &mut sink);
         let mut d = ndim;
         loop {
             if d == 0 {
