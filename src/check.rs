@@ -7,7 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::exec::host::{execute, RankBuffers};
-use crate::layout::{IndexRuns, Layout, LocalView, TensorSpec};
+use crate::layout::{next_index, IndexRuns, Layout, LocalView, TensorSpec};
 use crate::plan::{Config, Planner, RankProgram};
 
 /// What a successful check moved and verified.
@@ -63,17 +63,8 @@ fn for_each_element(
             global += globals[d][pos[d]] * global_strides[d];
         }
         f(offset as usize, global);
-        let mut d = ndim;
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            pos[d] += 1;
-            if pos[d] < globals[d].len() {
-                break;
-            }
-            pos[d] = 0;
+        if !next_index(&mut pos, |d| globals[d].len()) {
+            return;
         }
     }
 }

@@ -7,6 +7,7 @@
 //! different things — this executor returns an error naming the ranks instead.
 
 use crate::error::{Error, Result};
+use crate::layout::next_index;
 use crate::plan::{Buffer, Copy, Loc, RankProgram};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Barrier, Mutex};
@@ -259,17 +260,8 @@ pub fn copy_block(copy: &Copy, src: &[u8], dst: &mut [u8]) {
             .sum();
         let (s, d) = (s as usize, d as usize);
         dst[d..d + chunk].copy_from_slice(&src[s..s + chunk]);
-        let mut k = copy.dims.len();
-        loop {
-            if k == 0 {
-                return;
-            }
-            k -= 1;
-            index[k] += 1;
-            if index[k] < copy.dims[k].count {
-                break;
-            }
-            index[k] = 0;
+        if !next_index(&mut index, |d| copy.dims[d].count) {
+            return;
         }
     }
 }

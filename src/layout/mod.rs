@@ -155,6 +155,23 @@ impl LocalView {
     }
 }
 
+/// Steps a row-major multi-index (last position fastest, position `d` below `limit(d)`) to
+/// the next one; returns false after the last, leaving the index all zeros again. The one
+/// odometer every grid walk (blocks, copies, pieces, replicas) uses.
+pub fn next_index<T>(index: &mut [T], limit: impl Fn(usize) -> T) -> bool
+where
+    T: Copy + PartialOrd + std::ops::AddAssign + From<u8>,
+{
+    for d in (0..index.len()).rev() {
+        index[d] += T::from(1);
+        if index[d] < limit(d) {
+            return true;
+        }
+        index[d] = T::from(0);
+    }
+    false
+}
+
 /// Dense row-major element strides of `shape`.
 pub fn row_major_strides(shape: &[u64]) -> Vec<u64> {
     let mut strides = vec![1; shape.len()];

@@ -12,7 +12,7 @@ use super::config::{
 use super::program::{Buffer, Copy, CopyDim, Loc, Message};
 use super::Transfer;
 use crate::error::{Error, Result};
-use crate::layout::{IndexRuns, LocalView};
+use crate::layout::{next_index, IndexRuns, LocalView};
 
 /// Staging regions start at multiples of this many bytes (vector-friendly for kernels).
 pub const STAGING_ALIGN: u64 = 256;
@@ -96,18 +96,8 @@ pub(crate) fn transfer_blocks(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_
             count: (0..ndim).map(|d| pieces[d][choice[d]].1).collect(),
             copy,
         });
-        // Row-major odometer over the per-dim pieces.
-        let mut d = ndim;
-        loop {
-            if d == 0 {
-                return copies;
-            }
-            d -= 1;
-            choice[d] += 1;
-            if choice[d] < pieces[d].len() {
-                break;
-            }
-            choice[d] = 0;
+        if !next_index(&mut choice, |d| pieces[d].len()) {
+            return copies;
         }
     }
 }
@@ -168,17 +158,8 @@ fn for_each_piece(copy: &Copy, mut f: impl FnMut(Piece)) {
             src_dims: inner.to_vec(),
             bytes,
         });
-        let mut d = k;
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            index[d] += 1;
-            if index[d] < outer[d].count {
-                break;
-            }
-            index[d] = 0;
+        if !next_index(&mut index, |d| outer[d].count) {
+            return;
         }
     }
 }

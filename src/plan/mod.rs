@@ -21,7 +21,7 @@ pub use messages::{Block, STAGING_ALIGN};
 pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram};
 
 use crate::error::{Error, Result};
-use crate::layout::{DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
+use crate::layout::{next_index, DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
 use assign::{assign, Unit};
 use fxhash::FxHashMap;
 use messages::{transfer_blocks, Emitter, End, Side};
@@ -370,17 +370,8 @@ fn units(
             region,
         };
         assign(&unit, config, keep, &mut sink);
-        let mut d = ndim;
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            choice[d] += 1;
-            if choice[d] < overlaps[d].len() {
-                break;
-            }
-            choice[d] = 0;
+        if !next_index(&mut choice, |d| overlaps[d].len()) {
+            return;
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The physical lower bound of a reshard: bytes that must cross each boundary ÷ its bandwidth.
 
 use super::Cluster;
-use crate::layout::{DimPiece, Layout, TensorSpec};
+use crate::layout::{next_index, DimPiece, Layout, TensorSpec};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
@@ -324,18 +324,8 @@ fn overlaps(spec: &TensorSpec, mut sink: impl FnMut(u64, &[u32], &[u32])) {
             .entry(dst_key)
             .or_insert_with_key(|key| replicas(&spec.dst, &dst_pieces, key));
         sink(bytes, holders, consumers);
-        // Odometer over the per-dim overlap lists.
-        let mut d = ndim;
-        loop {
-            if d == 0 {
-                return;
-            }
-            d -= 1;
-            choice[d] += 1;
-            if choice[d] < per_dim[d].len() {
-                break;
-            }
-            choice[d] = 0;
+        if !next_index(&mut choice, |d| per_dim[d].len()) {
+            return;
         }
     }
 }
