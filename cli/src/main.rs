@@ -1,18 +1,23 @@
-//! `ncclreshard`: check, inspect and time reshard plans described in JSON case files.
+//! `ncclreshard`: check, inspect and time reshard plans described in JSON case files, and
+//! simulate, run and measure model weight refits.
 //!
 //! Exit status: 0 on success, 1 when a check fails, 2 on a usage or input-file error.
 
 mod args;
 mod case;
 mod commands;
+mod heatmap;
+mod host_run;
+mod models_json;
 mod out;
+mod work;
 
 use std::process::ExitCode;
 
 const VERSION: &str = ncclreshard::VERSION;
 
 const HELP: &str = "\
-ncclreshard — check, inspect and time Reshard plans
+ncclreshard — check, inspect, simulate and time Reshard plans
 
 Usage: ncclreshard <COMMAND> [OPTIONS]
 
@@ -20,6 +25,9 @@ Commands:
   check       Plan, run on the host executor and verify every case of case files
   layout      Show every rank's local shard (shape and global index runs)
   plan        Summarise rank programs and the traffic between ranks
+  simulate    Estimate a model refit on a cluster: reshard vs gather+broadcast vs lower bound
+  refit       Run a scaled-down model refit on the host, verify every byte, simulate it
+  bench       Measure planning (--plan), host execution (--exec) and host copies (--copy)
   bench-plan  Time the planner on a generated many-tensor plan
   help        Show help for a command
 
@@ -27,7 +35,9 @@ Options:
   -h, --help     Show help (also `ncclreshard <COMMAND> --help`)
   -V, --version  Print the version
 
-Case files are JSON; see `ncclreshard help check` for the format.
+Case files are JSON; see `ncclreshard help check` for the format. Models are presets
+(deepseek-v3, qwen3-235b-a22b, qwen3-32b, llama-3.1-70b, dsv3-toy) or files; see
+`ncclreshard help simulate`.
 Exit status: 0 success, 1 a check failed, 2 usage or input-file error.
 ";
 

@@ -412,7 +412,15 @@ fn help_and_version() {
     );
     let out = ncclreshard(&["--help"]);
     assert!(out.status.success());
-    for command in ["check", "layout", "plan", "bench-plan"] {
+    for command in [
+        "check",
+        "layout",
+        "plan",
+        "simulate",
+        "refit",
+        "bench",
+        "bench-plan",
+    ] {
         assert!(
             stdout(&out).contains(command),
             "top-level help lacks {command}"
@@ -426,5 +434,422 @@ fn help_and_version() {
                 stdout(&out)
             );
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Model refits: simulate, refit, bench
+
+/// A tiny dense model as a HuggingFace config.json: two layers, so two pipeline stages.
+const TINY_CONFIG: &str = r#"{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+  "vocab_size": 100}"#;
+
+fn json_of(out: &Output) -> Value {
+    serde_json::from_str(&stdout(out))
+        .unwrap_or_else(|e| panic!("not JSON ({e}):\n{}\nstderr:\n{}", stdout(out), stderr(out)))
+}
+
+#[test]
+fn simulate_json_reports_the_three_estimates() {
+    let out = ncclreshard(&[
+        "simulate", "--model", "dsv3-toy", "--train", "pp1,ep8", "--infer", "tp8", "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json = json_of(&out);
+    for key in [
+        "reshard_s",
+        "gather_broadcast_s",
+        "lower_bound_s",
+        "bytes_total",
+        "messages_max_per_rank",
+        "messages_mean_per_rank",
+        "model_bytes",
+    ] {
+        let v = json[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key}: {json}"));
+        assert!(v > 0.0, "{key} = {v}");
+    }
+    assert!(json["messages_max_per_rank"].is_u64());
+    assert_eq!(json["ranks"], 16);
+    assert_eq!(json["cluster"]["name"], "dgx-h100");
+    // Physics: no plan beats the floor, and every byte of the model reaches the 8 inference
+    // ranks' shards at least once.
+    let (reshard, bound) = (
+        json["reshard_s"].as_f64().unwrap(),
+        json["lower_bound_s"].as_f64().unwrap(),
+    );
+    assert!(reshard >= bound * (1.0 - 1e-9), "{reshard} < {bound}");
+    assert!(json["bytes_total"].as_u64().unwrap() >= json["model_bytes"].as_u64().unwrap());
+    assert!(json["busiest_link"]["busy_fraction"].as_f64().unwrap() > 0.0);
+
+    // The text form names the three estimates; a custom cluster is taken.
+    let out = ncclreshard(&[
+        "simulate",
+        "--model",
+        "dsv3-toy",
+        "--train",
+        "pp1,ep8",
+        "--infer",
+        "tp8",
+        "--cluster",
+        "gb200-nvl72,nic_gbits=200",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for needle in [
+        "reshard (ncclreshard)",
+        "gather+broadcast",
+        "lower bound",
+        "busiest link",
+        "gb200-nvl72",
+    ] {
+        assert!(text.contains(needle), "lacks {needle:?}:\n{text}");
+    }
+}
+
+/// A minimal XML well-formedness check: tags nest and close, attribute quotes pair up and
+/// every `&` starts an entity.
+fn assert_well_formed_xml(text: &str) {
+    let mut open: Vec<String> = Vec::new();
+    let mut rest = text;
+    while let Some(start) = rest.find('<') {
+        let body_text = &rest[..start];
+        assert!(
+            body_text
+                .match_indices('&')
+                .all(|(i, _)| body_text[i..].starts_with("&amp;")
+                    || body_text[i..].starts_with("&lt;")
+                    || body_text[i..].starts_with("&gt;")
+                    || body_text[i..].starts_with("&quot;")),
+            "bare & in text {body_text:?}"
+        );
+        let end = rest[start..].find('>').expect("every tag closes") + start;
+        let tag = &rest[start + 1..end];
+        rest = &rest[end + 1..];
+        assert_eq!(
+            tag.matches('"').count() % 2,
+            0,
+            "unbalanced quotes in <{tag}>"
+        );
+        if tag.starts_with('?') || tag.starts_with('!') {
+            continue;
+        }
+        if let Some(name) = tag.strip_prefix('/') {
+            assert_eq!(
+                open.pop().as_deref(),
+                Some(name.trim()),
+                "misnested </{name}>"
+            );
+        } else if !tag.ends_with('/') {
+            open.push(tag.split_whitespace().next().unwrap().to_string());
+        }
+    }
+    assert!(open.is_empty(), "unclosed tags {open:?}");
+}
+
+#[test]
+fn refit_runs_verifies_and_draws_the_traffic() {
+    let svg = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-tests/refit.svg");
+    std::fs::create_dir_all(svg.parent().unwrap()).unwrap();
+    let _ = std::fs::remove_file(&svg);
+    let out = ncclreshard(&[
+        "refit",
+        "--model",
+        "qwen3-32b",
+        "--train",
+        "tp4,pp4,dp2",
+        "--infer",
+        "tp4,dp8",
+        "--scale",
+        "64",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}\n{}", stderr(&out));
+    for needle in [
+        "Host run: qwen3-32b/64",
+        "ranks                   64 (32 train, 32 infer)",
+        "every byte OK",
+        "gather+broadcast bytes",
+        "Simulated at full size: qwen3-32b",
+        "reshard (ncclreshard)",
+        "lower bound",
+    ] {
+        assert!(text.contains(needle), "lacks {needle:?}:\n{text}");
+    }
+
+    let picture = std::fs::read_to_string(&svg).expect("--svg writes the file");
+    assert!(picture.starts_with("<?xml"), "{}", &picture[..100]);
+    assert_well_formed_xml(&picture);
+    assert!(picture.contains("qwen3-32b refit: train tp4,pp4,dp2 → infer tp4,dp8"));
+    assert!(picture.contains("train tp4,pp4,dp2 (ranks 0-31)"));
+    assert!(picture.contains("infer tp4,dp8 (ranks 32-63)"));
+    // One cell per communicating pair: every training rank sends to every inference rank
+    // (replicated norms go everywhere), and nothing else communicates.
+    assert_eq!(
+        picture.matches("<title>rank ").count(),
+        32 * 32,
+        "{picture}"
+    );
+    assert!(picture.contains("<title>rank 0 → 32: "));
+    assert!(!picture.contains("<title>rank 32 → "));
+}
+
+#[test]
+fn refit_of_a_config_file_colocated_as_json() {
+    let model = scratch_file("tiny-config.json", TINY_CONFIG);
+    let out = ncclreshard(&[
+        "refit",
+        "--model",
+        &model,
+        "--train",
+        "tp2,pp2",
+        "--infer",
+        "tp2,dp2",
+        "--colocated",
+        "--scale",
+        "1",
+        "--mode",
+        "groupable",
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let json = json_of(&out);
+    let host = &json["host"];
+    assert_eq!(host["verified"], true);
+    assert_eq!(host["ranks"], 4);
+    assert_eq!(host["staged_ranks"], 0, "groupable mode never stages");
+    assert!(host["elements_verified"].as_u64().unwrap() > 0);
+    // Colocated: each rank's own overlap is a local copy, not a message.
+    assert!(host["bytes_local"].as_u64().unwrap() > 0);
+    assert!(
+        host["gather_broadcast_bytes"].as_u64().unwrap() > host["bytes_moved"].as_u64().unwrap()
+    );
+    assert!(json["simulated"]["lower_bound_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn bench_measures_plan_exec_and_copy() {
+    let model = scratch_file("tiny-bench.json", TINY_CONFIG);
+    let spec = [
+        "--model",
+        &model,
+        "--train",
+        "tp2,pp2,dp2",
+        "--infer",
+        "tp4,dp2",
+    ];
+    let out = ncclreshard(&[&["bench", "--plan", "--json"][..], &spec].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json = json_of(&out);
+    assert_eq!(json["ranks"], 16);
+    for key in [
+        "plan_ms_one_rank",
+        "plan_ms_all_ranks",
+        "plan_ms_all_ranks_cpu",
+    ] {
+        assert!(json[key].as_f64().unwrap() > 0.0, "{key}: {json}");
+    }
+    assert!(json["plan_ms_all_ranks"].as_f64() >= json["plan_ms_new"].as_f64());
+    if cfg!(target_os = "linux") {
+        assert!(json["peak_rss_mb"].as_f64().unwrap() > 1.0, "{json}");
+    }
+
+    let out = ncclreshard(&[&["bench", "--exec", "--scale", "1", "--json"][..], &spec].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json = json_of(&out);
+    assert_eq!(json["results_match"], true);
+    // Two inference replicas of TP4 each need every byte; the baseline also ships whole
+    // tensors to ranks that keep a quarter of them.
+    let (reshard, baseline) = (
+        json["reshard_bytes"].as_u64().unwrap(),
+        json["gather_broadcast_bytes"].as_u64().unwrap(),
+    );
+    assert!(
+        reshard > 0 && baseline > 2 * reshard,
+        "{reshard} vs {baseline}"
+    );
+    assert!(json["reshard_s"].as_f64().unwrap() > 0.0);
+    assert!(json["gather_broadcast_s"].as_f64().unwrap() > 0.0);
+
+    let out = ncclreshard(&["bench", "--copy", "--mib", "4", "--repeat", "2", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json = json_of(&out);
+    assert_eq!(json["bytes"], 4 << 20);
+    assert_eq!(json["stride_bytes"], 4096 + 64);
+    for key in [
+        "memcpy_gbs",
+        "pack_gbs",
+        "unpack_gbs",
+        "contiguous_gbs",
+        "pack_over_memcpy",
+    ] {
+        assert!(json[key].as_f64().unwrap() > 0.0, "{key}: {json}");
+    }
+}
+
+#[test]
+fn model_command_mistakes_exit_2_with_a_message() {
+    let spec = ["--train", "tp4,pp4,dp2", "--infer", "tp4,dp8"];
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["simulate", "--train", "pp2", "--infer", "tp2"],
+            "--model is required",
+        ),
+        (
+            vec!["simulate", "--model", "qwen3-32b", "--infer", "tp2"],
+            "--train is required",
+        ),
+        (
+            vec![
+                "simulate", "--model", "gpt-9", "--train", "pp2", "--infer", "tp2",
+            ],
+            "gpt-9",
+        ),
+        (
+            vec![
+                "simulate",
+                "--model",
+                "qwen3-32b",
+                "--train",
+                "tp0",
+                "--infer",
+                "tp2",
+            ],
+            "--train",
+        ),
+        (
+            vec![
+                "simulate",
+                "--model",
+                "qwen3-32b",
+                "--train",
+                "pp2",
+                "--infer",
+                "tp2,zz3",
+            ],
+            "--infer",
+        ),
+        (
+            [
+                &["simulate", "--model", "qwen3-32b", "--cluster", "dgx-a100"][..],
+                &spec,
+            ]
+            .concat(),
+            "--cluster",
+        ),
+        (
+            [
+                &[
+                    "simulate",
+                    "--model",
+                    "qwen3-32b",
+                    "--cluster",
+                    "dgx-h100,nic_gbs=x",
+                ][..],
+                &spec,
+            ]
+            .concat(),
+            "nic_gbs",
+        ),
+        (
+            [
+                &["simulate", "--model", "qwen3-32b", "--mode", "fast"][..],
+                &spec,
+            ]
+            .concat(),
+            "--mode",
+        ),
+        (
+            [
+                &["simulate", "--model", "qwen3-32b", "--experts", "some"][..],
+                &spec,
+            ]
+            .concat(),
+            "--experts",
+        ),
+        (
+            [
+                &["simulate", "--model", "qwen3-32b", "--dtype", "bfloat17"][..],
+                &spec,
+            ]
+            .concat(),
+            "bfloat17",
+        ),
+        (
+            [
+                &["simulate", "--model", "qwen3-32b", "--system", "x.json"][..],
+                &spec,
+            ]
+            .concat(),
+            "--system",
+        ),
+        (
+            [&["simulate", "--model", "qwen3-32b", "--bogus"][..], &spec].concat(),
+            "--bogus",
+        ),
+        (
+            [
+                &["refit", "--model", "qwen3-32b", "--scale", "0"][..],
+                &spec,
+            ]
+            .concat(),
+            "--scale",
+        ),
+        (
+            [
+                &["refit", "--model", "qwen3-32b", "--scale", "x"][..],
+                &spec,
+            ]
+            .concat(),
+            "--scale",
+        ),
+        (
+            [&["refit", "--model", "qwen3-32b", "--svg="][..], &spec].concat(),
+            "--svg",
+        ),
+        (
+            [
+                &["refit", "--model", "qwen3-32b", "--scale", "1"][..],
+                &spec,
+            ]
+            .concat(),
+            "raise --scale",
+        ),
+        (
+            [
+                &[
+                    "refit",
+                    "--model",
+                    "qwen3-32b",
+                    "--svg",
+                    "no/such/dir/x.svg",
+                ][..],
+                &spec,
+            ]
+            .concat(),
+            "cannot write",
+        ),
+        (vec!["bench"], "--plan, --exec or --copy"),
+        (vec!["bench", "--plan", "--copy"], "one per run"),
+        (vec!["bench", "--copy", "--row", "3000"], "--row"),
+        (
+            vec!["bench", "--plan", "--model", "qwen3-32b"],
+            "--train is required",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = ncclreshard(&args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("error:") && err.contains(needle),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(stdout(&out).is_empty(), "{args:?} printed to stdout");
     }
 }

@@ -1,221 +1,503 @@
-//! `ncclreshard bench-plan`: planner time for a generated many-tensor refit.
+//! `ncclreshard bench`: measured on this machine, each comparison in one run — planning a model
+//! refit (`--plan`), the host executor's reshard vs a host gather+broadcast (`--exec`), and
+//! the host copy routine vs `memcpy` (`--copy`).
 
+use super::refit_setup::{self, RefitArgs};
 use super::{usage, Command};
 use crate::args::{flag, value, Parsed};
+use crate::host_run;
 use crate::out;
+use crate::work;
 use crate::Failure;
-use ncclreshard::{Config, DType, Layout, Mesh, Mode, Placement, Planner, TensorSpec, Topology};
+use ncclreshard::exec::host::copy_block;
+use ncclreshard::plan::{Buffer, Copy, CopyDim, Loc};
 use serde::Serialize;
-use std::time::Instant;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
 
 pub const COMMAND: Command = Command {
-    name: "bench-plan",
+    name: "bench",
     help: HELP,
     options: &[
-        value("tensors"),
-        value("src-mesh"),
-        value("dst-mesh"),
-        value("ranks-per-node"),
+        flag("plan"),
+        flag("exec"),
+        flag("copy"),
+        value("model"),
+        value("train"),
+        value("infer"),
+        value("system"),
+        value("scale"),
+        value("cluster"),
         value("dtype"),
-        value("shape"),
+        value("experts"),
+        flag("colocated"),
         value("mode"),
-        value("rank"),
+        value("mib"),
+        value("row"),
+        value("pad"),
+        value("repeat"),
         flag("json"),
     ],
     run,
 };
 
-const HELP: &str = r#"Time the planner on N identical-layout tensors of a trainer → inference refit
+/// `--exec` divides widths by this unless `--scale` says otherwise (as `refit` does).
+const DEFAULT_EXEC_SCALE: u64 = 32;
 
-Usage: ncclreshard bench-plan --src-mesh A,B --dst-mesh C,D [OPTIONS]
+const HELP: &str = r#"Measure planning, host execution and host copies on this machine
 
-The source is Megatron-like, on ranks 0..S-1: mesh axis 0 shards tensor dim 0, axis 1 shards
-dim 1, further axes replicate. The destination is vLLM-like, on the next D ranks: the last mesh
-axis shards dim 0, the other axes replicate (DP × TP). Times Planner::new plus
-rank_program for one rank, and for every rank of the plan.
+Usage: ncclreshard bench --plan --model M --train SPEC --infer SPEC [OPTIONS]
+       ncclreshard bench --exec --model M --train SPEC --infer SPEC [--scale N] [OPTIONS]
+       ncclreshard bench --copy [--mib N] [--row BYTES] [--pad BYTES]
+
+--plan   Planner time of a full-size model refit: Planner::new + rank_program for one rank
+         (the first training rank; also the first inference rank), for every rank (wall time
+         on all CPUs, and the CPU time summed over ranks), the slowest rank, and the peak
+         resident memory (VmHWM).
+         JSON keys: plan_ms_one_rank, plan_ms_all_ranks, peak_rss_mb, ...
+--exec   On the refit with widths divided by --scale (default 32): the host executor's
+         reshard (every rank a thread) vs gather+broadcast emulated on the host (the first
+         source rank assembles each tensor from one copy of every shard, then every
+         destination rank receives the whole tensor and slices its view out), same buffers,
+         both results compared byte for byte. Times, bytes moved between ranks, ratios.
+--copy   Host pack/unpack throughput: the executor's block copy (exec::host::copy_block) on
+         --mib MiB in --row-byte rows with a --pad-byte gap between source rows (pack), the
+         reverse (unpack) and one contiguous block, vs copy_from_slice of the same bytes.
+         Best of --repeat runs (default 5); GB/s = bytes copied per second.
 
 Options:
-  --tensors N          Tensors in the plan (default 1)
-  --src-mesh A,B       Source mesh shape (required)
-  --dst-mesh C,D       Destination mesh shape (required)
-  --shape R,C          Global shape of every tensor (default 4096,4096)
-  --dtype NAME         Element type, torch's name (default bfloat16)
-  --ranks-per-node N   Topology: rank r is on node r / N (default 8; 0 for unknown)
-  --mode MODE          groupable, staged or auto (default groupable)
-  --rank R             The rank timed alone (default 0)
-  --json               {"plan_ms_one_rank", "plan_ms_all_ranks", "ranks", "tensors",
-                        "messages_total", ...}
-  -h, --help           Show this help
+  --model, --train, --infer, --system, --dtype, --experts, --colocated, --mode, --cluster
+               As for `ncclreshard simulate` (the cluster sets the planner's topology)
+  --scale N    Width divisor for --exec (default 32)
+  --mib N      Bytes of --copy in MiB (default 256)
+  --row BYTES  Row size of --copy (default 4096)
+  --pad BYTES  Gap between strided rows of --copy (default 64)
+  --repeat N   Runs of each --copy variant (default 5)
+  --json       JSON output (snake_case keys)
+  -h, --help   Show this help
 
-Example (a 1,000-tensor plan at 256 ranks):
-  ncclreshard bench-plan --tensors 1000 --src-mesh 16,8 --dst-mesh 8,16
+Exit status: 0 success; 1 when --exec's two runs leave different bytes or the host executor
+fails; 2 usage or input error.
+
+Example:
+  ncclreshard bench --plan --model deepseek-v3 --train pp16,ep16 --infer tp32,dp8 --json
 "#;
 
-#[derive(Serialize)]
-struct BenchResult {
-    tensors: usize,
-    ranks: usize,
-    rank: u32,
-    mode: &'static str,
-    plan_ms_new: f64,
-    plan_ms_one_rank: f64,
-    plan_ms_all_ranks: f64,
-    plan_ms_slowest_rank: f64,
-    slowest_rank: u32,
-    messages_total: u64,
-    bytes_total: u64,
-}
-
-/// Source placements: axis 0 → Shard(0), axis 1 → Shard(1) (where the tensor has those dims),
-/// the rest Replicate.
-fn src_placements(mesh_axes: usize, tensor_dims: usize) -> Vec<Placement> {
-    (0..mesh_axes)
-        .map(|a| {
-            if a < 2 && a < tensor_dims {
-                Placement::Shard(a)
-            } else {
-                Placement::Replicate
-            }
-        })
-        .collect()
-}
-
-/// Destination placements: the last axis → Shard(0) (when the tensor has a dim), the rest
-/// Replicate.
-fn dst_placements(mesh_axes: usize, tensor_dims: usize) -> Vec<Placement> {
-    (0..mesh_axes)
-        .map(|a| {
-            if a + 1 == mesh_axes && tensor_dims > 0 {
-                Placement::Shard(0)
-            } else {
-                Placement::Replicate
-            }
-        })
-        .collect()
-}
-
-fn ms(since: Instant) -> f64 {
-    since.elapsed().as_secs_f64() * 1e3
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 fn run(parsed: &Parsed) -> Result<u8, Failure> {
-    let bad = |e: String| usage("bench-plan", e);
-    let tensors = parsed.number::<usize>("tensors").map_err(bad)?.unwrap_or(1);
-    let src_mesh = parsed
-        .numbers("src-mesh")
-        .map_err(bad)?
-        .ok_or_else(|| bad("--src-mesh is required".into()))?;
-    let dst_mesh = parsed
-        .numbers("dst-mesh")
-        .map_err(bad)?
-        .ok_or_else(|| bad("--dst-mesh is required".into()))?;
-    let shape = parsed
-        .numbers("shape")
-        .map_err(bad)?
-        .unwrap_or_else(|| vec![4096, 4096]);
-    let dtype_name = parsed.value("dtype").unwrap_or("bfloat16");
-    let dtype = DType::from_name(dtype_name)
-        .ok_or_else(|| bad(format!("--dtype: unknown dtype {dtype_name:?}")))?;
-    let ranks_per_node = parsed
-        .number::<u32>("ranks-per-node")
-        .map_err(bad)?
-        .unwrap_or(8);
-    let mode = parsed
-        .value("mode")
-        .map(Mode::parse)
-        .transpose()
-        .map_err(|e| bad(format!("--mode: {e}")))?;
-    let rank = parsed.number::<u32>("rank").map_err(bad)?.unwrap_or(0);
-    if tensors == 0 {
-        return Err(bad("--tensors must be at least 1".into()));
+    let chosen: Vec<&str> = ["plan", "exec", "copy"]
+        .into_iter()
+        .filter(|m| parsed.flag(m))
+        .collect();
+    match chosen.as_slice() {
+        ["plan"] => bench_plan(parsed),
+        ["exec"] => bench_exec(parsed),
+        ["copy"] => bench_copy(parsed),
+        [] => Err(usage(
+            "bench",
+            "choose what to measure: --plan, --exec or --copy",
+        )),
+        _ => Err(usage(
+            "bench",
+            format!(
+                "--{} measure different things; give one per run",
+                chosen.join(" and --")
+            ),
+        )),
     }
+}
 
-    let src = Mesh::contiguous(src_mesh.clone(), 0).map_err(|e| bad(format!("--src-mesh: {e}")))?;
-    let dst_first = u32::try_from(src.size()).map_err(|_| bad("--src-mesh is too large".into()))?;
-    let dst = Mesh::contiguous(dst_mesh.clone(), dst_first)
-        .map_err(|e| bad(format!("--dst-mesh: {e}")))?;
-    let spec = TensorSpec {
-        shape: shape.clone(),
-        dtype,
-        src: Layout::new(src, src_placements(src_mesh.len(), shape.len())),
-        dst: Layout::new(dst, dst_placements(dst_mesh.len(), shape.len())),
-    };
-    let config = Config {
-        mode: mode.unwrap_or(Mode::Groupable),
-        topology: if ranks_per_node == 0 {
-            Topology::Unknown
-        } else {
-            Topology::RanksPerNode(ranks_per_node)
-        },
-        ..Default::default()
-    };
-    let specs = vec![spec.clone(); tensors];
+#[derive(Serialize)]
+struct PlanBench {
+    model: String,
+    train: String,
+    infer: String,
+    tensors: usize,
+    ranks: usize,
+    mode: &'static str,
+    threads: usize,
+    plan_ms_new: f64,
+    /// `Planner::new` + `rank_program(one_rank)`.
+    plan_ms_one_rank: f64,
+    one_rank: u32,
+    plan_ms_first_infer_rank: f64,
+    first_infer_rank: u32,
+    /// `Planner::new` + every rank's program, wall time on `threads` threads.
+    plan_ms_all_ranks: f64,
+    /// `Planner::new` + the sum of every rank's `rank_program` time (one CPU).
+    plan_ms_all_ranks_cpu: f64,
+    plan_ms_slowest_rank: f64,
+    slowest_rank: u32,
+    messages_total: u64,
+    messages_max_per_rank: u64,
+    bytes_total: u64,
+    peak_rss_mb: Option<f64>,
+}
+
+fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
+    let args = RefitArgs::parse(parsed, "bench")?;
+    let cluster = refit_setup::cluster(parsed, "bench")?;
+    let mode = refit_setup::mode(parsed, "bench")?;
+    let refit = args.refit(1)?;
+    let config = refit_setup::config(mode, &cluster);
 
     let started = Instant::now();
-    let planner = Planner::new(specs, config.clone()).map_err(|e| Failure::Input(e.to_string()))?;
-    let plan_ms_new = ms(started);
-    let started = Instant::now();
-    planner
-        .rank_program(rank)
-        .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))?;
-    let plan_ms_one_rank = plan_ms_new + ms(started);
+    let planner = refit_setup::planner(&refit.tensors, config)?;
+    let new = started.elapsed();
+    let one = |rank: u32| -> Result<Duration, Failure> {
+        let started = Instant::now();
+        planner
+            .rank_program(rank)
+            .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))?;
+        Ok(started.elapsed())
+    };
+    let (one_rank, first_infer) = (refit.train_ranks.start, refit.infer_ranks.start);
+    // Planner::rank_program keeps no cache between calls: each is a cold start.
+    let one_rank_time = one(one_rank)?;
+    let first_infer_time = one(first_infer)?;
 
+    // Every rank, keeping only a summary of each program so the peak memory is the planner's.
     let ranks = planner.ranks();
-    let (mut messages_total, mut bytes_total) = (0u64, 0u64);
-    let (mut slowest, mut slowest_rank) = (0.0f64, 0u32);
-    let started = Instant::now();
-    for &r in &ranks {
-        let one = Instant::now();
-        let program = planner
-            .rank_program(r)
-            .map_err(|e| Failure::Input(format!("rank {r}: {e}")))?;
-        let took = ms(one);
-        if took > slowest {
-            (slowest, slowest_rank) = (took, r);
-        }
-        messages_total += program.sends.len() as u64;
-        bytes_total += program.bytes_sent();
-    }
-    let plan_ms_all_ranks = plan_ms_new + ms(started);
-
-    let result = BenchResult {
-        tensors,
+    let (summaries, all) = work::track("planning ranks", ranks.len(), |done| {
+        work::map(&ranks, done, |&rank| {
+            let started = Instant::now();
+            let program = planner.rank_program(rank);
+            let took = started.elapsed();
+            program.map(|p| {
+                (
+                    rank,
+                    took,
+                    p.sends.len() as u64,
+                    (p.sends.len() + p.recvs.len()) as u64,
+                    p.bytes_sent(),
+                )
+            })
+        })
+    });
+    let summaries = summaries
+        .into_iter()
+        .collect::<ncclreshard::Result<Vec<_>>>()
+        .map_err(|e| Failure::Input(e.to_string()))?;
+    let cpu: Duration = summaries.iter().map(|s| s.1).sum();
+    let slowest = summaries
+        .iter()
+        .max_by_key(|s| s.1)
+        .map_or((0, Duration::ZERO), |s| (s.0, s.1));
+    let result = PlanBench {
+        model: args.model.name().to_string(),
+        train: args.train_text.clone(),
+        infer: args.infer_text.clone(),
+        tensors: refit.tensors.len(),
         ranks: ranks.len(),
-        rank,
-        mode: config.mode.name(),
-        plan_ms_new,
-        plan_ms_one_rank,
-        plan_ms_all_ranks,
-        plan_ms_slowest_rank: plan_ms_new + slowest,
-        slowest_rank,
-        messages_total,
-        bytes_total,
+        mode: mode.name(),
+        threads: work::threads(),
+        plan_ms_new: ms(new),
+        plan_ms_one_rank: ms(new + one_rank_time),
+        one_rank,
+        plan_ms_first_infer_rank: ms(new + first_infer_time),
+        first_infer_rank: first_infer,
+        plan_ms_all_ranks: ms(new + all),
+        plan_ms_all_ranks_cpu: ms(new + cpu),
+        plan_ms_slowest_rank: ms(new + slowest.1),
+        slowest_rank: slowest.0,
+        messages_total: summaries.iter().map(|s| s.2).sum(),
+        messages_max_per_rank: summaries.iter().map(|s| s.3).max().unwrap_or(0),
+        bytes_total: summaries.iter().map(|s| s.4).sum(),
+        peak_rss_mb: work::peak_rss_mb(),
     };
     if parsed.flag("json") {
         out::print(&out::json(&result));
         return Ok(0);
     }
-    let placements = |l: &Layout| {
-        l.placements
-            .iter()
-            .map(|p| p.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let r = &result;
     out::print(&format!(
-        "bench-plan: {tensors} × {shape:?} {dtype}, mode {}, {}\n  src mesh {src_mesh:?} ranks {} [{}]\n  dst mesh {dst_mesh:?} ranks {} [{}]\n  ranks in plan           {}\n  Planner::new            {:.2} ms\n  one rank (rank {rank})      {:.2} ms (Planner::new + rank_program)\n  slowest rank ({})       {:.2} ms\n  all ranks               {:.2} ms (Planner::new + every rank_program)\n  messages total          {messages_total}\n  bytes total             {bytes_total}\n",
-        config.mode.name(),
-        if ranks_per_node == 0 { "topology unknown".to_string() } else { format!("{ranks_per_node} ranks per node") },
-        out::ranks(spec.src.mesh.ranks()),
-        placements(&spec.src),
-        out::ranks(spec.dst.mesh.ranks()),
-        placements(&spec.dst),
-        ranks.len(),
-        plan_ms_new,
-        plan_ms_one_rank,
-        slowest_rank,
-        result.plan_ms_slowest_rank,
-        plan_ms_all_ranks,
+        "bench --plan {}: {}\n  {} tensors, {} ranks, mode {}, topology {} ranks per node\n  Planner::new                    {:>10.2} ms\n  one rank (rank {:<5})           {:>10.2} ms   Planner::new + rank_program\n  first inference rank ({:<5})   {:>10.2} ms\n  slowest rank ({:<5})           {:>10.2} ms\n  all ranks, wall                 {:>10.2} ms   on {} threads\n  all ranks, CPU                  {:>10.2} ms   sum over ranks\n  messages                        {} (at most {} per rank)\n  bytes sent                      {}\n  peak resident memory            {}\n",
+        r.model,
+        args.specs_text(&refit),
+        out::count(r.tensors as u64),
+        r.ranks,
+        r.mode,
+        cluster.nvlink_domain,
+        r.plan_ms_new,
+        r.one_rank,
+        r.plan_ms_one_rank,
+        r.first_infer_rank,
+        r.plan_ms_first_infer_rank,
+        r.slowest_rank,
+        r.plan_ms_slowest_rank,
+        r.plan_ms_all_ranks,
+        r.threads,
+        r.plan_ms_all_ranks_cpu,
+        out::count(r.messages_total),
+        r.messages_max_per_rank,
+        out::bytes(r.bytes_total),
+        r.peak_rss_mb
+            .map_or("unknown".to_string(), |mb| format!("{mb:.0} MiB")),
+    ));
+    Ok(0)
+}
+
+#[derive(Serialize)]
+struct ExecBench {
+    model: String,
+    scale: u64,
+    tensors: usize,
+    ranks: usize,
+    mode: &'static str,
+    threads: usize,
+    reshard_s: f64,
+    gather_broadcast_s: f64,
+    gather_broadcast_over_reshard_time: f64,
+    reshard_bytes: u64,
+    reshard_bytes_local: u64,
+    reshard_messages: u64,
+    gather_broadcast_bytes: u64,
+    gather_bytes: u64,
+    broadcast_bytes: u64,
+    gather_broadcast_over_reshard_bytes: f64,
+    results_match: bool,
+    plan_s: f64,
+    fill_s: f64,
+    peak_rss_mb: Option<f64>,
+}
+
+fn bench_exec(parsed: &Parsed) -> Result<u8, Failure> {
+    let args = RefitArgs::parse(parsed, "bench")?;
+    let scale = refit_setup::scale(parsed, "bench", DEFAULT_EXEC_SCALE)?;
+    let cluster = refit_setup::cluster(parsed, "bench")?;
+    let mode = refit_setup::mode(parsed, "bench")?;
+    let refit = args.refit(scale)?;
+    let tensors = &refit.tensors;
+    let Some(run) = host_run::plan_fill_execute(tensors, refit_setup::config(mode, &cluster))?
+    else {
+        return Ok(1);
+    };
+    let (ranks, programs, buffers) = (&run.ranks, &run.programs, &run.buffers);
+    let mut destinations = host_run::fresh_destinations(tensors, ranks)?;
+    let (baseline, baseline_time) =
+        host_run::run_baseline(tensors, ranks, buffers, &mut destinations)?;
+    let results_match = buffers
+        .iter()
+        .zip(&destinations)
+        .all(|(memory, dst)| memory.dst == *dst);
+    let reshard_bytes: u64 = programs.iter().map(|p| p.bytes_sent()).sum();
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    let r = ExecBench {
+        model: format!("{}/{scale}", args.model.name()),
+        scale,
+        tensors: tensors.len(),
+        ranks: ranks.len(),
+        mode: mode.name(),
+        threads: work::threads(),
+        reshard_s: run.execute.as_secs_f64(),
+        gather_broadcast_s: baseline_time.as_secs_f64(),
+        gather_broadcast_over_reshard_time: ratio(
+            baseline_time.as_secs_f64(),
+            run.execute.as_secs_f64(),
+        ),
+        reshard_bytes,
+        reshard_bytes_local: programs.iter().map(|p| p.bytes_copied_locally()).sum(),
+        reshard_messages: programs.iter().map(|p| p.sends.len() as u64).sum(),
+        gather_broadcast_bytes: baseline.total(),
+        gather_bytes: baseline.gather,
+        broadcast_bytes: baseline.broadcast,
+        gather_broadcast_over_reshard_bytes: ratio(baseline.total() as f64, reshard_bytes as f64),
+        results_match,
+        plan_s: run.plan.as_secs_f64(),
+        fill_s: run.fill.as_secs_f64(),
+        peak_rss_mb: work::peak_rss_mb(),
+    };
+    if parsed.flag("json") {
+        out::print(&out::json(&r));
+    } else {
+        out::print(&format!(
+            "bench --exec {}: {}\n  {} tensors, {} ranks, mode {}, {} CPU threads\n                      time          bytes between ranks\n  reshard          {:>10}   {:>12} in {} messages (+ {} local copies)\n  gather+broadcast {:>10}   {:>12} ({} gather + {} broadcast)\n  gather+broadcast {:>10}   {:>12}   ÷ reshard\n  results match    {}\n",
+            r.model,
+            args.specs_text(&refit),
+            out::count(r.tensors as u64),
+            r.ranks,
+            r.mode,
+            r.threads,
+            out::seconds(r.reshard_s),
+            out::bytes(r.reshard_bytes),
+            out::count(r.reshard_messages),
+            out::bytes(r.reshard_bytes_local),
+            out::seconds(r.gather_broadcast_s),
+            out::bytes(r.gather_broadcast_bytes),
+            out::bytes(r.gather_bytes),
+            out::bytes(r.broadcast_bytes),
+            format!("{:.2}×", r.gather_broadcast_over_reshard_time),
+            format!("{:.2}×", r.gather_broadcast_over_reshard_bytes),
+            if results_match {
+                "yes: both leave identical destination bytes"
+            } else {
+                "NO: the two runs disagree"
+            },
+        ));
+    }
+    Ok(if results_match { 0 } else { 1 })
+}
+
+#[derive(Serialize)]
+struct CopyBench {
+    bytes: u64,
+    row_bytes: u64,
+    stride_bytes: u64,
+    repeat: u32,
+    memcpy_gbs: f64,
+    contiguous_gbs: f64,
+    pack_gbs: f64,
+    unpack_gbs: f64,
+    contiguous_over_memcpy: f64,
+    pack_over_memcpy: f64,
+    unpack_over_memcpy: f64,
+}
+
+/// Best wall time of `repeat` runs of `f`.
+fn best(repeat: u32, mut f: impl FnMut()) -> Duration {
+    (0..repeat)
+        .map(|_| {
+            let started = Instant::now();
+            f();
+            started.elapsed()
+        })
+        .min()
+        .unwrap_or_default()
+}
+
+fn bench_copy(parsed: &Parsed) -> Result<u8, Failure> {
+    let number = |name: &str, default: u64| -> Result<u64, Failure> {
+        Ok(parsed
+            .number::<u64>(name)
+            .map_err(|e| usage("bench", e))?
+            .unwrap_or(default))
+    };
+    let mib = number("mib", 256)?;
+    let row = number("row", 4096)?;
+    let pad = number("pad", 64)?;
+    let repeat = u32::try_from(number("repeat", 5)?).unwrap_or(u32::MAX);
+    if mib == 0 || row == 0 || repeat == 0 {
+        return Err(usage(
+            "bench",
+            "--mib, --row and --repeat must be at least 1",
+        ));
+    }
+    let bytes = mib << 20;
+    if bytes % row != 0 {
+        return Err(usage(
+            "bench",
+            format!("--row {row} does not divide --mib {mib} MiB into whole rows"),
+        ));
+    }
+    let rows = bytes / row;
+    let stride = row + pad;
+    let strided_len = rows * stride;
+    let alloc = |len: u64| -> Result<Vec<u8>, Failure> {
+        let len = usize::try_from(len)
+            .map_err(|_| Failure::Input("--mib is too large for this host".into()))?;
+        let mut v = Vec::new();
+        v.try_reserve_exact(len)
+            .map_err(|_| Failure::Input(format!("cannot allocate {len} bytes")))?;
+        v.extend((0..len).map(|i| (i % 251) as u8));
+        Ok(v)
+    };
+    let strided = alloc(strided_len)?;
+    let contiguous = alloc(bytes)?;
+    let mut out_contiguous = alloc(bytes)?;
+    let mut out_strided = alloc(strided_len)?;
+
+    let loc = |buffer| Loc {
+        buffer,
+        tensor: 0,
+        offset: 0,
+    };
+    let grid = |src_stride, dst_stride| {
+        [
+            CopyDim {
+                count: rows,
+                src_stride,
+                dst_stride,
+            },
+            CopyDim {
+                count: row,
+                src_stride: 1,
+                dst_stride: 1,
+            },
+        ]
+    };
+    let pack = Copy::new(
+        loc(Buffer::Src),
+        loc(Buffer::Staging),
+        1,
+        &grid(stride, row),
+    );
+    let unpack = Copy::new(
+        loc(Buffer::Staging),
+        loc(Buffer::Dst),
+        1,
+        &grid(row, stride),
+    );
+    let whole = Copy::new(loc(Buffer::Src), loc(Buffer::Dst), 1, &grid(row, row));
+
+    let memcpy = best(repeat, || {
+        out_contiguous.copy_from_slice(black_box(&contiguous));
+        black_box(&out_contiguous);
+    });
+    let contiguous_time = best(repeat, || {
+        copy_block(&whole, black_box(&contiguous), &mut out_contiguous);
+        black_box(&out_contiguous);
+    });
+    let pack_time = best(repeat, || {
+        copy_block(&pack, black_box(&strided), &mut out_contiguous);
+        black_box(&out_contiguous);
+    });
+    let packed_right = (0..rows as usize).all(|r| {
+        let (row, stride) = (row as usize, stride as usize);
+        out_contiguous[r * row..(r + 1) * row] == strided[r * stride..r * stride + row]
+    });
+    let unpack_time = best(repeat, || {
+        copy_block(&unpack, black_box(&contiguous), &mut out_strided);
+        black_box(&out_strided);
+    });
+    let unpacked_right = (0..rows as usize).all(|r| {
+        let (row, stride) = (row as usize, stride as usize);
+        out_strided[r * stride..r * stride + row] == contiguous[r * row..(r + 1) * row]
+    });
+    if !(packed_right && unpacked_right) {
+        return Err(Failure::Input(
+            "copy_block produced wrong bytes (a bug in exec::host::copy_block)".into(),
+        ));
+    }
+    let gbs = |t: Duration| bytes as f64 / t.as_secs_f64().max(1e-12) / 1e9;
+    let r = CopyBench {
+        bytes,
+        row_bytes: row,
+        stride_bytes: stride,
+        repeat,
+        memcpy_gbs: gbs(memcpy),
+        contiguous_gbs: gbs(contiguous_time),
+        pack_gbs: gbs(pack_time),
+        unpack_gbs: gbs(unpack_time),
+        contiguous_over_memcpy: gbs(contiguous_time) / gbs(memcpy),
+        pack_over_memcpy: gbs(pack_time) / gbs(memcpy),
+        unpack_over_memcpy: gbs(unpack_time) / gbs(memcpy),
+    };
+    if parsed.flag("json") {
+        out::print(&out::json(&r));
+        return Ok(0);
+    }
+    out::print(&format!(
+        "bench --copy: {mib} MiB in {row}-byte rows, strided side {stride} bytes apart, best of {repeat}\n  copy_from_slice (memcpy)   {:>7.2} GB/s\n  copy_block contiguous      {:>7.2} GB/s   {:.2}× memcpy\n  copy_block pack            {:>7.2} GB/s   {:.2}× memcpy   (strided → contiguous)\n  copy_block unpack          {:>7.2} GB/s   {:.2}× memcpy   (contiguous → strided)\n",
+        r.memcpy_gbs,
+        r.contiguous_gbs,
+        r.contiguous_over_memcpy,
+        r.pack_gbs,
+        r.pack_over_memcpy,
+        r.unpack_gbs,
+        r.unpack_over_memcpy,
     ));
     Ok(0)
 }

@@ -1,9 +1,13 @@
 //! The subcommands: each declares its name, help text and options, and a function to run.
 
 mod bench;
+mod bench_plan;
 mod check;
 mod layout;
 mod plan;
+mod refit;
+pub mod refit_setup;
+mod simulate;
 
 use crate::args::{Opt, Parsed};
 use crate::case::{self, Case, CaseFile};
@@ -19,11 +23,14 @@ pub struct Command {
     pub run: fn(&Parsed) -> Result<u8, Failure>,
 }
 
-const COMMANDS: [Command; 4] = [
+const COMMANDS: [Command; 7] = [
     check::COMMAND,
     layout::COMMAND,
     plan::COMMAND,
+    simulate::COMMAND,
+    refit::COMMAND,
     bench::COMMAND,
+    bench_plan::COMMAND,
 ];
 
 pub fn find(name: &str) -> Option<&'static Command> {

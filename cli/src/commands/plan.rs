@@ -8,7 +8,6 @@ use crate::Failure;
 use ncclreshard::plan::ExecMode;
 use ncclreshard::{Config, Planner, RankProgram, Topology};
 use serde::Serialize;
-use std::collections::BTreeMap;
 
 pub const COMMAND: Command = Command {
     name: "plan",
@@ -198,14 +197,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
 }
 
 fn case_plan(case: &Case, planner: &Planner, programs: &[RankProgram]) -> CasePlan {
-    let mut traffic: BTreeMap<(u32, u32), (u64, u64)> = BTreeMap::new();
-    for p in programs {
-        for m in &p.sends {
-            let entry = traffic.entry((p.rank, m.peer)).or_default();
-            entry.0 += m.bytes;
-            entry.1 += 1;
-        }
-    }
+    let traffic = crate::heatmap::traffic(programs);
     let ranks: Vec<RankSummary> = programs.iter().map(summary).collect();
     let totals = Totals {
         ranks: ranks.len(),

@@ -1,0 +1,206 @@
+//! What `simulate`, `refit` and `bench` share: the model and parallel specs of a refit, the
+//! cluster, the planner config, planning every rank, and the host memory a run needs.
+
+use super::usage;
+use crate::args::Parsed;
+use crate::models_json::{load_model, load_system, Model};
+use crate::work;
+use crate::Failure;
+use ncclreshard::models::{
+    count_parameters, ExpertStorage, InferSpec, Refit, RefitOptions, TrainSpec, PRESETS,
+};
+use ncclreshard::sim::Cluster;
+use ncclreshard::{Config, DType, Mode, Planner, RankProgram, TensorSpec, Topology};
+use std::ops::Range;
+use std::path::Path;
+use std::time::Duration;
+
+/// The refit named on the command line: `--model`, `--train` and `--infer` (or `--system`),
+/// `--dtype`, `--experts`, `--colocated`.
+pub struct RefitArgs {
+    pub model: Model,
+    /// `--train` and `--infer` as the user wrote them (shown in reports).
+    pub train_text: String,
+    pub infer_text: String,
+    pub train: TrainSpec,
+    pub infer: InferSpec,
+    pub options: RefitOptions,
+}
+
+impl RefitArgs {
+    pub fn parse(parsed: &Parsed, command: &'static str) -> Result<RefitArgs, Failure> {
+        let required = |name: &str, what: &str| {
+            parsed
+                .value(name)
+                .ok_or_else(|| usage(command, format!("--{name} is required ({what})")))
+        };
+        let model = required("model", &format!("{} or a file", PRESETS.join(", ")))?;
+        let (train, infer, train_text, infer_text) = match parsed.value("system") {
+            Some(path) => {
+                if parsed.value("train").is_some() || parsed.value("infer").is_some() {
+                    return Err(usage(
+                        command,
+                        "--system gives the training and inference specs; drop --train and --infer",
+                    ));
+                }
+                let (train, infer) = load_system(Path::new(path)).map_err(Failure::Input)?;
+                (train, infer, train.to_string(), infer.to_string())
+            }
+            None => {
+                let train_text =
+                    required("train", "a training spec like pp16,ep16, or --system FILE")?;
+                let infer_text =
+                    required("infer", "an inference spec like tp32,dp8, or --system FILE")?;
+                let train = TrainSpec::parse(train_text)
+                    .map_err(|e| usage(command, format!("--train: {e}")))?;
+                let infer = InferSpec::parse(infer_text)
+                    .map_err(|e| usage(command, format!("--infer: {e}")))?;
+                (train, infer, train_text.to_string(), infer_text.to_string())
+            }
+        };
+        let dtype_name = parsed.value("dtype").unwrap_or("bfloat16");
+        let dtype = DType::from_name(dtype_name)
+            .ok_or_else(|| usage(command, format!("--dtype: unknown dtype {dtype_name:?}")))?;
+        let experts = match parsed.value("experts").unwrap_or("stacked") {
+            "stacked" => ExpertStorage::Stacked,
+            "per-expert" => ExpertStorage::PerExpert,
+            other => {
+                return Err(usage(
+                    command,
+                    format!("--experts {other:?}: expected stacked or per-expert"),
+                ))
+            }
+        };
+        let model = load_model(model).map_err(Failure::Input)?;
+        Ok(RefitArgs {
+            model,
+            train_text,
+            infer_text,
+            train,
+            infer,
+            options: RefitOptions {
+                dtype,
+                colocated: parsed.flag("colocated"),
+                experts,
+            },
+        })
+    }
+
+    /// The refit of the model with widths divided by `scale` (1: the model itself).
+    pub fn refit(&self, scale: u64) -> Result<Refit, Failure> {
+        self.model
+            .scaled(scale)
+            .and_then(|model| model.refit(&self.train, &self.infer, &self.options))
+            .map_err(Failure::Input)
+    }
+
+    /// `train tp4,pp4,dp2 (ranks 0-31) → infer tp4,dp8 (ranks 32-63)`.
+    pub fn specs_text(&self, refit: &Refit) -> String {
+        format!(
+            "train {} ({}) → infer {} ({}){}",
+            self.train_text,
+            ranks_text(&refit.train_ranks),
+            self.infer_text,
+            ranks_text(&refit.infer_ranks),
+            if self.options.colocated {
+                ", colocated"
+            } else {
+                ""
+            }
+        )
+    }
+
+    /// Model parameters (weights and biases, not FP8 scales) of the full-size model.
+    pub fn parameters(&self) -> u64 {
+        count_parameters(&self.model.params(self.options.experts))
+    }
+
+    pub fn experts_name(&self) -> &'static str {
+        match self.options.experts {
+            ExpertStorage::Stacked => "stacked",
+            ExpertStorage::PerExpert => "per-expert",
+        }
+    }
+}
+
+/// `32 ranks 0-31`.
+pub fn ranks_text(ranks: &Range<u32>) -> String {
+    format!(
+        "{} ranks {}-{}",
+        ranks.len(),
+        ranks.start,
+        ranks.end.saturating_sub(1)
+    )
+}
+
+/// `--scale N` (at least 1), or `default`.
+pub fn scale(parsed: &Parsed, command: &'static str, default: u64) -> Result<u64, Failure> {
+    match parsed
+        .number::<u64>("scale")
+        .map_err(|e| usage(command, e))?
+    {
+        Some(0) => Err(usage(command, "--scale must be at least 1")),
+        Some(n) => Ok(n),
+        None => Ok(default),
+    }
+}
+
+/// `--cluster PRESET|key=value,...`, default `dgx-h100`.
+pub fn cluster(parsed: &Parsed, command: &'static str) -> Result<Cluster, Failure> {
+    match parsed.value("cluster") {
+        None => Ok(Cluster::dgx_h100()),
+        Some(text) => Cluster::parse(text).map_err(|e| usage(command, format!("--cluster: {e}"))),
+    }
+}
+
+/// `--mode`, default auto.
+pub fn mode(parsed: &Parsed, command: &'static str) -> Result<Mode, Failure> {
+    parsed
+        .value("mode")
+        .map_or(Ok(Mode::Auto), Mode::parse)
+        .map_err(|e| usage(command, format!("--mode: {e}")))
+}
+
+/// The planner config for a refit on `cluster`: a "node" for the planner is what NVLink
+/// connects (one DGX node; a whole GB200 NVL72 rack), since sender choice prefers NVLink.
+pub fn config(mode: Mode, cluster: &Cluster) -> Config {
+    Config {
+        mode,
+        topology: Topology::RanksPerNode(cluster.nvlink_domain),
+        ..Default::default()
+    }
+}
+
+pub fn planner(tensors: &[TensorSpec], config: Config) -> Result<Planner, Failure> {
+    Planner::new(tensors.to_vec(), config).map_err(|e| Failure::Input(e.to_string()))
+}
+
+/// Every rank's program, planned on all cores with a progress line; and the wall time.
+pub fn plan_all(planner: &Planner, label: &str) -> Result<(Vec<RankProgram>, Duration), Failure> {
+    let ranks = planner.ranks();
+    let (programs, took) = work::track(label, ranks.len(), |done| {
+        work::map(&ranks, done, |&rank| {
+            planner
+                .rank_program(rank)
+                .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))
+        })
+    });
+    Ok((programs.into_iter().collect::<Result<_, _>>()?, took))
+}
+
+/// Host bytes of every rank's source and destination views (what a host run allocates).
+pub fn host_bytes(tensors: &[TensorSpec]) -> u64 {
+    let mut total = 0u64;
+    for spec in tensors {
+        for layout in [&spec.src, &spec.dst] {
+            for &rank in layout.mesh.ranks() {
+                if let Some(indices) = layout.rank_indices(&spec.shape, rank) {
+                    let shape: Vec<u64> = indices.iter().map(|i| i.len()).collect();
+                    total =
+                        total.saturating_add(layout.view(&shape, spec.elem_size()).extent_bytes());
+                }
+            }
+        }
+    }
+    total
+}
