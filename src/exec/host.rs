@@ -230,9 +230,36 @@ fn run_copy(copy: &Copy, memory: &mut RankBuffers, staging: &mut [u8]) -> Result
     // Bounds of the whole block first, so a bad program fails before writing anything.
     let src_span = copy.src_end() - copy.src.offset;
     let dst_span = copy.dst_end() - copy.dst.offset;
-    let src_bytes = read(memory, staging, copy.src, src_span)?.to_vec();
-    let dst = write(memory, staging, copy.dst, dst_span)?;
-    copy_block(copy, &src_bytes, dst);
+    // The two sides are different buffers, so they can be borrowed at once without copying.
+    let RankBuffers { src, dst } = memory;
+    let (from, to): (&[u8], &mut [u8]) = match (copy.src.buffer, copy.dst.buffer) {
+        (Buffer::Src, Buffer::Dst) => (
+            src.get(copy.src.tensor as usize)
+                .map_or(&[][..], Vec::as_slice),
+            dst.get_mut(copy.dst.tensor as usize)
+                .map_or(&mut [][..], Vec::as_mut_slice),
+        ),
+        (Buffer::Src, Buffer::Staging) => (
+            src.get(copy.src.tensor as usize)
+                .map_or(&[][..], Vec::as_slice),
+            staging,
+        ),
+        (Buffer::Staging, Buffer::Dst) => (
+            staging,
+            dst.get_mut(copy.dst.tensor as usize)
+                .map_or(&mut [][..], Vec::as_mut_slice),
+        ),
+        (from, to) => {
+            return Err(Error::internal(format!(
+                "a copy from {from:?} to {to:?} is not part of any program"
+            )))
+        }
+    };
+    let src_range = bounds(copy.src, src_span, from.len())
+        .ok_or_else(|| out_of_bounds(copy.src, src_span, from.len()))?;
+    let (to_len, dst_range) = (to.len(), bounds(copy.dst, dst_span, to.len()));
+    let dst_range = dst_range.ok_or_else(|| out_of_bounds(copy.dst, dst_span, to_len))?;
+    copy_block(copy, &from[src_range], &mut to[dst_range]);
     Ok(())
 }
 
