@@ -237,3 +237,45 @@ pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
     }
     Ok(report)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{DType, Layout, Mesh, Placement};
+
+    #[test]
+    fn verification_catches_a_wrong_element_and_a_clobbered_gap() {
+        let mut spec = TensorSpec {
+            shape: vec![4, 3],
+            dtype: DType::Bfloat16,
+            src: Layout::new(
+                Mesh::new(vec![1], vec![0]).unwrap(),
+                vec![Placement::Replicate],
+            ),
+            dst: Layout::new(
+                Mesh::new(vec![1], vec![0]).unwrap(),
+                vec![Placement::Replicate],
+            ),
+        };
+        for strides in [None, Some(vec![4, 1])] {
+            spec.dst.strides = strides.clone();
+            spec.src.strides = strides;
+            // The source view holds exactly what a correct destination must hold.
+            let good = source_view_bytes(&spec, 0, 0).unwrap().unwrap();
+            assert_eq!(verify_destination_view(&spec, 0, 0, &good).unwrap(), 12);
+            let mut wrong = good.clone();
+            wrong[2] ^= 1;
+            let err = verify_destination_view(&spec, 0, 0, &wrong).unwrap_err();
+            assert!(err.message.contains("global index 1"), "{err}");
+            if spec.dst.strides.is_some() {
+                let mut clobbered = good.clone();
+                clobbered[6] ^= 0xff; // the padding element after row 0
+                let err = verify_destination_view(&spec, 0, 0, &clobbered).unwrap_err();
+                assert!(
+                    err.message.contains("outside the destination view"),
+                    "{err}"
+                );
+            }
+        }
+    }
+}
