@@ -90,6 +90,9 @@ pub struct CudaExecutor {
     src_offsets: Vec<u64>,
     dst_offsets: Vec<u64>,
     max_staging_bytes: u64,
+    /// The program's distinct peers, computed once (checked against the communicator's size
+    /// on every call).
+    peers: Vec<u32>,
     device: Mutex<Option<Arc<DeviceState>>>,
 }
 
@@ -113,11 +116,13 @@ impl CudaExecutor {
         dst_offsets: Vec<u64>,
         max_staging_bytes: u64,
     ) -> Self {
+        let peers = program.peers();
         CudaExecutor {
             program,
             src_offsets,
             dst_offsets,
             max_staging_bytes,
+            peers,
             device: Mutex::new(None),
         }
     }
@@ -155,7 +160,7 @@ impl CudaExecutor {
             return Err(Error::invalid_argument(format!(
                 "comm is NULL but rank {} exchanges data with {} peer(s)",
                 p.rank,
-                p.peers().len()
+                self.peers.len()
             )));
         }
         libs::driver()?;
@@ -254,7 +259,11 @@ impl CudaExecutor {
                     p.rank
                 )));
             }
-            if let Some(&peer) = p.peers().iter().find(|&&peer| peer as i64 >= count as i64) {
+            if let Some(&peer) = self
+                .peers
+                .last()
+                .filter(|&&peer| peer as i64 >= count as i64)
+            {
                 return Err(Error::invalid_usage(format!(
                     "the plan exchanges data with rank {peer} but comm has only {count} ranks"
                 )));
