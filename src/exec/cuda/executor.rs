@@ -89,6 +89,7 @@ pub struct CudaExecutor {
     program: Arc<RankProgram>,
     src_offsets: Vec<u64>,
     dst_offsets: Vec<u64>,
+    /// The staging bound, resolved once from the config and the environment.
     max_staging_bytes: u64,
     /// The program's distinct peers, computed once (checked against the communicator's size
     /// on every call).
@@ -121,7 +122,7 @@ impl CudaExecutor {
             program,
             src_offsets,
             dst_offsets,
-            max_staging_bytes,
+            max_staging_bytes: staging_limit(max_staging_bytes),
             peers,
             device: Mutex::new(None),
         }
@@ -148,7 +149,7 @@ impl CudaExecutor {
         if p.is_empty() {
             return Ok(());
         }
-        let limit = staging_limit(self.max_staging_bytes);
+        let limit = self.max_staging_bytes;
         if p.staging_bytes > limit {
             return Err(Error::invalid_usage(format!(
                 "the plan needs {} bytes of staging on rank {} but the limit is {limit}; raise config.maxStagingBytes or NCCL_RESHARD_STAGING_BYTES, or plan in groupable mode",
