@@ -286,7 +286,7 @@ fn split_factors_beyond_the_dim_leave_one_row_per_piece() {
     assert_eq!(crate_lists(&[7], &layout, 0), Some(vec![(0..7).collect()]));
     assert_eq!(crate_lists(&[7], &layout, 1), Some(vec![vec![]]));
     let t = spec(&[7], DType::Float32, layout, replicated(3));
-    assert!(t.validate().is_ok());
+    assert!(t.validate().is_ok(), "{:?}", t.validate());
 }
 
 #[test]

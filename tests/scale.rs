@@ -274,3 +274,28 @@ fn host_checks_run_concurrently() {
         }
     });
 }
+
+#[test]
+fn absurd_descriptors_are_refused_before_allocating() {
+    // A mesh of 2^30 ranks (4 GiB of rank table) and a StridedShard cutting 2^40 rows into 2^40
+    // pieces would each take unbounded memory or time: both are errors, at once.
+    let err = Mesh::contiguous(vec![1 << 30], 0).unwrap_err();
+    assert!(err.message.contains("rank table"), "{err}");
+    let spec = TensorSpec {
+        shape: vec![1 << 40],
+        dtype: DType::Int8,
+        src: layout(
+            &[2],
+            &[0, 1],
+            &[Placement::StridedShard {
+                dim: 0,
+                split_factor: 1 << 40,
+            }],
+        ),
+        dst: layout(&[1], &[2], &[Placement::Replicate]),
+    };
+    let started = std::time::Instant::now();
+    let err = Planner::new(vec![spec], Config::default()).unwrap_err();
+    assert!(err.message.contains("pieces"), "{err}");
+    assert!(started.elapsed().as_secs() < 5);
+}

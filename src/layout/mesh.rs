@@ -4,6 +4,9 @@ use crate::error::{Error, Result};
 
 /// The most mesh axes a layout may have (DESIGN §2).
 pub const MAX_MESH_AXES: usize = 8;
+/// The most ranks a mesh may hold: far beyond any cluster, and small enough that a descriptor
+/// can never make the planner allocate without bound.
+pub const MAX_MESH_RANKS: u64 = 1 << 20;
 
 /// An N-D array of distinct communicator ranks in row-major order (last axis fastest).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -29,6 +32,11 @@ impl Mesh {
             )));
         }
         let size = shape.iter().try_fold(1u64, |acc, &n| acc.checked_mul(n));
+        if !matches!(size, Some(s) if s <= MAX_MESH_RANKS) {
+            return Err(Error::invalid_argument(format!(
+                "mesh shape {shape:?} holds more ranks than the {MAX_MESH_RANKS} a rank table may hold"
+            )));
+        }
         if size != Some(ranks.len() as u64) {
             return Err(Error::invalid_argument(format!(
                 "mesh shape {shape:?} holds {} ranks but the rank table has {}",
@@ -66,6 +74,11 @@ impl Mesh {
             .iter()
             .try_fold(1u64, |acc, &n| acc.checked_mul(n))
             .unwrap_or(u64::MAX);
+        if size > MAX_MESH_RANKS {
+            return Err(Error::invalid_argument(format!(
+                "mesh shape {shape:?} holds more ranks than the {MAX_MESH_RANKS} a rank table may hold"
+            )));
+        }
         let last = u64::from(first_rank).checked_add(size);
         match last {
             Some(last) if size <= i32::MAX as u64 && last <= i32::MAX as u64 + 1 => {

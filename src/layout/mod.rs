@@ -11,7 +11,7 @@ mod mesh;
 mod runs;
 
 pub use dtype::DType;
-pub use mesh::{Mesh, MAX_MESH_AXES};
+pub use mesh::{Mesh, MAX_MESH_AXES, MAX_MESH_RANKS};
 pub use runs::{chunk_bounds, IndexRuns, Run};
 
 use crate::error::{checked_add, checked_mul, Error, Result};
@@ -19,6 +19,10 @@ use std::fmt;
 
 /// The most dimensions a tensor may have.
 pub const MAX_TENSOR_DIMS: usize = 8;
+/// The most pieces the StridedShard placements on one dim may cut it into (the product of
+/// their split factors, each capped by the dim's size); real FSDP2 + TP layouts use the TP
+/// size, a few dozen at most.
+pub const MAX_SPLIT_PRODUCT: u64 = 1 << 16;
 
 /// How a tensor is placed along one mesh axis (torch's `Placement`s; `Partial` is out of
 /// scope).
@@ -333,6 +337,24 @@ impl Layout {
                         "placements[{axis}] = {placement}: split_factor must be at least 1"
                     )));
                 }
+            }
+        }
+        // A rank's index set along a dim has at most one run per StridedShard piece that can
+        // hold an index (min(split factor, dim size) per axis); bound their product so a
+        // descriptor cannot ask for unbounded memory or time.
+        for (dim, &size) in shape.iter().enumerate() {
+            let product = self.shard_axes(dim).iter().try_fold(1u64, |acc, &axis| {
+                match self.placements[axis] {
+                    Placement::StridedShard { split_factor, .. } => {
+                        acc.checked_mul(split_factor.min(size.max(1)))
+                    }
+                    _ => Some(acc),
+                }
+            });
+            if !matches!(product, Some(p) if p <= MAX_SPLIT_PRODUCT) {
+                return Err(Error::invalid_argument(format!(
+                    "the StridedShard placements on dim {dim} cut it into more than {MAX_SPLIT_PRODUCT} pieces; no real layout needs that many"
+                )));
             }
         }
         // The largest local extent per dim bounds every rank's view.
