@@ -155,6 +155,26 @@ struct RankData {
     recv_len: usize,
 }
 
+impl RankData {
+    /// An executor for `program` with this rank's view offsets.
+    fn executor(&self, program: RankProgram) -> CudaExecutor {
+        CudaExecutor::new(
+            Arc::new(program),
+            self.src_offsets.clone(),
+            self.dst_offsets.clone(),
+            0,
+        )
+    }
+
+    /// The single-buffer call's buffers.
+    fn buffers(&self) -> CallBuffers<'static> {
+        CallBuffers::Single {
+            send: self.send as usize,
+            recv: self.recv as usize,
+        }
+    }
+}
+
 fn align(x: u64) -> u64 {
     x.div_ceil(256) * 256
 }
@@ -258,16 +278,8 @@ fn run_rank0(
     let planner = Planner::new(tensors.to_vec(), config.clone()).unwrap();
     let program = planner.rank_program(0).unwrap();
     let data = prepare(device, tensors, 0);
-    let executor = CudaExecutor::new(
-        Arc::new(program.clone()),
-        data.src_offsets.clone(),
-        data.dst_offsets.clone(),
-        0,
-    );
-    let buffers = CallBuffers::Single {
-        send: data.send as usize,
-        recv: data.recv as usize,
-    };
+    let executor = data.executor(program.clone());
+    let buffers = data.buffers();
     executor
         .execute(&buffers, comm, device.stream.cast())
         .unwrap_or_else(|e| panic!("execute: {e}"));
@@ -418,16 +430,8 @@ fn copy_kernel_bandwidth_against_memcpy() {
         let program = planner.rank_program(0).unwrap();
         let data = prepare(device, &tensors, 0);
         let bytes: u64 = tensors[0].shape.iter().product::<u64>() * u64::from(dtype.size());
-        let executor = CudaExecutor::new(
-            Arc::new(program),
-            data.src_offsets.clone(),
-            data.dst_offsets.clone(),
-            0,
-        );
-        let buffers = CallBuffers::Single {
-            send: data.send as usize,
-            recv: data.recv as usize,
-        };
+        let executor = data.executor(program);
+        let buffers = data.buffers();
         let ours = time_ms(device.stream, 5, || {
             executor
                 .execute(&buffers, comms[0], device.stream.cast())
@@ -475,16 +479,8 @@ fn graph_capture_replays_the_reshard() {
         let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
         let program = planner.rank_program(0).unwrap();
         let data = prepare(device, &tensors, 0);
-        let executor = CudaExecutor::new(
-            Arc::new(program),
-            data.src_offsets.clone(),
-            data.dst_offsets.clone(),
-            0,
-        );
-        let buffers = CallBuffers::Single {
-            send: data.send as usize,
-            recv: data.recv as usize,
-        };
+        let executor = data.executor(program);
+        let buffers = data.buffers();
         executor
             .execute(&buffers, comms[0], device.stream.cast())
             .unwrap(); // warm-up
@@ -579,12 +575,7 @@ fn multi_gpu_reshards_in_one_group() {
         for (r, device) in devs.iter().enumerate() {
             let program = planner.rank_program(r as u32).unwrap();
             let data = prepare(device, &tensors, r as u32);
-            let executor = CudaExecutor::new(
-                Arc::new(program),
-                data.src_offsets.clone(),
-                data.dst_offsets.clone(),
-                0,
-            );
+            let executor = data.executor(program);
             runs.push((data, executor));
         }
         // Warm up each rank (allocation), then the real call. Groupable plans: every rank from
@@ -596,10 +587,7 @@ fn multi_gpu_reshards_in_one_group() {
                 unsafe { assert_eq!((nccl.group_start)(), 0) };
                 for (r, (data, executor)) in runs.iter().enumerate() {
                     devs[r].current();
-                    let buffers = CallBuffers::Single {
-                        send: data.send as usize,
-                        recv: data.recv as usize,
-                    };
+                    let buffers = data.buffers();
                     executor
                         .execute(&buffers, comms[r], devs[r].stream.cast())
                         .unwrap_or_else(|e| panic!("rank {r} pass {pass}: {e}"));
@@ -621,10 +609,7 @@ fn multi_gpu_reshards_in_one_group() {
                                 unsafe { sys::cuCtxSetCurrent(h.context) },
                                 "cuCtxSetCurrent",
                             );
-                            let buffers = CallBuffers::Single {
-                                send: data.send as usize,
-                                recv: data.recv as usize,
-                            };
+                            let buffers = data.buffers();
                             executor
                                 .execute(&buffers, h.comm, h.stream.cast())
                                 .unwrap_or_else(|e| panic!("rank {r} pass {pass}: {e}"));

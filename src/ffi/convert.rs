@@ -140,7 +140,7 @@ unsafe fn layout(ptr: *const ncclReshardLayout_t, ndim: usize, field: &str) -> R
     Ok(result)
 }
 
-fn default_tensor() -> ncclReshardTensor_t {
+pub(crate) fn default_tensor() -> ncclReshardTensor_t {
     ncclReshardTensor_t {
         size: TENSOR_MIN_SIZE,
         version: 0,

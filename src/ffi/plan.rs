@@ -352,16 +352,10 @@ pub(crate) unsafe fn local_shape(
     // SAFETY: shape holds ndim entries.
     let global = unsafe { array(shape, n, "shape") }?;
     let mut c_tensor = ncclReshardTensor_t {
-        size: std::mem::size_of::<ncclReshardTensor_t>(),
-        version: 0,
         ndim,
-        shape: [0; NCCL_RESHARD_MAX_DIMS],
-        dtype: 0,
         src: layout,
         dst: layout,
-        srcOffset: 0,
-        dstOffset: 0,
-        name: std::ptr::null(),
+        ..convert::default_tensor()
     };
     c_tensor.shape[..n].copy_from_slice(global);
     // SAFETY: c_tensor is a valid descriptor; its layout pointers are the caller's.
