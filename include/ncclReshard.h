@@ -21,7 +21,7 @@
 /** Initialisers: every versioned struct must start from one, so size/version/magic are set. */
 #define NCCL_RESHARD_LAYOUT_INITIALIZER { sizeof(ncclReshardLayout_t), NCCL_RESHARD_VERSION_CODE, 0, {0}, NULL, 0, {{0, 0, 0}}, NULL }
 #define NCCL_RESHARD_TENSOR_INITIALIZER { sizeof(ncclReshardTensor_t), NCCL_RESHARD_VERSION_CODE, 0, {0}, ncclFloat32, NULL, NULL, 0, 0, NULL }
-#define NCCL_RESHARD_CONFIG_INITIALIZER { sizeof(ncclReshardConfig_t), NCCL_RESHARD_CONFIG_MAGIC, NCCL_RESHARD_VERSION_CODE, ncclReshardModeGroupable, 0, NULL, 0, 0, 0 }
+#define NCCL_RESHARD_CONFIG_INITIALIZER { sizeof(ncclReshardConfig_t), NCCL_RESHARD_CONFIG_MAGIC, NCCL_RESHARD_VERSION_CODE, ncclReshardModeGroupable, 0, NULL, 0, 0, 0, 0, 1 }
 #define NCCL_RESHARD_PLAN_INFO_INITIALIZER { sizeof(ncclReshardPlanInfo_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 #define NCCL_RESHARD_TRANSFER_INITIALIZER { sizeof(ncclReshardTransfer_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, {0}, {0}, 0, 0, 0, 0, {0}, {0}, {0}, 0 }
 
@@ -145,7 +145,12 @@ typedef struct {
  * `ranksPerNode` (rank r on node r / ranksPerNode; 0 = unknown) or, when `nodeOfRank` is not
  * NULL, the node id of each of `nodeOfRankCount` ranks. `splitMinBytes` is the smallest part a
  * replicated overlap is split into across senders (0 = 1 MiB). `maxStagingBytes` bounds the
- * staging memory the CUDA executor allocates per plan (0 = its default).
+ * staging memory the CUDA executor allocates per plan and stream (0 = its default).
+ * `rounds` (staged and auto modes) cuts the data into that many rounds that reuse one staging
+ * arena (0 = chosen from the tensors' sizes, about 4 GiB per rank and round). `relay` (staged
+ * and auto modes, topology known): 1 (default) sends data that several replicas on one node
+ * need across the network once and forwards it over NVLink; 0 sends it to each replica.
+ * Both were added in 0.2: a struct from an older header (smaller `size`) gets the defaults.
  */
 typedef struct {
   size_t size;
@@ -157,6 +162,8 @@ typedef struct {
   int nodeOfRankCount;
   size_t splitMinBytes;
   size_t maxStagingBytes;
+  int rounds;
+  int relay;
 } ncclReshardConfig_t;
 
 /**

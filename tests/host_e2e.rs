@@ -5,7 +5,7 @@
 mod oracle;
 
 use ncclreshard::exec::host::{execute, RankBuffers};
-use ncclreshard::plan::Buffer;
+use ncclreshard::plan::{Buffer, ExecMode};
 use ncclreshard::{
     Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
 };
@@ -231,17 +231,20 @@ fn verify_mode(mode: Mode, programs: &[RankProgram]) {
                 }
             }
             Mode::Staged => {
-                for messages in [&p.sends, &p.recvs] {
-                    let mut peers: Vec<u32> = messages.iter().map(|m| m.peer).collect();
-                    peers.sort_unstable();
-                    let n = peers.len();
-                    peers.dedup();
-                    assert_eq!(
-                        peers.len(),
-                        n,
-                        "rank {}: staged pair with several messages",
-                        p.rank
-                    );
+                for round in p.rounds() {
+                    for messages in [round.sends, round.recvs] {
+                        let mut peers: Vec<u32> = messages.iter().map(|m| m.peer).collect();
+                        peers.sort_unstable();
+                        let n = peers.len();
+                        peers.dedup();
+                        assert_eq!(
+                            peers.len(),
+                            n,
+                            "rank {}: staged pair with several messages in round {}",
+                            p.rank,
+                            round.round
+                        );
+                    }
                 }
             }
             Mode::Auto => {}
@@ -372,13 +375,18 @@ fn config(mode: impl Strategy<Value = Mode>) -> impl Strategy<Value = Config> {
         prop::sample::select(vec![1u64, 3, 64, 1 << 20]),
         // Colocated data as self-messages (the single-GPU test path) now and then.
         prop::bool::weighted(0.2),
+        // Automatic rounds (one, for tensors this small) or several.
+        prop::sample::select(vec![0u32, 0, 1, 2, 3, 5]),
+        prop::bool::weighted(0.7),
     )
         .prop_map(
-            |(mode, topology, split_min_bytes, local_via_messages)| Config {
+            |(mode, topology, split_min_bytes, local_via_messages, rounds, relay)| Config {
                 mode,
                 topology,
                 split_min_bytes,
                 local_via_messages,
+                rounds,
+                relay,
             },
         )
 }
@@ -739,5 +747,66 @@ fn four_axis_mesh_and_zero_strides_on_unit_dims() {
     };
     for mode in MODES {
         run_checked(std::slice::from_ref(&t), &with_mode(mode));
+    }
+}
+
+/// TP2 on ranks 0-1 → TP2 x DP4 on ranks 8-15: with 4 ranks per node, nodes 2 and 3 hold two
+/// replicas of each shard.
+fn tp2_to_tp2_dp4_on_two_nodes() -> TensorSpec {
+    TensorSpec {
+        shape: vec![64, 96],
+        dtype: DType::Bfloat16,
+        src: layout(grid(&[2], 0), &[Placement::Shard(1)]),
+        dst: layout(
+            grid(&[4, 2], 8),
+            &[Placement::Replicate, Placement::Shard(0)],
+        ),
+    }
+}
+
+#[test]
+fn replicas_on_one_node_get_network_data_once_and_relay_it() {
+    let spec = tp2_to_tp2_dp4_on_two_nodes();
+    let bytes_off_node = |programs: &[RankProgram]| -> u64 {
+        programs
+            .iter()
+            .flat_map(|p| p.sends.iter().map(move |m| (p.rank, m)))
+            .filter(|(from, m)| from / 4 != m.peer / 4)
+            .map(|(_, m)| m.bytes)
+            .sum()
+    };
+    for mode in [Mode::Staged, Mode::Auto] {
+        for rounds in [0, 1, 3] {
+            let base = Config {
+                mode,
+                topology: Topology::RanksPerNode(4),
+                split_min_bytes: 64,
+                rounds,
+                ..Default::default()
+            };
+            let relayed = run_checked(std::slice::from_ref(&spec), &base);
+            let direct = run_checked(
+                std::slice::from_ref(&spec),
+                &Config {
+                    relay: false,
+                    ..base.clone()
+                },
+            );
+            let tensor_bytes = 64 * 96 * 2;
+            // Each of the two destination nodes needs the tensor once; without relays every
+            // replica pulls its shard across the network.
+            assert_eq!(bytes_off_node(&relayed), 2 * tensor_bytes, "{base:?}");
+            assert_eq!(bytes_off_node(&direct), 4 * tensor_bytes, "{base:?}");
+            // Relays read the destination view and run in a later round than the data came.
+            let relay_sends: Vec<&RankProgram> = relayed
+                .iter()
+                .filter(|p| {
+                    p.sends.iter().any(|m| m.loc.buffer == Buffer::Dst)
+                        || p.packs.iter().any(|c| c.src.buffer == Buffer::Dst)
+                })
+                .collect();
+            assert_eq!(relay_sends.len(), 8, "{base:?}: every replica forwards");
+            assert!(relayed[2..].iter().all(|p| p.mode() == ExecMode::Staged));
+        }
     }
 }

@@ -1,14 +1,14 @@
 //! The host executor: runs the programs of all ranks as threads over host memory.
 //!
 //! It is the executable specification of the CUDA executor: the same copies, the same message
-//! order, NCCL-group semantics (each rank runs its copies and packs, posts every send and
-//! receive, and unpacks once all its receives are complete). Where NCCL would hang — a receive
+//! order, NCCL-group semantics (each rank runs its local copies, then per round its packs,
+//! posts every send and receive of the round, and unpacks once all of them are complete). Where NCCL would hang — a receive
 //! with no matching send, sizes that differ, a send nobody receives, peers that planned
 //! different things — this executor returns an error naming the ranks instead.
 
 use crate::error::{Error, Result};
 use crate::layout::next_index;
-use crate::plan::{Buffer, Copy, Loc, RankProgram};
+use crate::plan::{Buffer, Copy, Loc, Message, RankProgram};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Barrier, Mutex};
 
@@ -20,7 +20,8 @@ pub struct RankBuffers {
     pub dst: Vec<Vec<u8>>,
 }
 
-type Mailboxes = Mutex<HashMap<(u32, u32), VecDeque<Vec<u8>>>>;
+/// Per (sender, receiver): messages in posting order, with the round they were sent in.
+type Mailboxes = Mutex<HashMap<(u32, u32), VecDeque<(u32, Vec<u8>)>>>;
 
 /// Runs `programs[i]` against `buffers[i]` for every i, all ranks concurrently. Returns the
 /// first error any rank hit (the others still finish their phases, so nothing deadlocks).
@@ -43,6 +44,20 @@ pub fn execute(programs: &[RankProgram], buffers: &mut [RankBuffers]) -> Result<
             p.rank, programs[0].rank, p.fingerprint, programs[0].fingerprint
         )));
     }
+    if let Some(p) = programs.iter().find(|p| !p.rounds_are_consistent()) {
+        return Err(Error::invalid_usage(format!(
+            "rank {}'s program is malformed: its rounds do not cover its copies and messages in order",
+            p.rank
+        )));
+    }
+    // Every rank walks the same list of rounds (skipping those it has no part in), meeting
+    // the others at a barrier after each round's sends.
+    let mut rounds: Vec<u32> = programs
+        .iter()
+        .flat_map(|p| p.rounds().into_iter().map(|r| r.round))
+        .collect();
+    rounds.sort_unstable();
+    rounds.dedup();
     let mailboxes: Mailboxes = Mutex::new(HashMap::new());
     let barrier = Barrier::new(programs.len());
     let results: Vec<Result<()>> = std::thread::scope(|scope| {
@@ -50,8 +65,13 @@ pub fn execute(programs: &[RankProgram], buffers: &mut [RankBuffers]) -> Result<
             .iter()
             .zip(buffers.iter_mut())
             .map(|(program, memory)| {
-                let (mailboxes, barrier, ranks) = (&mailboxes, &barrier, &ranks);
-                scope.spawn(move || run_rank(program, memory, mailboxes, barrier, ranks))
+                let shared = Shared {
+                    mailboxes: &mailboxes,
+                    barrier: &barrier,
+                    ranks: &ranks,
+                    rounds: &rounds,
+                };
+                scope.spawn(move || run_rank(program, memory, shared))
             })
             .collect();
         handles
@@ -75,18 +95,22 @@ pub fn execute(programs: &[RankProgram], buffers: &mut [RankBuffers]) -> Result<
     Ok(())
 }
 
-fn run_rank(
-    program: &RankProgram,
-    memory: &mut RankBuffers,
-    mailboxes: &Mailboxes,
-    barrier: &Barrier,
-    ranks: &[u32],
-) -> Result<()> {
+/// What every rank thread shares.
+#[derive(Clone, Copy)]
+struct Shared<'a> {
+    mailboxes: &'a Mailboxes,
+    barrier: &'a Barrier,
+    ranks: &'a [u32],
+    /// Every round any rank takes part in, ascending.
+    rounds: &'a [u32],
+}
+
+fn run_rank(program: &RankProgram, memory: &mut RankBuffers, shared: Shared<'_>) -> Result<()> {
     let rank = program.rank;
     let mut staging = Vec::new();
-    // Phase 1: local copies, packs, sends. Errors (and panics) are held until the barrier is
-    // met, so one bad rank can never leave the others waiting.
-    let phase1 = guarded(rank, || {
+    // Errors (and panics) are held until the round's barrier is met, and a rank that failed
+    // keeps meeting the barriers, so one bad rank can never leave the others waiting.
+    let mut result = guarded(rank, || {
         let len = usize::try_from(program.staging_bytes).unwrap_or(usize::MAX);
         staging.try_reserve_exact(len).map_err(|_| {
             Error::invalid_usage(format!(
@@ -95,65 +119,124 @@ fn run_rank(
             ))
         })?;
         staging.resize(len, 0);
-        for copy in program.local_copies.iter().chain(&program.packs) {
+        for copy in &program.local_copies {
             run_copy(copy, memory, &mut staging).map_err(|e| e.context(format!("rank {rank}")))?;
-        }
-        for send in &program.sends {
-            if ranks.binary_search(&send.peer).is_err() {
-                return Err(Error::invalid_usage(format!(
-                    "rank {rank} sends to rank {} which takes no part in the call",
-                    send.peer
-                )));
-            }
-            let bytes = read(memory, &staging, send.loc, send.bytes)
-                .map_err(|e| e.context(format!("rank {rank}")))?
-                .to_vec();
-            let mut boxes = mailboxes
-                .lock()
-                .map_err(|_| Error::internal("mailbox lock poisoned"))?;
-            boxes.entry((rank, send.peer)).or_default().push_back(bytes);
         }
         Ok(())
     });
-    barrier.wait();
-    // Phase 2: every send is posted; receives either find their message or fail.
-    let phase2 = phase1.and_then(|()| {
-        guarded(rank, || {
-            for recv in &program.recvs {
-                let message = {
-                    let mut boxes = mailboxes
-                        .lock()
-                        .map_err(|_| Error::internal("mailbox lock poisoned"))?;
-                    boxes
-                        .get_mut(&(recv.peer, rank))
-                        .and_then(VecDeque::pop_front)
-                };
-                let message = message.ok_or_else(|| {
-                    Error::invalid_usage(format!(
-                        "rank {rank} expects a {}-byte message from rank {} that never arrives",
-                        recv.bytes, recv.peer
-                    ))
-                })?;
-                if message.len() as u64 != recv.bytes {
-                    return Err(Error::invalid_usage(format!(
-                        "rank {rank} expects {} bytes from rank {} but it sent {}",
-                        recv.bytes,
-                        recv.peer,
-                        message.len()
-                    )));
+    let mine = program.rounds();
+    for &round in shared.rounds {
+        let part = mine.iter().find(|r| r.round == round);
+        // Phase 1: packs and sends of the round.
+        result = result.and_then(|()| match part {
+            Some(part) => guarded(rank, || {
+                for copy in part.packs {
+                    run_copy(copy, memory, &mut staging)
+                        .map_err(|e| e.context(format!("rank {rank}")))?;
                 }
-                write(memory, &mut staging, recv.loc, recv.bytes)
-                    .map_err(|e| e.context(format!("rank {rank}")))?
-                    .copy_from_slice(&message);
-            }
-            for copy in &program.unpacks {
-                run_copy(copy, memory, &mut staging)
-                    .map_err(|e| e.context(format!("rank {rank}")))?;
-            }
-            Ok(())
-        })
-    });
-    phase2
+                send_all(rank, round, part.sends, memory, &staging, shared)
+            }),
+            None => Ok(()),
+        });
+        shared.barrier.wait();
+        // Phase 2: every send of the round is posted; receives find their message or fail.
+        result = result.and_then(|()| match part {
+            Some(part) => guarded(rank, || {
+                receive_all(
+                    rank,
+                    round,
+                    part.recvs,
+                    memory,
+                    &mut staging,
+                    shared.mailboxes,
+                )?;
+                for copy in part.unpacks {
+                    run_copy(copy, memory, &mut staging)
+                        .map_err(|e| e.context(format!("rank {rank}")))?;
+                }
+                Ok(())
+            }),
+            None => Ok(()),
+        });
+        // Nobody posts the next round's sends before every receive of this one is matched,
+        // so a rank expecting a message that was not sent fails instead of taking a later one.
+        shared.barrier.wait();
+    }
+    result
+}
+
+fn send_all(
+    rank: u32,
+    round: u32,
+    sends: &[Message],
+    memory: &RankBuffers,
+    staging: &[u8],
+    shared: Shared<'_>,
+) -> Result<()> {
+    for send in sends {
+        if shared.ranks.binary_search(&send.peer).is_err() {
+            return Err(Error::invalid_usage(format!(
+                "rank {rank} sends to rank {} which takes no part in the call",
+                send.peer
+            )));
+        }
+        let bytes = read(memory, staging, send.loc, send.bytes)
+            .map_err(|e| e.context(format!("rank {rank}")))?
+            .to_vec();
+        let mut boxes = shared
+            .mailboxes
+            .lock()
+            .map_err(|_| Error::internal("mailbox lock poisoned"))?;
+        boxes
+            .entry((rank, send.peer))
+            .or_default()
+            .push_back((round, bytes));
+    }
+    Ok(())
+}
+
+fn receive_all(
+    rank: u32,
+    round: u32,
+    recvs: &[Message],
+    memory: &mut RankBuffers,
+    staging: &mut [u8],
+    mailboxes: &Mailboxes,
+) -> Result<()> {
+    for recv in recvs {
+        let message = {
+            let mut boxes = mailboxes
+                .lock()
+                .map_err(|_| Error::internal("mailbox lock poisoned"))?;
+            boxes
+                .get_mut(&(recv.peer, rank))
+                .and_then(VecDeque::pop_front)
+        };
+        let (sent_in, message) = message.ok_or_else(|| {
+            Error::invalid_usage(format!(
+                "rank {rank} expects a {}-byte message from rank {} in round {round} that never arrives",
+                recv.bytes, recv.peer
+            ))
+        })?;
+        if sent_in != round {
+            return Err(Error::invalid_usage(format!(
+                "rank {rank} expects a message from rank {} in round {round} but it was sent in round {sent_in}",
+                recv.peer
+            )));
+        }
+        if message.len() as u64 != recv.bytes {
+            return Err(Error::invalid_usage(format!(
+                "rank {rank} expects {} bytes from rank {} but it sent {}",
+                recv.bytes,
+                recv.peer,
+                message.len()
+            )));
+        }
+        write(memory, staging, recv.loc, recv.bytes)
+            .map_err(|e| e.context(format!("rank {rank}")))?
+            .copy_from_slice(&message);
+    }
+    Ok(())
 }
 
 /// Runs one phase of a rank, turning a panic (a malformed program) into an error.
@@ -241,6 +324,12 @@ fn run_copy(copy: &Copy, memory: &mut RankBuffers, staging: &mut [u8]) -> Result
         ),
         (Buffer::Src, Buffer::Staging) => (
             src.get(copy.src.tensor as usize)
+                .map_or(&[][..], Vec::as_slice),
+            staging,
+        ),
+        // A relay packs data that arrived in an earlier round.
+        (Buffer::Dst, Buffer::Staging) => (
+            dst.get(copy.src.tensor as usize)
                 .map_or(&[][..], Vec::as_slice),
             staging,
         ),

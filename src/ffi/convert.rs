@@ -5,13 +5,14 @@ use super::boundary::{array, read_versioned};
 use super::types::*;
 use crate::error::{Error, Result};
 use crate::layout::{DType, Layout, Mesh, Placement, TensorSpec};
-use crate::plan::{Config, Mode, Topology, DEFAULT_SPLIT_MIN_BYTES};
+use crate::plan::{Config, Mode, Topology, DEFAULT_SPLIT_MIN_BYTES, MAX_ROUNDS};
 use std::os::raw::c_int;
 
 /// Sizes of the first released version of each struct: callers must provide at least these.
 pub(crate) const LAYOUT_MIN_SIZE: usize = std::mem::size_of::<ncclReshardLayout_t>();
 pub(crate) const TENSOR_MIN_SIZE: usize = std::mem::size_of::<ncclReshardTensor_t>();
-pub(crate) const CONFIG_MIN_SIZE: usize = std::mem::size_of::<ncclReshardConfig_t>();
+/// The config's size in 0.1, before `rounds` and `relay`.
+pub(crate) const CONFIG_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardConfig_t, rounds);
 pub(crate) const INFO_MIN_SIZE: usize = std::mem::size_of::<ncclReshardPlanInfo_t>();
 pub(crate) const TRANSFER_MIN_SIZE: usize = std::mem::size_of::<ncclReshardTransfer_t>();
 
@@ -242,6 +243,8 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
         nodeOfRankCount: 0,
         splitMinBytes: 0,
         maxStagingBytes: 0,
+        rounds: 0,
+        relay: 1,
     };
     // SAFETY: forwarded contract.
     let c = unsafe { read_versioned(config, CONFIG_MIN_SIZE, defaults, "config") }?;
@@ -289,12 +292,32 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
         0 => DEFAULT_SPLIT_MIN_BYTES,
         n => n as u64,
     };
+    let rounds = u32::try_from(c.rounds)
+        .ok()
+        .filter(|&r| r <= MAX_ROUNDS)
+        .ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "config.rounds is {}; use 0 (automatic) to {MAX_ROUNDS}",
+                c.rounds
+            ))
+        })?;
+    let relay = match c.relay {
+        0 => false,
+        1 => true,
+        other => {
+            return Err(Error::invalid_argument(format!(
+                "config.relay is {other}; use 1 (forward over NVLink, the default) or 0"
+            )))
+        }
+    };
     Ok((
         Config {
             mode,
             topology,
             split_min_bytes,
             local_via_messages: false,
+            rounds,
+            relay,
         },
         c.maxStagingBytes as u64,
     ))

@@ -111,7 +111,12 @@ pub struct ncclReshardTensor_t {
 /// `ranksPerNode` (rank r on node r / ranksPerNode; 0 = unknown) or, when `nodeOfRank` is not
 /// NULL, the node id of each of `nodeOfRankCount` ranks. `splitMinBytes` is the smallest part a
 /// replicated overlap is split into across senders (0 = 1 MiB). `maxStagingBytes` bounds the
-/// staging memory the CUDA executor allocates per plan (0 = its default).
+/// staging memory the CUDA executor allocates per plan and stream (0 = its default).
+/// `rounds` (staged and auto modes) cuts the data into that many rounds that reuse one staging
+/// arena (0 = chosen from the tensors' sizes, about 4 GiB per rank and round). `relay` (staged
+/// and auto modes, topology known): 1 (default) sends data that several replicas on one node
+/// need across the network once and forwards it over NVLink; 0 sends it to each replica.
+/// Both were added in 0.2: a struct from an older header (smaller `size`) gets the defaults.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ncclReshardConfig_t {
@@ -124,6 +129,8 @@ pub struct ncclReshardConfig_t {
     pub nodeOfRankCount: c_int,
     pub splitMinBytes: usize,
     pub maxStagingBytes: usize,
+    pub rounds: c_int,
+    pub relay: c_int,
 }
 
 /// What a plan does on its rank (`ncclReshardPlanGetInfo`).

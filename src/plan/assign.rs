@@ -5,8 +5,9 @@
 //! sees a unit — a sender enumerating destination shards or a receiver enumerating source
 //! shards — computes the same assignment from the unit alone, so no communication is needed.
 
-use super::config::{mix, Config};
+use super::config::{mix, Config, Mode};
 use crate::layout::{IndexRuns, TensorSpec};
+use std::borrow::Cow;
 
 /// One piece of data moving from `from` to `to` (`from == to` is a local copy).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -16,6 +17,12 @@ pub struct Transfer {
     pub to: u32,
     /// Global indices per dim; the data is their Cartesian product.
     pub region: Vec<IndexRuns>,
+    /// The round the data moves in, when the unit fixes it (relayed data and its relay);
+    /// `None` lets the pair's data be spread over rounds by position.
+    pub round: Option<u32>,
+    /// The sender forwards the data from its destination view, where it arrived in an
+    /// earlier round (a relay), instead of reading its source view.
+    pub relay: bool,
 }
 
 impl Transfer {
@@ -43,19 +50,24 @@ pub(crate) struct Unit<'a> {
 /// Every transfer of a unit, for all its receivers.
 ///
 /// - A receiver that holds a replica of the source shard copies locally.
-/// - Other receivers are grouped by candidate senders: the replicas on the receiver's node
-///   when the topology is known and there are any, otherwise all replicas.
-/// - A group with at least as many receivers as candidates takes whole regions round-robin;
-///   a smaller group splits the region (along its outermost dim with more than one index)
-///   so that every candidate sends a part, down to `split_min_bytes` per part.
-/// - The starting candidate rotates with a hash of the unit, spreading load across units.
+/// - Receivers on a node that holds replicas get their data from those (NVLink).
+/// - The others get it across the network from any replica. With relays on
+///   ([`Config::relay`], staged and auto modes, known topology), receivers are grouped by
+///   node: the region is cut into up to `rounds` chunks, each chunk into one part per group
+///   member; each part crosses the network once, to one member, in the chunk's round, and
+///   that member forwards it to the others over NVLink in the next round.
+/// - Network and on-node parts are dealt round-robin over the candidate senders; when there
+///   are fewer parts than candidates, parts are split further (down to `split_min_bytes`) so
+///   that every candidate sends.
+/// - The round-robin start rotates with a hash of the unit, spreading load across units.
 ///
-/// Only the transfers `keep(from, to)` accepts are materialised (a rank needs its own), so a
-/// unit with many replicas costs no copies of regions nobody asked for.
+/// Only the transfers `keep(from, to, relay)` accepts are materialised (a rank needs its own),
+/// so a unit with many replicas costs no copies of regions nobody asked for.
 pub(crate) fn assign(
     unit: &Unit<'_>,
     config: &Config,
-    keep: impl Fn(u32, u32) -> bool,
+    rounds: u32,
+    keep: impl Fn(u32, u32, bool) -> bool,
     mut sink: impl FnMut(Transfer),
 ) {
     let senders = unit.spec.src.replicas(&unit.src_coords);
@@ -67,13 +79,15 @@ pub(crate) fn assign(
         .chain([u64::MAX])
         .chain(unit.dst_coords.iter().flat_map(|c| c.iter().copied())));
 
-    let mut out = |from: u32, to: u32, region: &[IndexRuns]| {
-        if keep(from, to) {
+    let mut out = |from: u32, to: u32, region: &[IndexRuns], round: Option<u32>, relay: bool| {
+        if keep(from, to, relay) {
             sink(Transfer {
                 tensor: unit.tensor,
                 from,
                 to,
                 region: region.to_vec(),
+                round,
+                relay,
             });
         }
     };
@@ -88,51 +102,172 @@ pub(crate) fn assign(
         let hi = by_node.partition_point(|&(m, _)| m <= n);
         &by_node[lo..hi]
     };
-    // Receiver groups in order of first appearance: (node with replicas, or None for any).
-    let mut groups: Vec<(Option<u32>, Vec<u32>)> = Vec::new();
+    let relay = config.relay && config.mode != Mode::Groupable && !by_node.is_empty();
+    // Receiver groups in order of first appearance. The key is (node with replicas, or None
+    // for the network); with relays, network receivers are grouped by their node too.
+    // Flat: (group index, receiver), stably sorted by group, then one slice per group.
+    let mut keys: Vec<(Option<u32>, Option<u32>)> = Vec::new();
+    let mut keyed: Vec<(u32, u32)> = Vec::with_capacity(receivers.len());
     for &r in &receivers {
         if sorted_senders.binary_search(&r).is_ok() {
-            out(r, r, &unit.region);
+            out(r, r, &unit.region, None, false);
             continue;
         }
-        let node = config.topology.node(r).filter(|&n| !on_node(n).is_empty());
-        match groups.iter_mut().find(|(key, _)| *key == node) {
-            Some((_, members)) => members.push(r),
-            None => groups.push((node, vec![r])),
-        }
+        let node = config.topology.node(r);
+        let key = match node.filter(|&n| !on_node(n).is_empty()) {
+            Some(n) => (Some(n), None),
+            None if relay => (None, node),
+            None => (None, None),
+        };
+        let index = match keys.iter().rposition(|k| *k == key) {
+            Some(i) => i,
+            None => {
+                keys.push(key);
+                keys.len() - 1
+            }
+        };
+        keyed.push((index as u32, r));
     }
+    keyed.sort_by_key(|&(group, _)| group);
+    let members_of: Vec<u32> = keyed.iter().map(|&(_, r)| r).collect();
+    let groups = keyed
+        .chunk_by(|a, b| a.0 == b.0)
+        .scan(0usize, |at, run| {
+            let members = &members_of[*at..*at + run.len()];
+            *at += run.len();
+            Some((keys[run[0].0 as usize].0, members))
+        })
+        .collect::<Vec<(Option<u32>, &[u32])>>();
 
     let elem_size = u64::from(unit.spec.elem_size());
-    let region_bytes = unit.region.iter().map(IndexRuns::len).product::<u64>() * elem_size;
+    let bytes_of = |region: &[IndexRuns]| -> u64 {
+        region.iter().map(IndexRuns::len).product::<u64>() * elem_size
+    };
+    // Relayed overlaps: the region's chunks (one per round) and, per relay group size, each
+    // chunk's parts (one per member), computed once for all groups of that size.
+    let relay_sizes: Vec<u64> = {
+        let mut sizes: Vec<u64> = groups
+            .iter()
+            .filter(|(node, members)| relay && node.is_none() && members.len() > 1)
+            .map(|(_, members)| members.len() as u64)
+            .collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        sizes
+    };
+    let chunks = if relay_sizes.is_empty() {
+        Vec::new()
+    } else {
+        let n = u64::from(rounds)
+            .min(bytes_of(&unit.region) / config.split_min_bytes)
+            .max(1);
+        split_region(&unit.region, n)
+    };
+    let parts_by_size: Vec<(u64, Vec<Vec<Vec<IndexRuns>>>)> = relay_sizes
+        .iter()
+        .map(|&g| {
+            let parts = chunks
+                .iter()
+                .map(|chunk| {
+                    split_region(
+                        chunk,
+                        g.min(bytes_of(chunk) / config.split_min_bytes).max(1),
+                    )
+                })
+                .collect();
+            (g, parts)
+        })
+        .collect();
+    // Network legs: (receiver, region, round) for every group, dealt out together.
+    let mut network: Vec<Leg<'_>> = Vec::new();
     for (node, members) in groups {
-        let candidates: Vec<u32> = match node {
-            Some(n) => on_node(n).iter().map(|&(_, s)| s).collect(),
-            None => senders.clone(),
-        };
-        let k = candidates.len() as u64;
-        let g = members.len() as u64;
-        let start = rotation % k;
-        if g >= k {
-            for (i, &r) in members.iter().enumerate() {
-                out(
-                    candidates[((i as u64 + start) % k) as usize],
-                    r,
-                    &unit.region,
-                );
-            }
+        if let Some(n) = node {
+            let candidates: Vec<u32> = on_node(n).iter().map(|&(_, s)| s).collect();
+            let legs: Vec<Leg<'_>> = members
+                .iter()
+                .map(|&r| (r, Cow::Borrowed(unit.region.as_slice()), None))
+                .collect();
+            deal(&legs, &candidates, rotation, config, &bytes_of, &mut out);
             continue;
         }
-        let parts_wanted = (k / g).min((region_bytes / config.split_min_bytes).max(1));
-        let parts = split_region(&unit.region, parts_wanted);
-        let p = parts.len() as u64;
-        for (i, &r) in members.iter().enumerate() {
+        let g = members.len() as u64;
+        if g == 1 || !relay {
+            network.extend(
+                members
+                    .iter()
+                    .map(|&r| (r, Cow::Borrowed(unit.region.as_slice()), None)),
+            );
+            continue;
+        }
+        let (_, chunk_parts) = parts_by_size
+            .iter()
+            .find(|(size, _)| *size == g)
+            .expect("parts for every relay group size");
+        for (c, parts) in chunk_parts.iter().enumerate() {
+            let round = ((c as u64 + rotation) % u64::from(rounds)) as u32;
             for (q, part) in parts.iter().enumerate() {
-                out(
-                    candidates[((i as u64 * p + q as u64 + start) % k) as usize],
-                    r,
-                    part,
-                );
+                let first = ((q as u64 + rotation) % g) as usize;
+                network.push((members[first], Cow::Borrowed(part.as_slice()), Some(round)));
+                for (j, &r) in members.iter().enumerate() {
+                    if j != first {
+                        out(members[first], r, part, Some(round + 1), true);
+                    }
+                }
             }
+        }
+    }
+    deal(&network, &senders, rotation, config, &bytes_of, &mut out);
+}
+
+/// Emits one transfer: (from, to, region, fixed round, relay).
+type Emit<'a> = dyn FnMut(u32, u32, &[IndexRuns], Option<u32>, bool) + 'a;
+
+/// A part of a unit bound for one receiver: (receiver, region, fixed round).
+type Leg<'a> = (u32, Cow<'a, [IndexRuns]>, Option<u32>);
+
+/// Deals `legs` to `candidates` round-robin from a rotated start; with fewer legs than
+/// candidates, each leg is split so every candidate sends a part.
+fn deal(
+    legs: &[Leg<'_>],
+    candidates: &[u32],
+    rotation: u64,
+    config: &Config,
+    bytes_of: &dyn Fn(&[IndexRuns]) -> u64,
+    out: &mut Emit<'_>,
+) {
+    let k = candidates.len() as u64;
+    let l = legs.len() as u64;
+    if k == 0 || l == 0 {
+        return;
+    }
+    let start = rotation % k;
+    let mut next = 0u64;
+    // Legs of one group share the unit's region: split it once.
+    let mut last_split: Option<(*const IndexRuns, u64, Vec<Vec<IndexRuns>>)> = None;
+    for (to, region, round) in legs {
+        let parts_wanted = if l >= k {
+            1
+        } else {
+            (k / l).min((bytes_of(region) / config.split_min_bytes).max(1))
+        };
+        if parts_wanted == 1 {
+            let from = candidates[((next + start) % k) as usize];
+            next += 1;
+            out(from, *to, region, *round, false);
+            continue;
+        }
+        let key = (region.as_ptr(), parts_wanted);
+        let parts = match &last_split {
+            Some((ptr, wanted, parts)) if (*ptr, *wanted) == key => parts,
+            _ => {
+                let parts = split_region(region, parts_wanted);
+                &last_split.insert((key.0, key.1, parts)).2
+            }
+        };
+        for part in parts {
+            let from = candidates[((next + start) % k) as usize];
+            next += 1;
+            out(from, *to, part, *round, false);
         }
     }
 }

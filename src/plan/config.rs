@@ -12,9 +12,10 @@ pub enum Mode {
     /// One message per peer pair covering every tensor, packed and unpacked around it; must
     /// run outside a user group.
     Staged,
-    /// Per peer pair: staged when the groupable form would need many messages
+    /// Per peer pair and round: staged when the groupable form would need many messages
     /// ([`AUTO_STAGE_MIN_MESSAGES`] or more, averaging under [`AUTO_STAGE_MAX_AVG_BYTES`] or
-    /// more than [`AUTO_STAGE_MAX_MESSAGES`] of them).
+    /// more than [`AUTO_STAGE_MAX_MESSAGES`] of them); in a plan of several rounds (which is not
+    /// groupable anyway), whenever it would need more than one.
     Auto,
 }
 
@@ -28,6 +29,12 @@ pub const AUTO_STAGE_MAX_MESSAGES: u64 = 256;
 /// slow to post); auto and staged modes coalesce such pairs.
 pub const GROUPABLE_MAX_MESSAGES_PER_PAIR: u64 = 1 << 20;
 
+/// Automatic rounds ([`Config::rounds`] = 0) aim at about this many bytes per rank and round…
+pub const ROUND_TARGET_BYTES: u64 = 4 << 30;
+/// …with at most this many rounds (a config may ask for up to [`MAX_ROUNDS`]).
+pub const AUTO_MAX_ROUNDS: u32 = 32;
+/// The most rounds a config may ask for.
+pub const MAX_ROUNDS: u32 = 1024;
 /// Default for [`Config::split_min_bytes`].
 pub const DEFAULT_SPLIT_MIN_BYTES: u64 = 1 << 20;
 
@@ -78,12 +85,20 @@ impl Topology {
 pub struct Config {
     pub mode: Mode,
     pub topology: Topology,
-    /// A replicated overlap is split across several senders only into parts of at least this
-    /// many bytes.
+    /// A replicated overlap is split across several senders, and a pair's data or a relayed
+    /// overlap across rounds, only into parts of at least this many bytes.
     pub split_min_bytes: u64,
     /// Route data a rank holds on both sides through a message to itself instead of a local
     /// copy. Slower; it exists so one GPU can exercise the whole NCCL path (GPU tests).
     pub local_via_messages: bool,
+    /// Staged and auto modes: how many rounds the data is cut into (staging is reused by every
+    /// round, relays forward in the next round); 0 picks from the tensors' sizes, aiming at
+    /// [`ROUND_TARGET_BYTES`] per rank and round. Groupable mode always has one round.
+    pub rounds: u32,
+    /// Staged and auto modes with a known topology: when several replicas of a destination
+    /// shard sit on one node and their data comes from other nodes, send each part across
+    /// the network once and forward it over NVLink (relay) instead of once per replica.
+    pub relay: bool,
 }
 
 impl Default for Config {
@@ -93,6 +108,8 @@ impl Default for Config {
             topology: Topology::Unknown,
             split_min_bytes: DEFAULT_SPLIT_MIN_BYTES,
             local_via_messages: false,
+            rounds: 0,
+            relay: true,
         }
     }
 }
@@ -103,6 +120,12 @@ impl Config {
             return Err(Error::invalid_argument(
                 "config.ranks_per_node must be at least 1",
             ));
+        }
+        if self.rounds > MAX_ROUNDS {
+            return Err(Error::invalid_argument(format!(
+                "config.rounds is {}; use 0 (automatic) to {MAX_ROUNDS}",
+                self.rounds
+            )));
         }
         if self.split_min_bytes == 0 {
             return Err(Error::invalid_argument(
@@ -143,6 +166,8 @@ pub fn fingerprint(tensors: &[TensorSpec], config: &Config) -> u64 {
     }
     h.u64(config.split_min_bytes);
     h.u64(u64::from(config.local_via_messages));
+    h.u64(u64::from(config.rounds));
+    h.u64(u64::from(config.relay));
     h.0
 }
 

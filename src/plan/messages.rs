@@ -34,6 +34,8 @@ pub struct Block {
     pub start: Vec<u64>,
     pub count: Vec<u64>,
     pub copy: Copy,
+    /// The round the unit fixed for this data (relays), or `None`: see [`Transfer::round`].
+    pub round: Option<u32>,
 }
 
 /// The blocks of one transfer, in row-major order of the blocks.
@@ -76,7 +78,11 @@ pub(crate) fn transfer_blocks(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_
         }
         let copy = Copy::new(
             Loc {
-                buffer: Buffer::Src,
+                buffer: if transfer.relay {
+                    Buffer::Dst
+                } else {
+                    Buffer::Src
+                },
                 tensor: transfer.tensor,
                 offset: src.view.byte_offset(&src_pos),
             },
@@ -95,6 +101,7 @@ pub(crate) fn transfer_blocks(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_
             start: (0..ndim).map(|d| pieces[d][choice[d]].0).collect(),
             count: (0..ndim).map(|d| pieces[d][choice[d]].1).collect(),
             copy,
+            round: transfer.round,
         });
         if !next_index(&mut choice, |d| pieces[d].len()) {
             return copies;
@@ -248,8 +255,16 @@ impl Emitter {
     }
 
     /// Emits this rank's half of the pair whose copies (canonical order) are given.
-    /// `pair` is (sender, receiver), for messages.
-    pub fn pair(&mut self, end: End, pair: (u32, u32), copies: &[Copy], mode: Mode) -> Result<()> {
+    /// `pair` is (sender, receiver), for messages. `coalesce`: in auto mode, stage every
+    /// pair that would need several messages (the plan is not groupable anyway).
+    pub fn pair(
+        &mut self,
+        end: End,
+        pair: (u32, u32),
+        copies: &[Copy],
+        mode: Mode,
+        coalesce: bool,
+    ) -> Result<()> {
         let peer = match end {
             End::Sender => pair.1,
             End::Receiver => pair.0,
@@ -279,8 +294,12 @@ impl Emitter {
             Mode::Auto => {
                 let n = messages();
                 let bytes: u64 = copies.iter().map(|c| c.bytes()).sum();
-                n >= AUTO_STAGE_MIN_MESSAGES
-                    && (bytes / n < AUTO_STAGE_MAX_AVG_BYTES || n > AUTO_STAGE_MAX_MESSAGES)
+                if coalesce {
+                    n >= 2
+                } else {
+                    n >= AUTO_STAGE_MIN_MESSAGES
+                        && (bytes / n < AUTO_STAGE_MAX_AVG_BYTES || n > AUTO_STAGE_MAX_MESSAGES)
+                }
             }
         };
         if staged {

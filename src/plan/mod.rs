@@ -11,14 +11,16 @@ mod config;
 mod fxhash;
 mod messages;
 mod program;
+mod rounds;
 
 pub use assign::Transfer;
 pub use config::{
-    fingerprint, Config, Mode, Topology, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES,
-    AUTO_STAGE_MIN_MESSAGES, DEFAULT_SPLIT_MIN_BYTES, GROUPABLE_MAX_MESSAGES_PER_PAIR,
+    fingerprint, Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_STAGE_MAX_AVG_BYTES,
+    AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES, DEFAULT_SPLIT_MIN_BYTES,
+    GROUPABLE_MAX_MESSAGES_PER_PAIR, MAX_ROUNDS, ROUND_TARGET_BYTES,
 };
 pub use messages::{Block, STAGING_ALIGN};
-pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram};
+pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan};
 
 use crate::error::{Error, Result};
 use crate::layout::{next_index, DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
@@ -37,6 +39,8 @@ pub struct Planner {
     /// Per tensor, ids of its (source, destination) layout among the plan's distinct layouts:
     /// tensors sharing a layout and shape share the geometry computed for them.
     layout_ids: Vec<[u32; 2]>,
+    /// Rounds the data is spread over (1 in groupable mode); relays add one more.
+    rounds: u32,
 }
 
 /// Geometry computed once per rank call and shared by every tensor with the same layout,
@@ -136,7 +140,7 @@ impl Planner {
             }
         }
         let fingerprint = fingerprint(&tensors, &config);
-        let layout_ids = {
+        let layout_ids: Vec<[u32; 2]> = {
             let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
             let mut id = |layout| {
                 let next = ids.len() as u32;
@@ -144,12 +148,19 @@ impl Planner {
             };
             tensors.iter().map(|t| [id(&t.src), id(&t.dst)]).collect()
         };
+        let rounds = rounds_for(&tensors, &layout_ids, &config);
         Ok(Planner {
             tensors,
             config,
             fingerprint,
             layout_ids,
+            rounds,
         })
+    }
+
+    /// Rounds the data is spread over (see [`Config::rounds`]); relayed data takes one more.
+    pub fn rounds(&self) -> u32 {
+        self.rounds
     }
 
     pub fn tensors(&self) -> &[TensorSpec] {
@@ -210,11 +221,12 @@ impl Planner {
                     &coord,
                     own_is_dst,
                     &self.config,
-                    &|from, to| {
+                    self.rounds,
+                    &|from, to, relay| {
                         if own_is_dst {
-                            to == rank
+                            to == rank || (relay && from == rank)
                         } else {
-                            from == rank && to != rank
+                            from == rank && to != rank && !relay
                         }
                     },
                     |tr| out.push(tr),
@@ -237,9 +249,13 @@ impl Planner {
             let missing = |who: u32| {
                 Error::internal(format!("rank {who} is not in tensor {}'s mesh", tr.tensor))
             };
-            let sg = memo
-                .geometry(src_id, spec, &spec.src, tr.from)
-                .ok_or_else(|| missing(tr.from))?;
+            // A relay reads the data where it arrived: the sender's destination view.
+            let sg = if tr.relay {
+                memo.geometry(dst_id, spec, &spec.dst, tr.from)
+            } else {
+                memo.geometry(src_id, spec, &spec.src, tr.from)
+            }
+            .ok_or_else(|| missing(tr.from))?;
             let dg = memo
                 .geometry(dst_id, spec, &spec.dst, tr.to)
                 .ok_or_else(|| missing(tr.to))?;
@@ -274,42 +290,114 @@ impl Planner {
             fingerprint: self.fingerprint,
             ..Default::default()
         };
-        // Per peer, per direction: copies in canonical order.
-        let mut outgoing: BTreeMap<u32, Vec<Copy>> = BTreeMap::new();
-        let mut incoming: BTreeMap<u32, Vec<Copy>> = BTreeMap::new();
+        // Per peer, per direction: (round, copy) in canonical order.
+        type PairCopies = BTreeMap<u32, Vec<(Option<u32>, Copy)>>;
+        let mut outgoing: PairCopies = BTreeMap::new();
+        let mut incoming: PairCopies = BTreeMap::new();
         for block in blocks {
+            let item = (block.round, block.copy.clone());
             if block.from == block.to && !self.config.local_via_messages {
                 program.local_copies.push(block.copy.clone());
             } else if block.from == block.to {
-                outgoing.entry(rank).or_default().push(block.copy.clone());
-                incoming.entry(rank).or_default().push(block.copy.clone());
+                outgoing.entry(rank).or_default().push(item.clone());
+                incoming.entry(rank).or_default().push(item);
             } else if block.to == rank {
-                incoming
-                    .entry(block.from)
-                    .or_default()
-                    .push(block.copy.clone());
+                incoming.entry(block.from).or_default().push(item);
             } else {
-                outgoing
-                    .entry(block.to)
-                    .or_default()
-                    .push(block.copy.clone());
+                outgoing.entry(block.to).or_default().push(item);
             }
         }
-
-        let mut emitter = Emitter::default();
-        for (peer, copies) in &outgoing {
-            emitter.pair(End::Sender, (rank, *peer), copies, self.config.mode)?;
+        // Per (round, peer): the copies of that round, cut by one function both ends run.
+        let by_round = |pairs: PairCopies, sending: bool| {
+            let mut out: BTreeMap<(u32, u32), Vec<Copy>> = BTreeMap::new();
+            for (peer, copies) in pairs {
+                let pair = if sending { (rank, peer) } else { (peer, rank) };
+                for (round, part) in
+                    rounds::spread(pair, copies, self.rounds, self.config.split_min_bytes)
+                {
+                    out.entry((round, peer)).or_default().extend(part);
+                }
+            }
+            out
+        };
+        let sends = by_round(outgoing, true);
+        let recvs = by_round(incoming, false);
+        let mut round_ids: Vec<u32> = sends.keys().chain(recvs.keys()).map(|k| k.0).collect();
+        round_ids.dedup();
+        round_ids.sort_unstable();
+        round_ids.dedup();
+        // A plan of several rounds is not groupable anyway: auto coalesces every pair. (Only
+        // plan-wide facts may decide how a pair is formed: both ends must agree.)
+        let coalesce = self.rounds > 1;
+        for round in round_ids {
+            let mut emitter = Emitter::default();
+            for ((_, peer), copies) in sends.range((round, 0)..=(round, u32::MAX)) {
+                let pair = (rank, *peer);
+                emitter.pair(End::Sender, pair, copies, self.config.mode, coalesce)?;
+            }
+            program.sends.append(&mut emitter.messages);
+            for ((_, peer), copies) in recvs.range((round, 0)..=(round, u32::MAX)) {
+                let pair = (*peer, rank);
+                emitter.pair(End::Receiver, pair, copies, self.config.mode, coalesce)?;
+            }
+            program.recvs.append(&mut emitter.messages);
+            program.packs.append(&mut emitter.packs);
+            program.unpacks.append(&mut emitter.unpacks);
+            program.staging_bytes = program.staging_bytes.max(emitter.staging_bytes);
+            program.round_spans.push(RoundSpan {
+                round,
+                packs_end: program.packs.len(),
+                sends_end: program.sends.len(),
+                recvs_end: program.recvs.len(),
+                unpacks_end: program.unpacks.len(),
+            });
         }
-        program.sends = std::mem::take(&mut emitter.messages);
-        for (peer, copies) in &incoming {
-            emitter.pair(End::Receiver, (*peer, rank), copies, self.config.mode)?;
+        if program.round_spans.iter().all(|s| s.round == 0) {
+            program.round_spans.clear();
         }
-        program.recvs = std::mem::take(&mut emitter.messages);
-        program.packs = emitter.packs;
-        program.unpacks = emitter.unpacks;
-        program.staging_bytes = emitter.staging_bytes;
         Ok(program)
     }
+}
+
+/// Rounds for a plan: 1 in groupable mode, the config's count, or enough that the busiest
+/// rank moves about [`ROUND_TARGET_BYTES`] per round, estimated from the tensors alone (every
+/// rank must get the same count): a destination rank receives its shard of each tensor, a
+/// source rank sends its share of what every destination replica needs. Per-rank sums are
+/// taken per distinct layout, so the cost is tensors + ranks × layouts.
+fn rounds_for(tensors: &[TensorSpec], layout_ids: &[[u32; 2]], config: &Config) -> u32 {
+    if config.mode == Mode::Groupable {
+        return 1;
+    }
+    if config.rounds > 0 {
+        return config.rounds;
+    }
+    let shards = |layout: &Layout| -> u128 {
+        (0..layout.placements.len())
+            .filter(|&a| layout.placements[a].dim().is_some())
+            .map(|a| u128::from(layout.mesh.shape()[a]))
+            .product::<u128>()
+            .max(1)
+    };
+    // Bytes each rank of a layout moves, per distinct layout (and the layout itself).
+    let mut per_layout: FxHashMap<u32, (&Layout, u128)> = FxHashMap::default();
+    for (t, ids) in tensors.iter().zip(layout_ids) {
+        let bytes = u128::from(t.shape.iter().product::<u64>()) * u128::from(t.elem_size());
+        let dst_ranks = t.dst.mesh.ranks().len() as u128;
+        let dst_shards = shards(&t.dst);
+        let src_ranks = (t.src.mesh.ranks().len() as u128).max(1);
+        let replicas = (dst_ranks / dst_shards).max(1);
+        per_layout.entry(ids[0]).or_insert((&t.src, 0)).1 += bytes * replicas / src_ranks;
+        per_layout.entry(ids[1]).or_insert((&t.dst, 0)).1 += bytes / dst_shards;
+    }
+    let mut per_rank: FxHashMap<u32, u128> = FxHashMap::default();
+    for (layout, bytes) in per_layout.values() {
+        for &rank in layout.mesh.ranks() {
+            *per_rank.entry(rank).or_default() += bytes;
+        }
+    }
+    let busiest = per_rank.values().copied().max().unwrap_or(0);
+    let rounds = busiest.div_ceil(u128::from(ROUND_TARGET_BYTES));
+    rounds.clamp(1, u128::from(AUTO_MAX_ROUNDS)) as u32
 }
 
 /// Enumerates the units between `mine` (this rank's shard on `own`) and every overlapping shard
@@ -325,7 +413,8 @@ fn units(
     coord: &[u64],
     own_is_dst: bool,
     config: &Config,
-    keep: &dyn Fn(u32, u32) -> bool,
+    rounds: u32,
+    keep: &dyn Fn(u32, u32, bool) -> bool,
     mut sink: impl FnMut(Transfer),
 ) {
     let ndim = spec.shape.len();
@@ -369,7 +458,7 @@ fn units(
             dst_coords,
             region,
         };
-        assign(&unit, config, keep, &mut sink);
+        assign(&unit, config, rounds, keep, &mut sink);
         if !next_index(&mut choice, |d| overlaps[d].len()) {
             return;
         }

@@ -1,10 +1,12 @@
 //! `RankProgram`: the one IR between the planner and the executors (DESIGN §4).
 //!
 //! Pure data. Every address is a byte offset relative to one of the rank's buffers: a tensor's
-//! source view, a tensor's destination view, or the rank's staging arena. An executor runs a
-//! program in four phases: local copies and packs, then every send and receive (posted
-//! together, like one NCCL group), then unpacks. Sends to a peer and receives from it are
-//! listed in the order both sides post them; sizes match by construction.
+//! source view, a tensor's destination view, or the rank's staging arena. An executor runs the
+//! local copies, then each round in order: the round's packs, every send and receive of the
+//! round (posted together, like one NCCL group), then the round's unpacks. Rounds bound the
+//! staging arena (it is reused by every round) and let a rank forward in round `r + 1` what it
+//! received in round `r` (relays). Sends to a peer and receives from it are listed in the order
+//! both sides post them, in the same rounds on both sides; sizes match by construction.
 
 /// Which buffer an address is relative to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -100,6 +102,25 @@ impl Copy {
             .fold(self.chunk_bytes, |acc, d| acc.saturating_mul(d.count))
     }
 
+    /// The copies that move bytes `[start, end)` of this copy, counted in its dense order
+    /// (grid points row-major, `chunk_bytes` each): at most two per dim plus one. Cutting a
+    /// copy into consecutive ranges and running the pieces moves exactly what it moves.
+    pub fn slice(&self, start: u64, end: u64) -> Vec<Copy> {
+        let mut out = Vec::new();
+        if start < end && end <= self.bytes() {
+            slice_into(
+                self.src,
+                self.dst,
+                self.chunk_bytes,
+                &self.dims,
+                start,
+                end,
+                &mut out,
+            );
+        }
+        out
+    }
+
     /// True when both sides are one contiguous range.
     pub fn is_contiguous(&self) -> bool {
         self.dims.is_empty()
@@ -145,6 +166,66 @@ impl Copy {
     }
 }
 
+fn shifted(loc: Loc, by: u64) -> Loc {
+    Loc {
+        offset: loc.offset + by,
+        ..loc
+    }
+}
+
+fn slice_into(
+    src: Loc,
+    dst: Loc,
+    chunk_bytes: u64,
+    dims: &[CopyDim],
+    start: u64,
+    end: u64,
+    out: &mut Vec<Copy>,
+) {
+    let Some((outer, inner)) = dims.split_first() else {
+        out.push(Copy::new(
+            shifted(src, start),
+            shifted(dst, start),
+            end - start,
+            &[],
+        ));
+        return;
+    };
+    let slab = inner.iter().fold(chunk_bytes, |acc, d| acc * d.count);
+    let at = |i: u64| {
+        (
+            shifted(src, i * outer.src_stride),
+            shifted(dst, i * outer.dst_stride),
+        )
+    };
+    let (mut first, first_rest) = (start / slab, start % slab);
+    let (last, last_rest) = (end / slab, end % slab);
+    if first == last {
+        let (s, d) = at(first);
+        slice_into(s, d, chunk_bytes, inner, first_rest, last_rest, out);
+        return;
+    }
+    if first_rest > 0 {
+        let (s, d) = at(first);
+        slice_into(s, d, chunk_bytes, inner, first_rest, slab, out);
+        first += 1;
+    }
+    if last > first {
+        let (s, d) = at(first);
+        let mut whole = Vec::with_capacity(dims.len());
+        whole.push(CopyDim {
+            count: last - first,
+            ..*outer
+        });
+        whole.extend_from_slice(inner);
+        out.push(Copy::new(s, d, chunk_bytes, &whole));
+    }
+    if last_rest > 0 {
+        let (s, d) = at(last);
+        slice_into(s, d, chunk_bytes, inner, 0, last_rest, out);
+    }
+}
+
 /// One point-to-point message: `bytes` contiguous bytes at `loc`, to or from `peer`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Message {
@@ -153,12 +234,35 @@ pub struct Message {
     pub bytes: u64,
 }
 
+/// One round of a program: the ends (exclusive) of its packs, sends, receives and unpacks in
+/// the program's lists. Rounds are listed in increasing `round`; a rank lists only the rounds it
+/// takes part in, and a message's round is the same on both its ends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RoundSpan {
+    pub round: u32,
+    pub packs_end: usize,
+    pub sends_end: usize,
+    pub recvs_end: usize,
+    pub unpacks_end: usize,
+}
+
+/// The parts of one round (see [`RankProgram::rounds`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Round<'a> {
+    pub round: u32,
+    pub packs: &'a [Copy],
+    pub sends: &'a [Message],
+    pub recvs: &'a [Message],
+    pub unpacks: &'a [Copy],
+}
+
 /// How one rank's part of a plan is executed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ExecMode {
     /// Every receive lands in the destination buffer: callable inside a user's NCCL group.
     Groupable,
-    /// Some receives land in staging and are unpacked afterwards: not callable inside a group.
+    /// Some receives land in staging and are unpacked afterwards, or the program has several
+    /// rounds: not callable inside a group.
     Staged,
 }
 
@@ -174,23 +278,84 @@ pub struct RankProgram {
     pub local_copies: Vec<Copy>,
     /// Source → staging copies that gather non-contiguous send data, before the sends.
     pub packs: Vec<Copy>,
-    /// Sends, grouped by peer in posting order.
+    /// Sends, by round, then grouped by peer in posting order.
     pub sends: Vec<Message>,
-    /// Receives, grouped by peer in posting order.
+    /// Receives, by round, then grouped by peer in posting order.
     pub recvs: Vec<Message>,
     /// Staging → destination copies after the receives complete.
     pub unpacks: Vec<Copy>,
-    /// Bytes of staging arena the program addresses.
+    /// Where each round ends in the four lists above; empty means one round 0 holding
+    /// everything.
+    pub round_spans: Vec<RoundSpan>,
+    /// Bytes of staging arena the program addresses (the largest round's need).
     pub staging_bytes: u64,
 }
 
 impl RankProgram {
     pub fn mode(&self) -> ExecMode {
-        if self.unpacks.is_empty() {
+        if self.unpacks.is_empty() && self.round_spans.iter().all(|s| s.round == 0) {
             ExecMode::Groupable
         } else {
             ExecMode::Staged
         }
+    }
+
+    /// The rounds this rank runs, in order (at least one; local copies come before them).
+    /// Spans out of order or out of range (a malformed program) end the list early.
+    pub fn rounds(&self) -> Vec<Round<'_>> {
+        if self.round_spans.is_empty() {
+            return vec![Round {
+                round: 0,
+                packs: &self.packs,
+                sends: &self.sends,
+                recvs: &self.recvs,
+                unpacks: &self.unpacks,
+            }];
+        }
+        let mut out = Vec::with_capacity(self.round_spans.len());
+        let mut start = RoundSpan::default();
+        for (i, span) in self.round_spans.iter().enumerate() {
+            let ordered = i == 0 || span.round > start.round;
+            let (Some(packs), Some(sends), Some(recvs), Some(unpacks)) = (
+                self.packs.get(start.packs_end..span.packs_end),
+                self.sends.get(start.sends_end..span.sends_end),
+                self.recvs.get(start.recvs_end..span.recvs_end),
+                self.unpacks.get(start.unpacks_end..span.unpacks_end),
+            ) else {
+                break;
+            };
+            if !ordered {
+                break;
+            }
+            out.push(Round {
+                round: span.round,
+                packs,
+                sends,
+                recvs,
+                unpacks,
+            });
+            start = *span;
+        }
+        out
+    }
+
+    /// True when the round spans cover the four lists exactly, in increasing round order.
+    pub fn rounds_are_consistent(&self) -> bool {
+        if self.round_spans.is_empty() {
+            return true;
+        }
+        let rounds = self.rounds();
+        let last = self.round_spans.last().expect("non-empty");
+        rounds.len() == self.round_spans.len()
+            && last.packs_end == self.packs.len()
+            && last.sends_end == self.sends.len()
+            && last.recvs_end == self.recvs.len()
+            && last.unpacks_end == self.unpacks.len()
+    }
+
+    /// The last round any message or copy of this rank is in (0 for one round).
+    pub fn last_round(&self) -> u32 {
+        self.round_spans.last().map_or(0, |s| s.round)
     }
 
     pub fn bytes_sent(&self) -> u64 {

@@ -26,7 +26,131 @@ const LINKS: [(LinkKind, Direction); LINKS_PER_GPU] = [
 ///
 /// Ranks may be any communicator ranks (sparse is fine). The cluster should pass
 /// [`Cluster::validate`]: a zero bandwidth gives an infinite time, not an error.
+///
+/// Programs with several rounds run round after round as if every rank finished a round
+/// before any starts the next (a barrier per round): conservative, since real ranks drift
+/// ahead into the next round as soon as their own part is done. Phases and times add up over
+/// rounds; the busiest link is judged over the whole call.
 pub fn simulate(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
+    let mut rounds: Vec<u32> = programs
+        .iter()
+        .flat_map(|p| p.round_spans.iter().map(|s| s.round))
+        .collect();
+    rounds.sort_unstable();
+    rounds.dedup();
+    if rounds.len() <= 1 {
+        return simulate_round(programs, cluster).0;
+    }
+    let mut time_s = 0.0;
+    let mut phases: Vec<Phase> = Vec::new();
+    let mut link_bytes: HashMap<(u32, usize), f64> = HashMap::new();
+    let mut whole = SimReport {
+        time_s: 0.0,
+        bytes_total: 0,
+        bytes_offnode: 0,
+        bytes_local: 0,
+        messages_total: 0,
+        messages_max_per_rank: 0,
+        messages_mean_per_rank: 0.0,
+        bytes_max_per_rank: 0,
+        busiest_link: None,
+        phases: Vec::new(),
+    };
+    for (i, &round) in rounds.iter().enumerate() {
+        let part: Vec<RankProgram> = programs
+            .iter()
+            .map(|p| {
+                let mut sub = RankProgram {
+                    rank: p.rank,
+                    fingerprint: p.fingerprint,
+                    ..Default::default()
+                };
+                if i == 0 {
+                    sub.local_copies = p.local_copies.clone();
+                }
+                if let Some(r) = p.rounds().into_iter().find(|r| r.round == round) {
+                    sub.packs = r.packs.to_vec();
+                    sub.sends = r.sends.to_vec();
+                    sub.recvs = r.recvs.to_vec();
+                    sub.unpacks = r.unpacks.to_vec();
+                }
+                sub
+            })
+            .collect();
+        let (report, links) = simulate_round(&part, cluster);
+        time_s += report.time_s;
+        whole.bytes_total += report.bytes_total;
+        whole.bytes_offnode += report.bytes_offnode;
+        whole.bytes_local += report.bytes_local;
+        for phase in report.phases {
+            match phases.iter_mut().find(|p| p.name == phase.name) {
+                Some(p) => p.seconds += phase.seconds,
+                None => phases.push(phase),
+            }
+        }
+        for (key, bytes) in links {
+            *link_bytes.entry(key).or_default() += bytes;
+        }
+    }
+    let participants = programs.iter().filter(|p| !p.is_empty()).count();
+    let posted: u64 = programs
+        .iter()
+        .map(|p| (p.sends.len() + p.recvs.len()) as u64)
+        .sum();
+    whole.time_s = time_s;
+    whole.phases = phases;
+    whole.messages_total = programs.iter().map(|p| p.sends.len() as u64).sum();
+    whole.messages_max_per_rank = programs
+        .iter()
+        .map(|p| (p.sends.len() + p.recvs.len()) as u64)
+        .max()
+        .unwrap_or(0);
+    whole.messages_mean_per_rank = if participants > 0 {
+        posted as f64 / participants as f64
+    } else {
+        0.0
+    };
+    whole.bytes_max_per_rank = programs
+        .iter()
+        .map(|p| p.bytes_sent().max(p.bytes_received()))
+        .max()
+        .unwrap_or(0);
+    let mut links: Vec<((u32, usize), f64)> = link_bytes.into_iter().collect();
+    links.sort_unstable_by_key(|&(key, _)| key);
+    whole.busiest_link = links
+        .into_iter()
+        .filter(|&(_, bytes)| bytes > 0.0)
+        .map(|((rank, l), bytes)| {
+            let capacity = match LINKS[l].0 {
+                LinkKind::NvLink => cluster.nvlink_bw,
+                LinkKind::Nic => cluster.nic_bw,
+            };
+            let busy = if time_s > 0.0 {
+                bytes / capacity / time_s
+            } else {
+                0.0
+            };
+            LinkUse {
+                rank,
+                kind: LINKS[l].0,
+                direction: LINKS[l].1,
+                bytes: bytes.round() as u64,
+                busy_fraction: busy,
+            }
+        })
+        .max_by(|a, b| {
+            a.busy_fraction
+                .total_cmp(&b.busy_fraction)
+                .then(b.rank.cmp(&a.rank))
+        });
+    whole
+}
+
+/// Per-GPU link bytes of a round: ((rank, link index in [`LINKS`]), bytes).
+type LinkBytes = Vec<((u32, usize), f64)>;
+
+/// One round (or a one-round program): local copies and packs, one group, unpacks.
+fn simulate_round(programs: &[RankProgram], cluster: &Cluster) -> (SimReport, LinkBytes) {
     let copy_bytes = |copies: &[Copy]| copies.iter().map(Copy::bytes).sum::<u64>();
 
     // One flow per (sender, receiver) pair.
@@ -152,7 +276,16 @@ pub fn simulate(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
         .iter()
         .map(|p| (p.sends.len() + p.recvs.len()) as u64)
         .sum();
-    SimReport {
+    let links: LinkBytes = (0..gpu_links)
+        .filter(|&l| outcome.link_bytes[l] > 0.0)
+        .map(|l| {
+            (
+                (ranks[l / LINKS_PER_GPU], l % LINKS_PER_GPU),
+                outcome.link_bytes[l],
+            )
+        })
+        .collect();
+    let report = SimReport {
         time_s,
         bytes_total,
         bytes_offnode,
@@ -180,5 +313,6 @@ pub fn simulate(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
                 seconds: unpack_s.iter().copied().fold(0.0, f64::max),
             },
         ],
-    }
+    };
+    (report, links)
 }

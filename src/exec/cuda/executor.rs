@@ -14,7 +14,7 @@ use super::nccl::{nccl, Nccl, NcclComm, NCCL_UINT8};
 use super::nvrtc;
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
-use crate::plan::{Loc, Message, RankProgram};
+use crate::plan::{Copy, Loc, Message, RankProgram, Round};
 use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -61,10 +61,11 @@ impl Uploaded {
 /// released.
 struct DeviceState {
     kernel: Option<Kernel>,
-    /// (before the messages, after them) per addressing: single-buffer, per-tensor. Filled
-    /// under `init` at the first call that needs them; read without locking after.
-    single: OnceLock<(Uploaded, Uploaded)>,
-    per_tensor: OnceLock<(Uploaded, Uploaded)>,
+    /// Per round, (before the messages, after them), per addressing: single-buffer,
+    /// per-tensor. Filled under `init` at the first call that needs them; read without
+    /// locking after.
+    single: OnceLock<Vec<(Uploaded, Uploaded)>>,
+    per_tensor: OnceLock<Vec<(Uploaded, Uploaded)>>,
     init: Mutex<()>,
     /// Staging arena per stream (concurrent calls on different streams must not share it).
     staging: Mutex<HashMap<usize, Arc<DeviceBuffer>>>,
@@ -152,7 +153,7 @@ impl CudaExecutor {
         let limit = self.max_staging_bytes;
         if p.staging_bytes > limit {
             return Err(Error::invalid_usage(format!(
-                "the plan needs {} bytes of staging on rank {} but the limit is {limit}; raise config.maxStagingBytes or NCCL_RESHARD_STAGING_BYTES, or plan in groupable mode",
+                "the plan needs {} bytes of staging on rank {} (its largest round) but the limit is {limit}; raise config.rounds (more, smaller rounds), config.maxStagingBytes or NCCL_RESHARD_STAGING_BYTES, or plan in groupable mode",
                 p.staging_bytes, p.rank
             )));
         }
@@ -185,15 +186,20 @@ impl CudaExecutor {
                 if driver::is_capturing(stream as sys::CUstream)? {
                     return Err(warm_up_error());
                 }
-                let pre: Vec<_> = p.local_copies.iter().chain(&p.packs).cloned().collect();
-                let built = (
-                    Uploaded::new(encode(&pre, addressing))?,
-                    Uploaded::new(encode(&p.unpacks, addressing))?,
-                );
+                // Local copies run with the first round's packs.
+                let mut built = Vec::new();
+                for (i, round) in p.rounds().iter().enumerate() {
+                    let local: &[Copy] = if i == 0 { &p.local_copies } else { &[] };
+                    let pre: Vec<Copy> = local.iter().chain(round.packs).cloned().collect();
+                    built.push((
+                        Uploaded::new(encode(&pre, addressing))?,
+                        Uploaded::new(encode(round.unpacks, addressing))?,
+                    ));
+                }
                 let _ = tables.set(built);
             }
         }
-        let (before, after) = tables
+        let tables = tables
             .get()
             .ok_or_else(|| Error::internal("descriptor tables missing"))?;
         let kernel = state
@@ -214,11 +220,15 @@ impl CudaExecutor {
                 p.unpacks.len()
             )
         });
-        launch_all(kernel, before, &base, stream)?;
-        if let Some(nccl) = nccl {
-            post_messages(nccl, p, &addressing, &base, comm, stream)?;
+        // Each round: packs, one NCCL group, unpacks, all in stream order, so the staging
+        // arena is reused by the next round only once this one has finished with it.
+        for (round, (before, after)) in p.rounds().iter().zip(tables) {
+            launch_all(kernel, before, &base, stream)?;
+            if let Some(nccl) = nccl {
+                post_messages(nccl, p.rank, round, &addressing, &base, comm, stream)?;
+            }
+            launch_all(kernel, after, &base, stream)?;
         }
-        launch_all(kernel, after, &base, stream)?;
         Ok(())
     }
 
@@ -434,20 +444,24 @@ fn launch_all(
 
 fn post_messages(
     nccl: &Nccl,
-    p: &RankProgram,
+    rank: u32,
+    round: &Round<'_>,
     addressing: &Addressing<'_>,
     base: &impl Fn(BaseKey) -> u64,
     comm: NcclComm,
     stream: *mut c_void,
 ) -> Result<()> {
+    if round.sends.is_empty() && round.recvs.is_empty() {
+        return Ok(());
+    }
     // SAFETY: group calls have no preconditions; every Start is matched by an End below.
     nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
     let post = |m: &Message, send: bool| -> Result<()> {
         let ptr = address(m.loc, addressing, base) as *mut c_void;
         debug::log(Level::Trace, || {
             format!(
-                "rank {} {} {} bytes {} rank {} at {ptr:p}",
-                p.rank,
+                "rank {rank} round {} {} {} bytes {} rank {} at {ptr:p}",
+                round.round,
                 if send { "sends" } else { "receives" },
                 m.bytes,
                 if send { "to" } else { "from" },
@@ -467,11 +481,11 @@ fn post_messages(
         };
         nccl.check(result, if send { "ncclSend" } else { "ncclRecv" }, comm)
     };
-    let posted = p
+    let posted = round
         .sends
         .iter()
         .try_for_each(|m| post(m, true))
-        .and_then(|()| p.recvs.iter().try_for_each(|m| post(m, false)));
+        .and_then(|()| round.recvs.iter().try_for_each(|m| post(m, false)));
     // SAFETY: closes the group opened above, also after an error so NCCL's state stays sane.
     let ended = nccl.check(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm);
     posted.and(ended)
