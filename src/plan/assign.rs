@@ -53,9 +53,9 @@ pub(crate) struct Unit<'a> {
 /// - Receivers on a node that holds replicas get their data from those (NVLink).
 /// - The others get it across the network from any replica. With relays on
 ///   ([`Config::relay`], staged and auto modes, known topology), receivers are grouped by
-///   node: the region is cut into up to `rounds` chunks, each chunk into one part per group
-///   member; each part crosses the network once, to one member, in the chunk's round, and
-///   that member forwards it to the others over NVLink in the next round.
+///   node: the region is cut into chunks (about one per round, at least one per member, at
+///   least `split_min_bytes` each); each chunk crosses the network once, to one member, in
+///   its round, and that member forwards it to the others over NVLink in the next round.
 /// - Network and on-node parts are dealt round-robin over the candidate senders; when there
 ///   are fewer parts than candidates, parts are split further (down to `split_min_bytes`) so
 ///   that every candidate sends.
@@ -143,41 +143,24 @@ pub(crate) fn assign(
     let bytes_of = |region: &[IndexRuns]| -> u64 {
         region.iter().map(IndexRuns::len).product::<u64>() * elem_size
     };
-    // Relayed overlaps: the region's chunks (one per round) and, per relay group size, each
-    // chunk's parts (one per member), computed once for all groups of that size.
-    let relay_sizes: Vec<u64> = {
-        let mut sizes: Vec<u64> = groups
-            .iter()
-            .filter(|(node, members)| relay && node.is_none() && members.len() > 1)
-            .map(|(_, members)| members.len() as u64)
-            .collect();
-        sizes.sort_unstable();
-        sizes.dedup();
-        sizes
-    };
-    let chunks = if relay_sizes.is_empty() {
-        Vec::new()
-    } else {
+    // Relayed overlaps: the region's chunks, computed once for every relay group. Each chunk
+    // goes whole to one member (contiguous where the region is, so it can be forwarded
+    // without packing); the rotation spreads chunks over members and rounds.
+    let largest_group = groups
+        .iter()
+        .filter(|(node, _)| relay && node.is_none())
+        .map(|(_, members)| members.len() as u64)
+        .max()
+        .unwrap_or(1);
+    let chunks = if largest_group > 1 {
         let n = u64::from(rounds)
-            .min(bytes_of(&unit.region) / config.split_min_bytes)
+            .max(largest_group)
+            .min(bytes_of(&unit.region) / config.split_min_bytes.saturating_mul(RELAY_CHUNK_FACTOR))
             .max(1);
         split_region(&unit.region, n)
+    } else {
+        Vec::new()
     };
-    let parts_by_size: Vec<(u64, Vec<Vec<Vec<IndexRuns>>>)> = relay_sizes
-        .iter()
-        .map(|&g| {
-            let parts = chunks
-                .iter()
-                .map(|chunk| {
-                    split_region(
-                        chunk,
-                        g.min(bytes_of(chunk) / config.split_min_bytes).max(1),
-                    )
-                })
-                .collect();
-            (g, parts)
-        })
-        .collect();
     // Network legs: (receiver, region, round) for every group, dealt out together.
     let mut network: Vec<Leg<'_>> = Vec::new();
     for (node, members) in groups {
@@ -199,25 +182,26 @@ pub(crate) fn assign(
             );
             continue;
         }
-        let (_, chunk_parts) = parts_by_size
-            .iter()
-            .find(|(size, _)| *size == g)
-            .expect("parts for every relay group size");
-        for (c, parts) in chunk_parts.iter().enumerate() {
-            let round = ((c as u64 + rotation) % u64::from(rounds)) as u32;
-            for (q, part) in parts.iter().enumerate() {
-                let first = ((q as u64 + rotation) % g) as usize;
-                network.push((members[first], Cow::Borrowed(part.as_slice()), Some(round)));
-                for (j, &r) in members.iter().enumerate() {
-                    if j != first {
-                        out(members[first], r, part, Some(round + 1), true);
-                    }
+        for (c, chunk) in chunks.iter().enumerate() {
+            // Independent offsets for round and member: in any round, the units' chunks land
+            // on all members alike.
+            let c = c as u64;
+            let round = ((c + rotation / 65_521) % u64::from(rounds)) as u32;
+            let first = ((c + rotation) % g) as usize;
+            network.push((members[first], Cow::Borrowed(chunk.as_slice()), Some(round)));
+            for (j, &r) in members.iter().enumerate() {
+                if j != first {
+                    out(members[first], r, chunk, Some(round + 1), true);
                 }
             }
         }
     }
     deal(&network, &senders, rotation, config, &bytes_of, &mut out);
 }
+
+/// A relayed overlap is cut into chunks of at least this many times `split_min_bytes` (8 MiB
+/// by default): each chunk is one message per replica it is forwarded to.
+const RELAY_CHUNK_FACTOR: u64 = 8;
 
 /// Emits one transfer: (from, to, region, fixed round, relay).
 type Emit<'a> = dyn FnMut(u32, u32, &[IndexRuns], Option<u32>, bool) + 'a;

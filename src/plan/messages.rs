@@ -9,6 +9,7 @@ use super::config::{
     Mode, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES,
     GROUPABLE_MAX_MESSAGES_PER_PAIR,
 };
+use super::fxhash::FxHashMap;
 use super::program::{Buffer, Copy, CopyDim, Loc, Message};
 use super::Transfer;
 use crate::error::{Error, Result};
@@ -245,6 +246,9 @@ pub(crate) struct Emitter {
     pub unpacks: Vec<Copy>,
     pub messages: Vec<Message>,
     pub staging_bytes: u64,
+    /// Staged sends already packed, by their source side: a relay forwards the same data to
+    /// every replica on its node, so it packs once and sends that region to each.
+    packed: FxHashMap<Vec<(Loc, u64, Vec<CopyDim>)>, Loc>,
 }
 
 impl Emitter {
@@ -255,8 +259,10 @@ impl Emitter {
     }
 
     /// Emits this rank's half of the pair whose copies (canonical order) are given.
-    /// `pair` is (sender, receiver), for messages. `coalesce`: in auto mode, stage every
-    /// pair that would need several messages (the plan is not groupable anyway).
+    /// `pair` is (sender, receiver), for messages. `coalesce`: in auto mode, the plan has
+    /// several rounds (so it is not groupable anyway): pieces of at least
+    /// [`AUTO_STAGE_MAX_AVG_BYTES`] contiguous on both ends go as they are, the rest as one
+    /// staged message.
     pub fn pair(
         &mut self,
         end: End,
@@ -291,15 +297,31 @@ impl Emitter {
                 false
             }
             Mode::Staged => true,
+            Mode::Auto if coalesce => {
+                // Large pieces contiguous on both ends go as they are (no copy); the rest
+                // travels as one staged message when it would take several.
+                let (direct, rest): (Vec<&Copy>, Vec<&Copy>) = copies
+                    .iter()
+                    .partition(|c| c.is_contiguous() && c.bytes() >= AUTO_STAGE_MAX_AVG_BYTES);
+                let pieces: u64 = rest
+                    .iter()
+                    .map(|c| groupable_piece_count(c))
+                    .fold(0u64, u64::saturating_add);
+                if pieces >= 2 {
+                    self.staged_pair(end, peer, &rest);
+                } else if !rest.is_empty() {
+                    self.groupable_pair(end, peer, &rest);
+                }
+                if !direct.is_empty() {
+                    self.groupable_pair(end, peer, &direct);
+                }
+                return Ok(());
+            }
             Mode::Auto => {
                 let n = messages();
                 let bytes: u64 = copies.iter().map(|c| c.bytes()).sum();
-                if coalesce {
-                    n >= 2
-                } else {
-                    n >= AUTO_STAGE_MIN_MESSAGES
-                        && (bytes / n < AUTO_STAGE_MAX_AVG_BYTES || n > AUTO_STAGE_MAX_MESSAGES)
-                }
+                n >= AUTO_STAGE_MIN_MESSAGES
+                    && (bytes / n < AUTO_STAGE_MAX_AVG_BYTES || n > AUTO_STAGE_MAX_MESSAGES)
             }
         };
         if staged {
@@ -318,9 +340,20 @@ impl Emitter {
             (End::Receiver, [c]) if c.dst_is_contiguous() => Some(c.dst),
             _ => None,
         };
-        let loc = match direct {
-            Some(loc) => loc,
-            None => {
+        let source_side = || -> Vec<(Loc, u64, Vec<CopyDim>)> {
+            copies
+                .iter()
+                .map(|c| (c.src, c.chunk_bytes, c.dims.clone()))
+                .collect()
+        };
+        let packed_before = match (end, direct) {
+            (End::Sender, None) => self.packed.get(&source_side()).copied(),
+            _ => None,
+        };
+        let loc = match (direct, packed_before) {
+            (Some(loc), _) => loc,
+            (None, Some(loc)) => loc,
+            (None, None) => {
                 let base = self.reserve(total);
                 let mut at = base;
                 for c in copies {
@@ -330,11 +363,15 @@ impl Emitter {
                     }
                     at += c.bytes();
                 }
-                Loc {
+                let loc = Loc {
                     buffer: Buffer::Staging,
                     tensor: 0,
                     offset: base,
+                };
+                if end == End::Sender {
+                    self.packed.insert(source_side(), loc);
                 }
+                loc
             }
         };
         self.messages.push(Message {

@@ -45,8 +45,27 @@ pub(crate) struct Outcome {
 
 /// Runs `flows` over links of the given capacities (bytes per second) until every flow is done.
 pub(crate) fn run(flows: &[Flow], capacity: &[f64]) -> Outcome {
+    let all: Vec<(u32, f64)> = (0..flows.len() as u32)
+        .map(|f| (f, flows[f as usize].start))
+        .collect();
+    run_gated(flows, capacity, all, &mut |_, _, _| {})
+}
+
+/// Called when a flow finishes: (flow, time, releases to add).
+pub(crate) type OnFinish<'a> = dyn FnMut(u32, f64, &mut Vec<(u32, f64)>) + 'a;
+
+/// Like [`run`], but a flow starts only once released: `initial` releases some (flow, start
+/// time) pairs; when a flow finishes, `on_finish(flow, time, release)` may release more, each
+/// at a start time no earlier than `time`. `Flow::start` is not used. A flow never released
+/// finishes at infinity.
+pub(crate) fn run_gated(
+    flows: &[Flow],
+    capacity: &[f64],
+    initial: Vec<(u32, f64)>,
+    on_finish: &mut OnFinish<'_>,
+) -> Outcome {
     let n = flows.len();
-    let mut finish = vec![0.0; n];
+    let mut finish = vec![f64::INFINITY; n];
     // Every byte of a flow crosses each of its links, whatever the timing.
     let mut link_bytes = vec![0.0; capacity.len()];
     for f in flows {
@@ -69,18 +88,21 @@ pub(crate) fn run(flows: &[Flow], capacity: &[f64]) -> Outcome {
     let mut new_rate = vec![0.0; n];
     let mut done_at = vec![f64::INFINITY; n];
 
-    let mut order: Vec<u32> = (0..n as u32).collect();
-    order.sort_by(|&a, &b| flows[a as usize].start.total_cmp(&flows[b as usize].start));
-    let mut next = 0usize;
+    // Released flows by start time (non-negative floats order like their bits).
+    let mut pending: BinaryHeap<Reverse<(u64, u32)>> = initial
+        .into_iter()
+        .map(|(f, start)| Reverse((start.max(0.0).to_bits(), f)))
+        .collect();
+    let mut released: Vec<(u32, f64)> = Vec::new();
     let mut active: Vec<u32> = Vec::new();
     let mut filler = Filler::new(capacity.len());
     let mut now = 0.0f64;
     let mut first_done = f64::INFINITY;
 
     loop {
-        let first_start = order
-            .get(next)
-            .map_or(f64::INFINITY, |&f| flows[f as usize].start.max(now));
+        let first_start = pending.peek().map_or(f64::INFINITY, |Reverse((start, _))| {
+            f64::from_bits(*start).max(now)
+        });
         let first = first_done.min(first_start);
         if !first.is_finite() {
             // Nothing pending, or active flows that cannot move (a zero-capacity link).
@@ -92,28 +114,42 @@ pub(crate) fn run(flows: &[Flow], capacity: &[f64]) -> Outcome {
         // The event happens at the last completion or start inside the window.
         let horizon = first + TIME_TOLERANCE * now.max(floor);
         let mut at = first;
+        let mut done: Vec<u32> = Vec::new();
         active.retain(|&f| {
-            let f = f as usize;
-            if done_at[f] <= horizon {
-                finish[f] = done_at[f];
-                at = at.max(done_at[f]);
+            let fi = f as usize;
+            if done_at[fi] <= horizon {
+                finish[fi] = done_at[fi];
+                at = at.max(done_at[fi]);
+                done.push(f);
                 false
             } else {
                 true
             }
         });
-        while let Some(&f) = order.get(next) {
-            let fi = f as usize;
-            let start = flows[fi].start;
+        loop {
+            for f in done.drain(..) {
+                on_finish(f, finish[f as usize], &mut released);
+                for (g, start) in released.drain(..) {
+                    let start = start.max(finish[f as usize]);
+                    pending.push(Reverse((start.to_bits(), g)));
+                }
+            }
+            let Some(&Reverse((start, f))) = pending.peek() else {
+                break;
+            };
+            let start = f64::from_bits(start);
             if start > horizon {
                 break;
             }
-            next += 1;
+            pending.pop();
+            let fi = f as usize;
             if remaining[fi] > 0.0 {
                 at = at.max(start);
                 active.push(f);
             } else {
+                // Nothing to move: done when it starts, which may release others.
                 finish[fi] = start.max(now);
+                done.push(f);
             }
         }
         now = at;

@@ -27,10 +27,10 @@ const LINKS: [(LinkKind, Direction); LINKS_PER_GPU] = [
 /// Ranks may be any communicator ranks (sparse is fine). The cluster should pass
 /// [`Cluster::validate`]: a zero bandwidth gives an infinite time, not an error.
 ///
-/// Programs with several rounds run round after round as if every rank finished a round
-/// before any starts the next (a barrier per round): conservative, since real ranks drift
-/// ahead into the next round as soon as their own part is done. Phases and times add up over
-/// rounds; the busiest link is judged over the whole call.
+/// Programs with several rounds run as their stream would: a rank packs round `r`, its
+/// round-`r` flows start once the peer is in round `r` too (and has packed), and it unpacks
+/// once they are all done, then moves to its next round — ranks drift apart freely, and flows
+/// of different rounds share links when their ranks are in different rounds.
 pub fn simulate(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
     let mut rounds: Vec<u32> = programs
         .iter()
@@ -41,109 +41,255 @@ pub fn simulate(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
     if rounds.len() <= 1 {
         return simulate_round(programs, cluster).0;
     }
-    let mut time_s = 0.0;
-    let mut phases: Vec<Phase> = Vec::new();
-    let mut link_bytes: HashMap<(u32, usize), f64> = HashMap::new();
-    let mut whole = SimReport {
-        time_s: 0.0,
-        bytes_total: 0,
-        bytes_offnode: 0,
-        bytes_local: 0,
-        messages_total: 0,
-        messages_max_per_rank: 0,
-        messages_mean_per_rank: 0.0,
-        bytes_max_per_rank: 0,
-        busiest_link: None,
-        phases: Vec::new(),
-    };
-    for (i, &round) in rounds.iter().enumerate() {
-        let part: Vec<RankProgram> = programs
-            .iter()
-            .map(|p| {
-                let mut sub = RankProgram {
-                    rank: p.rank,
-                    fingerprint: p.fingerprint,
-                    ..Default::default()
+    simulate_rounds(programs, cluster, &rounds)
+}
+
+/// One (sender, receiver) pair's messages of one round: a flow.
+struct PairFlow {
+    round: usize,
+    from: usize,
+    to: usize,
+    messages: u64,
+}
+
+/// The multi-round model of [`simulate`]; `labels` are every round any rank has, ascending.
+fn simulate_rounds(programs: &[RankProgram], cluster: &Cluster, labels: &[u32]) -> SimReport {
+    let copy_bytes = |copies: &[Copy]| copies.iter().map(Copy::bytes).sum::<u64>();
+    let nr = labels.len();
+    let mut ranks: Vec<u32> = programs
+        .iter()
+        .map(|p| p.rank)
+        .chain(programs.iter().flat_map(|p| p.sends.iter().map(|m| m.peer)))
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let index = |rank: u32| ranks.binary_search(&rank).expect("every rank is indexed");
+    let n = ranks.len();
+
+    let mut capacity: Vec<f64> = (0..n * LINKS_PER_GPU)
+        .map(|l| match LINKS[l % LINKS_PER_GPU].0 {
+            LinkKind::NvLink => cluster.nvlink_bw,
+            LinkKind::Nic => cluster.nic_bw,
+        })
+        .collect();
+    // Per (rank, round): pack and unpack seconds, and the flows the rank is an end of.
+    let mut pack = vec![0.0f64; n * nr];
+    let mut unpack = vec![0.0f64; n * nr];
+    let mut ends_of: Vec<Vec<u32>> = vec![Vec::new(); n * nr];
+    let mut flows: Vec<Flow> = Vec::new();
+    let mut meta: Vec<PairFlow> = Vec::new();
+    let (mut bytes_total, mut bytes_offnode, mut bytes_local) = (0u64, 0u64, 0u64);
+    for p in programs {
+        let i = index(p.rank);
+        let local = copy_bytes(&p.local_copies);
+        bytes_local += local;
+        pack[i * nr] += local as f64 / cluster.hbm_copy_bw;
+        for round in p.rounds() {
+            let k = labels
+                .binary_search(&round.round)
+                .expect("every round is labelled");
+            pack[i * nr + k] += copy_bytes(round.packs) as f64 / cluster.hbm_copy_bw;
+            unpack[i * nr + k] += copy_bytes(round.unpacks) as f64 / cluster.hbm_copy_bw;
+            for run in round.sends.chunk_by(|a, b| a.peer == b.peer) {
+                let (from, to) = (p.rank, run[0].peer);
+                let j = index(to);
+                let bytes: u64 = run.iter().map(|m| m.bytes).sum();
+                bytes_total += bytes;
+                if cluster.node(from) != cluster.node(to) {
+                    bytes_offnode += bytes;
+                }
+                let (out, inn) = if cluster.same_domain(from, to) {
+                    (0, 1)
+                } else {
+                    (2, 3)
                 };
-                if i == 0 {
-                    sub.local_copies = p.local_copies.clone();
+                let mut links = [
+                    (i * LINKS_PER_GPU + out) as u32,
+                    (j * LINKS_PER_GPU + inn) as u32,
+                    0,
+                ];
+                let mut nlinks = 2;
+                if let Some(fraction) = cluster.peer_fraction {
+                    links[2] = capacity.len() as u32;
+                    capacity.push(fraction * cluster.link_bw(from, to));
+                    nlinks = 3;
                 }
-                if let Some(r) = p.rounds().into_iter().find(|r| r.round == round) {
-                    sub.packs = r.packs.to_vec();
-                    sub.sends = r.sends.to_vec();
-                    sub.recvs = r.recvs.to_vec();
-                    sub.unpacks = r.unpacks.to_vec();
+                let f = flows.len() as u32;
+                flows.push(Flow {
+                    links,
+                    nlinks,
+                    bytes: bytes as f64,
+                    start: 0.0,
+                });
+                meta.push(PairFlow {
+                    round: k,
+                    from: i,
+                    to: j,
+                    messages: run.len() as u64,
+                });
+                ends_of[i * nr + k].push(f);
+                if j != i {
+                    ends_of[j * nr + k].push(f);
                 }
-                sub
-            })
-            .collect();
-        let (report, links) = simulate_round(&part, cluster);
-        time_s += report.time_s;
-        whole.bytes_total += report.bytes_total;
-        whole.bytes_offnode += report.bytes_offnode;
-        whole.bytes_local += report.bytes_local;
-        for phase in report.phases {
-            match phases.iter_mut().find(|p| p.name == phase.name) {
-                Some(p) => p.seconds += phase.seconds,
-                None => phases.push(phase),
             }
         }
-        for (key, bytes) in links {
-            *link_bytes.entry(key).or_default() += bytes;
-        }
     }
+
+    // Each rank's progress: the round it is in, when that round's packs were done, the last
+    // finish of its flows in it, and how many are still moving.
+    let mut position = vec![0usize; n];
+    let mut ready = vec![0.0f64; n];
+    let mut last = vec![0.0f64; n];
+    let mut outstanding: Vec<usize> = ends_of.iter().map(Vec::len).collect();
+    let mut finished = vec![0.0f64; n];
+    let mut busy = vec![0.0f64; n];
+    // Enters rank i into round k at time t, passing through rounds it has no flows in, and
+    // releases the flows whose other end is already there.
+    let enter = |i: usize,
+                 mut k: usize,
+                 mut t: f64,
+                 position: &mut Vec<usize>,
+                 ready: &mut Vec<f64>,
+                 last: &mut Vec<f64>,
+                 finished: &mut Vec<f64>,
+                 release: &mut Vec<(u32, f64)>| {
+        while k < nr {
+            position[i] = k;
+            ready[i] = t + pack[i * nr + k];
+            last[i] = ready[i];
+            // No flow of a round can finish before both its ends entered it.
+            if !ends_of[i * nr + k].is_empty() {
+                for &f in &ends_of[i * nr + k] {
+                    let m = &meta[f as usize];
+                    let other = if m.from == i { m.to } else { m.from };
+                    if other == i || position[other] == k {
+                        let start =
+                            ready[i].max(ready[other]) + m.messages as f64 * cluster.latency_s;
+                        release.push((f, start));
+                    }
+                }
+                return;
+            }
+            t = ready[i] + unpack[i * nr + k];
+            k += 1;
+        }
+        position[i] = nr;
+        finished[i] = t;
+    };
+    let mut initial = Vec::new();
+    // Ranks not yet entered sit at an impossible position so nobody releases to them early.
+    position.iter_mut().for_each(|p| *p = usize::MAX);
+    for i in 0..n {
+        enter(
+            i,
+            0,
+            0.0,
+            &mut position,
+            &mut ready,
+            &mut last,
+            &mut finished,
+            &mut initial,
+        );
+    }
+    let outcome = flows::run_gated(&flows, &capacity, initial, &mut |f, t, release| {
+        let m = &meta[f as usize];
+        let k = m.round;
+        for e in [m.from, m.to] {
+            if e == m.to && m.to == m.from {
+                continue;
+            }
+            let slot = e * nr + k;
+            outstanding[slot] -= 1;
+            last[e] = last[e].max(t);
+            if outstanding[slot] == 0 {
+                busy[e] += last[e] - ready[e];
+                let done = last[e] + unpack[slot];
+                enter(
+                    e,
+                    k + 1,
+                    done,
+                    &mut position,
+                    &mut ready,
+                    &mut last,
+                    &mut finished,
+                    release,
+                );
+            }
+        }
+    });
+    let stuck = position.iter().any(|&k| k != nr);
+    let time_s = if stuck {
+        f64::INFINITY
+    } else {
+        finished.iter().copied().fold(0.0, f64::max)
+    };
+
+    let sum_per_rank = |v: &[f64]| -> f64 {
+        (0..n)
+            .map(|i| v[i * nr..(i + 1) * nr].iter().sum::<f64>())
+            .fold(0.0, f64::max)
+    };
     let participants = programs.iter().filter(|p| !p.is_empty()).count();
     let posted: u64 = programs
         .iter()
         .map(|p| (p.sends.len() + p.recvs.len()) as u64)
         .sum();
-    whole.time_s = time_s;
-    whole.phases = phases;
-    whole.messages_total = programs.iter().map(|p| p.sends.len() as u64).sum();
-    whole.messages_max_per_rank = programs
-        .iter()
-        .map(|p| (p.sends.len() + p.recvs.len()) as u64)
-        .max()
-        .unwrap_or(0);
-    whole.messages_mean_per_rank = if participants > 0 {
-        posted as f64 / participants as f64
-    } else {
-        0.0
-    };
-    whole.bytes_max_per_rank = programs
-        .iter()
-        .map(|p| p.bytes_sent().max(p.bytes_received()))
-        .max()
-        .unwrap_or(0);
-    let mut links: Vec<((u32, usize), f64)> = link_bytes.into_iter().collect();
-    links.sort_unstable_by_key(|&(key, _)| key);
-    whole.busiest_link = links
-        .into_iter()
-        .filter(|&(_, bytes)| bytes > 0.0)
-        .map(|((rank, l), bytes)| {
-            let capacity = match LINKS[l].0 {
-                LinkKind::NvLink => cluster.nvlink_bw,
-                LinkKind::Nic => cluster.nic_bw,
-            };
-            let busy = if time_s > 0.0 {
-                bytes / capacity / time_s
+    let gpu_links = n * LINKS_PER_GPU;
+    let busiest_link = (0..gpu_links)
+        .filter(|&l| outcome.link_bytes[l] > 0.0)
+        .map(|l| {
+            let used = if time_s > 0.0 {
+                outcome.link_bytes[l] / capacity[l] / time_s
             } else {
                 0.0
             };
-            LinkUse {
-                rank,
-                kind: LINKS[l].0,
-                direction: LINKS[l].1,
-                bytes: bytes.round() as u64,
-                busy_fraction: busy,
-            }
+            (l, used)
         })
-        .max_by(|a, b| {
-            a.busy_fraction
-                .total_cmp(&b.busy_fraction)
-                .then(b.rank.cmp(&a.rank))
+        .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+        .map(|(l, used)| LinkUse {
+            rank: ranks[l / LINKS_PER_GPU],
+            kind: LINKS[l % LINKS_PER_GPU].0,
+            direction: LINKS[l % LINKS_PER_GPU].1,
+            bytes: outcome.link_bytes[l].round() as u64,
+            busy_fraction: used,
         });
-    whole
+    SimReport {
+        time_s,
+        bytes_total,
+        bytes_offnode,
+        bytes_local,
+        messages_total: programs.iter().map(|p| p.sends.len() as u64).sum(),
+        messages_max_per_rank: programs
+            .iter()
+            .map(|p| (p.sends.len() + p.recvs.len()) as u64)
+            .max()
+            .unwrap_or(0),
+        messages_mean_per_rank: if participants > 0 {
+            posted as f64 / participants as f64
+        } else {
+            0.0
+        },
+        bytes_max_per_rank: programs
+            .iter()
+            .map(|p| p.bytes_sent().max(p.bytes_received()))
+            .max()
+            .unwrap_or(0),
+        busiest_link,
+        phases: vec![
+            Phase {
+                name: "prepare",
+                seconds: sum_per_rank(&pack),
+            },
+            Phase {
+                name: "transfer",
+                seconds: busy.iter().copied().fold(0.0, f64::max),
+            },
+            Phase {
+                name: "unpack",
+                seconds: sum_per_rank(&unpack),
+            },
+        ],
+    }
 }
 
 /// Per-GPU link bytes of a round: ((rank, link index in [`LINKS`]), bytes).
