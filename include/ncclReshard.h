@@ -14,7 +14,7 @@
 
 /** Library version this header belongs to (see ncclReshardGetVersion). */
 #define NCCL_RESHARD_MAJOR 0
-#define NCCL_RESHARD_MINOR 1
+#define NCCL_RESHARD_MINOR 2
 #define NCCL_RESHARD_PATCH 0
 #define NCCL_RESHARD_VERSION_CODE (NCCL_RESHARD_MAJOR * 10000 + NCCL_RESHARD_MINOR * 100 + NCCL_RESHARD_PATCH)
 
@@ -22,7 +22,7 @@
 #define NCCL_RESHARD_LAYOUT_INITIALIZER { sizeof(ncclReshardLayout_t), NCCL_RESHARD_VERSION_CODE, 0, {0}, NULL, 0, {{0, 0, 0}}, NULL }
 #define NCCL_RESHARD_TENSOR_INITIALIZER { sizeof(ncclReshardTensor_t), NCCL_RESHARD_VERSION_CODE, 0, {0}, ncclFloat32, NULL, NULL, 0, 0, NULL }
 #define NCCL_RESHARD_CONFIG_INITIALIZER { sizeof(ncclReshardConfig_t), NCCL_RESHARD_CONFIG_MAGIC, NCCL_RESHARD_VERSION_CODE, ncclReshardModeGroupable, 0, NULL, 0, 0, 0, 0, 1 }
-#define NCCL_RESHARD_PLAN_INFO_INITIALIZER { sizeof(ncclReshardPlanInfo_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+#define NCCL_RESHARD_PLAN_INFO_INITIALIZER { sizeof(ncclReshardPlanInfo_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 #define NCCL_RESHARD_TRANSFER_INITIALIZER { sizeof(ncclReshardTransfer_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, {0}, {0}, 0, 0, 0, 0, {0}, {0}, {0}, 0 }
 
 
@@ -182,8 +182,8 @@ typedef struct {
    */
   int mode;
   /**
-   * 1 when every receive of this rank lands in the destination buffer (no unpack), so its
-   * call may sit inside a group. In auto mode ranks can differ; a plan created with
+   * 1 when every receive of this rank lands in the destination buffer (no unpack) in one
+   * round, so its call may sit inside a group. In auto mode ranks can differ; a plan created with
    * `ncclReshardModeGroupable` is groupable on every rank.
    */
   int groupable;
@@ -213,6 +213,11 @@ typedef struct {
    */
   uint64_t sendBytes;
   uint64_t recvBytes;
+  /**
+   * Rounds this rank runs (each: packs, one NCCL group, unpacks); 1 for a groupable plan.
+   * Added in 0.2: an older caller's smaller struct does not get it.
+   */
+  int rounds;
 } ncclReshardPlanInfo_t;
 
 /**

@@ -326,6 +326,25 @@ fn one_gpu_colocated_layouts_are_byte_exact() {
         }
     }
     println!("gpu: one-rank colocated layouts: {} cases x 3 modes x (local, NCCL self) byte-exact, {total} elements checked", one_rank_cases().len());
+    // NCCL_RESHARD_CHECK's fingerprint exchange (with itself here) passes and data still moves.
+    let (name, tensors) = &one_rank_cases()[5];
+    let config = Config {
+        mode: Mode::Auto,
+        local_via_messages: true,
+        ..Default::default()
+    };
+    let planner = Planner::new(tensors.clone(), config).unwrap();
+    let data = prepare(&devs[0], tensors, 0);
+    let executor = data
+        .executor(planner.rank_program(0).unwrap())
+        .with_peer_check(true);
+    executor
+        .execute(&data.buffers(), comms[0], devs[0].stream.cast())
+        .unwrap_or_else(|e| panic!("{name} with the peer check: {e}"));
+    verify(&devs[0], tensors, 0, &data);
+    devs[0].free(data.send);
+    devs[0].free(data.recv);
+    println!("gpu: NCCL_RESHARD_CHECK fingerprint exchange passes on a consistent plan");
     // SAFETY: communicator from ncclCommInitAll.
     unsafe { (nccl.destroy)(comms[0]) };
 }
@@ -627,6 +646,65 @@ fn multi_gpu_reshards_in_one_group() {
             devs[r].free(data.send);
             devs[r].free(data.recv);
         }
+    }
+    // NCCL_RESHARD_CHECK: rank 1 plans from a different shape; every rank's call fails with
+    // invalid usage naming a peer, before any data moves, instead of hanging or corrupting.
+    let mut other = tensors.clone();
+    other[0].shape = vec![1003, 518];
+    let plans = [
+        Planner::new(tensors.clone(), Config::default()).unwrap(),
+        Planner::new(other.clone(), Config::default()).unwrap(),
+    ];
+    let runs: Vec<_> = devs
+        .iter()
+        .enumerate()
+        .map(|(r, device)| {
+            let mine = if r == 1 { &other } else { &tensors };
+            let planner = &plans[usize::from(r == 1)];
+            let data = prepare(device, mine, r as u32);
+            let executor = data
+                .executor(planner.rank_program(r as u32).unwrap())
+                .with_peer_check(true);
+            (data, executor)
+        })
+        .collect();
+    let errors: Vec<String> = std::thread::scope(|scope| {
+        let handles: Vec<_> = runs
+            .iter()
+            .enumerate()
+            .map(|(r, (data, executor))| {
+                let handles = Handles {
+                    context: devs[r].context,
+                    stream: devs[r].stream,
+                    comm: comms[r],
+                };
+                scope.spawn(move || {
+                    let h = handles;
+                    // SAFETY: a retained primary context.
+                    ck(
+                        unsafe { sys::cuCtxSetCurrent(h.context) },
+                        "cuCtxSetCurrent",
+                    );
+                    executor
+                        .execute(&data.buffers(), h.comm, h.stream.cast())
+                        .err()
+                        .map(|e| e.to_string())
+                        .unwrap_or_default()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, e) in errors.iter().enumerate().take(2) {
+        assert!(
+            e.contains("different tensors or config"),
+            "rank {r} should refuse the mismatched plan: {e:?}"
+        );
+    }
+    println!("gpu: NCCL_RESHARD_CHECK refuses a rank with a different descriptor: {errors:?}");
+    for (r, (data, _)) in runs.into_iter().enumerate() {
+        devs[r].free(data.send);
+        devs[r].free(data.recv);
     }
     for c in comms {
         // SAFETY: communicators from ncclCommInitAll.

@@ -3,7 +3,7 @@
 //! the public measurements in reference/FACTS.md.
 
 use ncclreshard::models::{refit, InferSpec, ModelConfig, RefitOptions, TrainSpec};
-use ncclreshard::plan::{Buffer, Copy, Loc, Message};
+use ncclreshard::plan::{Buffer, Copy, Loc, Message, RoundSpan};
 use ncclreshard::sim::{
     gather_broadcast, gather_broadcast_with, lower_bound, simulate, BaselineParams, BoundKind,
     BroadcastGroup, Cluster, Direction, LinkKind, SimReport,
@@ -216,6 +216,105 @@ fn pairs_in_one_nvlink_domain_use_nvlink() {
     assert_eq!(tray.bytes_offnode, gb);
     let rack = simulate(&[sender(0, &[(72, gb)])], &gb200);
     assert_close(rack.time_s, gb as f64 / (50.0 * GB));
+}
+
+/// Messages of `round`: the span list for a program whose sends and receives are all in it.
+fn in_round(mut p: RankProgram, round: u32) -> RankProgram {
+    p.round_spans = vec![RoundSpan {
+        round,
+        packs_end: p.packs.len(),
+        sends_end: p.sends.len(),
+        recvs_end: p.recvs.len(),
+        unpacks_end: p.unpacks.len(),
+    }];
+    p
+}
+
+fn receiver(rank: u32, from: u32, bytes: u64) -> RankProgram {
+    let mut p = sender(rank, &[(from, bytes)]);
+    p.recvs = std::mem::take(&mut p.sends);
+    p
+}
+
+#[test]
+fn ranks_move_through_rounds_on_their_own() {
+    let cluster = dgx_no_latency();
+    let bytes = 10_000_000_000;
+    // Rank 0 → 8 in round 0 (NIC, 0.2 s); rank 8 forwards to 9 over NVLink in round 1
+    // (10 GB / 450 GB/s); rank 1 → 16 in round 1 does not wait for anybody's round 0.
+    let mut relay = receiver(8, 0, bytes);
+    relay.sends = sender(8, &[(9, bytes)]).sends;
+    relay.round_spans = vec![
+        RoundSpan {
+            round: 0,
+            recvs_end: 1,
+            ..Default::default()
+        },
+        RoundSpan {
+            round: 1,
+            sends_end: 1,
+            recvs_end: 1,
+            ..Default::default()
+        },
+    ];
+    let programs = vec![
+        in_round(sender(0, &[(8, bytes)]), 0),
+        in_round(sender(1, &[(16, bytes)]), 1),
+        relay,
+        in_round(receiver(9, 8, bytes), 1),
+        in_round(receiver(16, 1, bytes), 1),
+    ];
+    let report = simulate(&programs, &cluster);
+    assert_close(
+        report.time_s,
+        bytes as f64 / (50.0 * GB) + bytes as f64 / (450.0 * GB),
+    );
+    assert_eq!(report.bytes_total, 3 * bytes);
+    assert_eq!(report.messages_total, 3);
+}
+
+#[test]
+fn relays_bring_each_byte_into_a_node_once() {
+    // TP2 on node 0 → TP2 x DP4 on node 1 (4 replicas of each shard on one node): with relays
+    // the node's ingress carries the tensor once, not four times.
+    let rows = 1u64 << 14;
+    let tensor = TensorSpec {
+        shape: vec![rows, 8192],
+        dtype: DType::Bfloat16,
+        src: layout(&[0, 1], Placement::Shard(1)),
+        dst: Layout::new(
+            Mesh::new(vec![4, 2], (8..16).collect()).unwrap(),
+            vec![Placement::Replicate, Placement::Shard(0)],
+        ),
+    };
+    let plan = |relay: bool| -> SimReport {
+        let planner = Planner::new(
+            vec![tensor.clone()],
+            Config {
+                mode: Mode::Auto,
+                topology: Topology::RanksPerNode(8),
+                relay,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let programs: Vec<RankProgram> = planner
+            .ranks()
+            .into_iter()
+            .map(|r| planner.rank_program(r).unwrap())
+            .collect();
+        simulate(&programs, &dgx_no_latency())
+    };
+    let (relayed, direct) = (plan(true), plan(false));
+    let tensor_bytes = rows * 8192 * 2;
+    assert_eq!(relayed.bytes_offnode, tensor_bytes);
+    assert_eq!(direct.bytes_offnode, 4 * tensor_bytes);
+    assert!(
+        relayed.time_s < 0.5 * direct.time_s,
+        "relayed {} s vs direct {} s",
+        relayed.time_s,
+        direct.time_s
+    );
 }
 
 #[test]

@@ -13,7 +13,8 @@ pub(crate) const LAYOUT_MIN_SIZE: usize = std::mem::size_of::<ncclReshardLayout_
 pub(crate) const TENSOR_MIN_SIZE: usize = std::mem::size_of::<ncclReshardTensor_t>();
 /// The config's size in 0.1, before `rounds` and `relay`.
 pub(crate) const CONFIG_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardConfig_t, rounds);
-pub(crate) const INFO_MIN_SIZE: usize = std::mem::size_of::<ncclReshardPlanInfo_t>();
+/// The plan info's size in 0.1, before `rounds`.
+pub(crate) const INFO_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardPlanInfo_t, rounds);
 pub(crate) const TRANSFER_MIN_SIZE: usize = std::mem::size_of::<ncclReshardTransfer_t>();
 
 /// A converted tensor and this rank's view offsets in the single-buffer call.

@@ -8,7 +8,7 @@ use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::cuda::{CallBuffers, CudaExecutor};
 use crate::layout::{IndexRuns, TensorSpec};
-use crate::plan::{Block, Config, Planner, RankProgram};
+use crate::plan::{Block, Config, ExecMode, Planner, RankProgram};
 use std::os::raw::c_int;
 use std::sync::Arc;
 
@@ -272,7 +272,7 @@ impl PlanObject {
             rank: self.rank as c_int,
             ntensors: self.views.len() as c_int,
             mode: self.planner.config().mode as c_int,
-            groupable: c_int::from(p.unpacks.is_empty()),
+            groupable: c_int::from(p.mode() == ExecMode::Groupable),
             peers: p.peers().len() as c_int,
             messagesSent: p.sends.len() as i64,
             messagesReceived: p.recvs.len() as i64,
@@ -283,6 +283,7 @@ impl PlanObject {
             fingerprint: p.fingerprint,
             sendBytes: self.send_bytes(),
             recvBytes: self.recv_bytes(),
+            rounds: p.rounds().len() as c_int,
         }
     }
 

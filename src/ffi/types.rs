@@ -144,8 +144,8 @@ pub struct ncclReshardPlanInfo_t {
     pub ntensors: c_int,
     /// The configured `ncclReshardMode_t`.
     pub mode: c_int,
-    /// 1 when every receive of this rank lands in the destination buffer (no unpack), so its
-    /// call may sit inside a group. In auto mode ranks can differ; a plan created with
+    /// 1 when every receive of this rank lands in the destination buffer (no unpack) in one
+    /// round, so its call may sit inside a group. In auto mode ranks can differ; a plan created with
     /// `ncclReshardModeGroupable` is groupable on every rank.
     pub groupable: c_int,
     /// Number of distinct peers this rank sends to or receives from.
@@ -164,6 +164,9 @@ pub struct ncclReshardPlanInfo_t {
     /// the last tensor view (`offset + extent`).
     pub sendBytes: u64,
     pub recvBytes: u64,
+    /// Rounds this rank runs (each: packs, one NCCL group, unpacks); 1 for a groupable plan.
+    /// Added in 0.2: an older caller's smaller struct does not get it.
+    pub rounds: c_int,
 }
 
 /// One block of data the plan's rank sends, receives or copies locally

@@ -185,6 +185,23 @@ impl DeviceBuffer {
         }
         Ok(buffer)
     }
+
+    /// Copies the first `out.len()` elements back to the host, after `stream` has finished.
+    pub fn download<T: Copy>(&self, out: &mut [T], stream: sys::CUstream) -> Result<()> {
+        let bytes = std::mem::size_of_val(out);
+        // SAFETY: waits for work the caller enqueued on its own stream.
+        call("cuStreamSynchronize", || unsafe {
+            sys::cuStreamSynchronize(stream)
+        })?;
+        if bytes > 0 {
+            // SAFETY: the buffer holds at least `bytes` bytes (the caller allocated it so);
+            // `out` is `bytes` writable bytes.
+            call("cuMemcpyDtoH", || unsafe {
+                sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast::<c_void>(), self.ptr, bytes)
+            })?;
+        }
+        Ok(())
+    }
 }
 
 impl Drop for DeviceBuffer {

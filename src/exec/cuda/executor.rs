@@ -95,6 +95,9 @@ pub struct CudaExecutor {
     /// The program's distinct peers, computed once (checked against the communicator's size
     /// on every call).
     peers: Vec<u32>,
+    /// `NCCL_RESHARD_CHECK=1` (read at plan creation): compare plan fingerprints with every
+    /// peer before moving data.
+    check_peers: bool,
     device: Mutex<Option<Arc<DeviceState>>>,
 }
 
@@ -125,8 +128,77 @@ impl CudaExecutor {
             dst_offsets,
             max_staging_bytes: staging_limit(max_staging_bytes),
             peers,
+            check_peers: std::env::var("NCCL_RESHARD_CHECK").is_ok_and(|v| v.trim() == "1"),
             device: Mutex::new(None),
         }
+    }
+
+    /// Compares fingerprints with every peer before each call (default: `NCCL_RESHARD_CHECK`
+    /// is `1` when the executor is created).
+    pub fn with_peer_check(mut self, on: bool) -> Self {
+        self.check_peers = on;
+        self
+    }
+
+    /// `NCCL_RESHARD_CHECK=1`: sends this plan's fingerprint to every peer and receives
+    /// theirs (one NCCL group on `stream`), waits, and fails naming the first peer whose plan
+    /// differs. Synchronises the stream: not for graph capture or inside a user's group.
+    fn check_fingerprints(&self, nccl: &Nccl, comm: NcclComm, stream: *mut c_void) -> Result<()> {
+        let p = &*self.program;
+        if driver::is_capturing(stream as sys::CUstream)? {
+            return Err(Error::invalid_usage(
+                "NCCL_RESHARD_CHECK=1 waits for the peers' fingerprints, which a CUDA graph capture cannot do; unset it while capturing",
+            ));
+        }
+        let mine = DeviceBuffer::upload(&[p.fingerprint], "plan fingerprint")?;
+        let theirs = DeviceBuffer::alloc(8 * self.peers.len(), "peer fingerprints")?;
+        // SAFETY: group calls have no preconditions; every Start is matched by an End below.
+        nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
+        let posted = self.peers.iter().enumerate().try_for_each(|(i, &peer)| {
+            let slot = (theirs.ptr + 8 * i as u64) as *mut c_void;
+            // SAFETY: both buffers are ours, 8 bytes per peer, alive until the wait below.
+            unsafe {
+                nccl.check(
+                    (nccl.send)(
+                        mine.ptr as *mut c_void,
+                        8,
+                        NCCL_UINT8,
+                        peer as i32,
+                        comm,
+                        stream,
+                    ),
+                    "ncclSend (fingerprint)",
+                    comm,
+                )?;
+                nccl.check(
+                    (nccl.recv)(slot, 8, NCCL_UINT8, peer as i32, comm, stream),
+                    "ncclRecv (fingerprint)",
+                    comm,
+                )
+            }
+        });
+        // SAFETY: closes the group opened above.
+        let ended = nccl.check(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm);
+        posted.and(ended)?;
+        let mut fingerprints = vec![0u64; self.peers.len()];
+        theirs.download(&mut fingerprints, stream as sys::CUstream)?;
+        for (&peer, &theirs) in self.peers.iter().zip(&fingerprints) {
+            if theirs != p.fingerprint {
+                return Err(Error::invalid_usage(format!(
+                    "rank {peer} created its plan from different tensors or config than rank {} (fingerprint {theirs:#018x} vs {:#018x}); every rank must pass the same descriptors and config",
+                    p.rank, p.fingerprint
+                )));
+            }
+        }
+        debug::log(Level::Info, || {
+            format!(
+                "rank {}: NCCL_RESHARD_CHECK: {} peer(s) planned the same ({:#018x})",
+                p.rank,
+                self.peers.len(),
+                p.fingerprint
+            )
+        });
+        Ok(())
     }
 
     fn addressing(&self, buffers: &CallBuffers<'_>) -> Addressing<'_> {
@@ -220,6 +292,11 @@ impl CudaExecutor {
                 p.unpacks.len()
             )
         });
+        if self.check_peers {
+            if let Some(nccl) = nccl {
+                self.check_fingerprints(nccl, comm, stream)?;
+            }
+        }
         // Each round: packs, one NCCL group, unpacks, all in stream order, so the staging
         // arena is reused by the next round only once this one has finished with it.
         for (round, (before, after)) in p.rounds().iter().zip(tables) {
