@@ -367,12 +367,25 @@ impl Layout {
                     .unwrap_or(0)
             })
             .collect();
+        // Every byte offset and stride of a view must fit in an i64 (ptrdiff_t on the device,
+        // and the planner's arithmetic), whatever the rank, so ranks never disagree.
+        let fits = |bytes: u64, what: &str| -> Result<()> {
+            if bytes > i64::MAX as u64 {
+                return Err(Error::invalid_argument(format!(
+                    "{what} is {bytes} bytes, past 2^63; no buffer is that large"
+                )));
+            }
+            Ok(())
+        };
         let strides = match &self.strides {
             None => {
+                // Row-major strides multiply the extents of the dims after each one, zero or
+                // not: bound the product with empty dims counted as 1.
                 let elements = max_local
                     .iter()
-                    .try_fold(1u64, |acc, &n| checked_mul(acc, n, "local elements"))?;
-                checked_mul(elements, u64::from(elem_size), "local buffer bytes")?;
+                    .try_fold(1u64, |acc, &n| checked_mul(acc, n.max(1), "local elements"))?;
+                let bytes = checked_mul(elements, u64::from(elem_size), "local buffer bytes")?;
+                fits(bytes, "the largest local view")?;
                 return Ok(());
             }
             Some(strides) => strides,
@@ -383,6 +396,10 @@ impl Layout {
                 strides.len(),
                 shape.len()
             )));
+        }
+        for (d, &stride) in strides.iter().enumerate() {
+            let bytes = checked_mul(stride, u64::from(elem_size), &format!("strides[{d}]"))?;
+            fits(bytes, &format!("strides[{d}] = {stride} elements"))?;
         }
         // Views may be padded or sliced but must not alias: sorted by stride, each dim must step
         // past everything the smaller-stride dims span.
@@ -399,7 +416,8 @@ impl Layout {
             let reach = checked_mul(max_local[d] - 1, strides[d], "local view extent")?;
             span = checked_add(span, reach, "local view extent")?;
         }
-        checked_mul(span, u64::from(elem_size), "local view bytes")?;
+        let bytes = checked_mul(span, u64::from(elem_size), "local view bytes")?;
+        fits(bytes, "the largest local view")?;
         Ok(())
     }
 }

@@ -358,16 +358,19 @@ impl RankProgram {
         self.round_spans.last().map_or(0, |s| s.round)
     }
 
+    // Totals saturate: one rank's traffic over 2^64 bytes is absurd but must not wrap.
     pub fn bytes_sent(&self) -> u64 {
-        self.sends.iter().map(|m| m.bytes).sum()
+        self.sends.iter().fold(0, |acc, m| acc.saturating_add(m.bytes))
     }
 
     pub fn bytes_received(&self) -> u64 {
-        self.recvs.iter().map(|m| m.bytes).sum()
+        self.recvs.iter().fold(0, |acc, m| acc.saturating_add(m.bytes))
     }
 
     pub fn bytes_copied_locally(&self) -> u64 {
-        self.local_copies.iter().map(Copy::bytes).sum()
+        self.local_copies
+            .iter()
+            .fold(0, |acc, c| acc.saturating_add(c.bytes()))
     }
 
     /// Distinct ranks this rank sends to or receives from.
