@@ -25,7 +25,7 @@ pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram, Ro
 use crate::error::{Error, Result};
 use crate::layout::{next_index, DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
 use assign::{assign, Unit};
-use fxhash::FxHashMap;
+use fxhash::{FxHashMap, FxHashSet};
 use messages::{transfer_blocks, Emitter, End, Side};
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -122,9 +122,15 @@ impl Planner {
             return Err(Error::invalid_argument("too many tensors"));
         }
         config.validate()?;
+        // Identical tensors (a model's layers) are validated once.
+        let mut valid: FxHashSet<&TensorSpec> = FxHashSet::default();
         for (i, t) in tensors.iter().enumerate() {
+            if valid.contains(t) {
+                continue;
+            }
             t.validate()
                 .map_err(|e| e.context(format!("tensors[{i}]")))?;
+            valid.insert(t);
         }
         if let Topology::NodeTable(table) = &config.topology {
             let ranks = tensors

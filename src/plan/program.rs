@@ -360,11 +360,15 @@ impl RankProgram {
 
     // Totals saturate: one rank's traffic over 2^64 bytes is absurd but must not wrap.
     pub fn bytes_sent(&self) -> u64 {
-        self.sends.iter().fold(0, |acc, m| acc.saturating_add(m.bytes))
+        self.sends
+            .iter()
+            .fold(0, |acc, m| acc.saturating_add(m.bytes))
     }
 
     pub fn bytes_received(&self) -> u64 {
-        self.recvs.iter().fold(0, |acc, m| acc.saturating_add(m.bytes))
+        self.recvs
+            .iter()
+            .fold(0, |acc, m| acc.saturating_add(m.bytes))
     }
 
     pub fn bytes_copied_locally(&self) -> u64 {
