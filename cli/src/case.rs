@@ -4,7 +4,8 @@
 //! (`{"name"?, "shape", "dtype", "src", "dst", "config"?}`) or a multi-tensor plan
 //! (`{"name"?, "tensors": [<tensor without config>…], "config"?}`). A side is
 //! `{"mesh", "ranks" | "first_rank", "placements", "strides"?}` and a config is
-//! `{"mode"?, "ranks_per_node" | "node_of_rank", "split_min_bytes"?}`; a case without a mode
+//! `{"mode"?, "ranks_per_node" | "node_of_rank", "split_min_bytes"?, "rounds"?, "relay"?}`; a
+//! case without a mode
 //! is meant to run under every mode.
 //!
 //! The JSON is walked by hand rather than through derived deserializers so that every error,
@@ -247,7 +248,14 @@ fn optional_name(map: &Map<String, Value>, prefix: &str) -> Parsed<Option<String
 
 const TENSOR_KEYS: [&str; 5] = ["name", "shape", "dtype", "src", "dst"];
 const SIDE_KEYS: [&str; 5] = ["mesh", "ranks", "first_rank", "placements", "strides"];
-const CONFIG_KEYS: [&str; 4] = ["mode", "ranks_per_node", "node_of_rank", "split_min_bytes"];
+const CONFIG_KEYS: [&str; 6] = [
+    "mode",
+    "ranks_per_node",
+    "node_of_rank",
+    "split_min_bytes",
+    "rounds",
+    "relay",
+];
 
 fn parse_case(value: &Value, default_name: &str) -> Result<Case, String> {
     let multi = value.get("tensors").is_some();
@@ -397,6 +405,14 @@ fn parse_config(value: &Value) -> Parsed<(Option<Mode>, Config)> {
     };
     if let Some(v) = map.get("split_min_bytes") {
         config.split_min_bytes = u64_of(v, "config.split_min_bytes")?;
+    }
+    if let Some(v) = map.get("rounds") {
+        config.rounds = u32_of(v, "config.rounds")?;
+    }
+    if let Some(v) = map.get("relay") {
+        config.relay = v
+            .as_bool()
+            .map_or_else(|| fail("config.relay", "expected true or false"), Ok)?;
     }
     Ok((mode, config))
 }

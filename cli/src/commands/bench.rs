@@ -32,6 +32,8 @@ pub const COMMAND: Command = Command {
         value("experts"),
         flag("colocated"),
         value("mode"),
+        value("rounds"),
+        flag("no-relay"),
         value("mib"),
         value("row"),
         value("pad"),
@@ -142,7 +144,7 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
     let cluster = refit_setup::cluster(parsed, "bench")?;
     let mode = refit_setup::mode(parsed, "bench")?;
     let refit = args.refit(1)?;
-    let config = refit_setup::config(mode, &cluster);
+    let config = refit_setup::config_with_options(parsed, "bench", mode, &cluster)?;
 
     let started = Instant::now();
     let planner = refit_setup::planner(&refit.tensors, config)?;
@@ -271,7 +273,10 @@ fn bench_exec(parsed: &Parsed) -> Result<u8, Failure> {
     let mode = refit_setup::mode(parsed, "bench")?;
     let refit = args.refit(scale)?;
     let tensors = &refit.tensors;
-    let Some(run) = host_run::plan_fill_execute(tensors, refit_setup::config(mode, &cluster))?
+    let Some(run) = host_run::plan_fill_execute(
+        tensors,
+        refit_setup::config_with_options(parsed, "bench", mode, &cluster)?,
+    )?
     else {
         return Ok(1);
     };

@@ -27,6 +27,8 @@ pub const COMMAND: Command = Command {
         value("experts"),
         flag("colocated"),
         value("mode"),
+        value("rounds"),
+        flag("no-relay"),
         value("svg"),
         flag("no-simulate"),
         flag("json"),
@@ -66,6 +68,8 @@ Options:
   --experts E        stacked (default) or per-expert routed expert tensors
   --colocated        Inference runs on the training ranks
   --mode MODE        auto (default), staged or groupable
+  --rounds N         Staged/auto: rounds to spread the data over (default 0: automatic)
+  --no-relay         Send each replica its data across the network (no NVLink relays)
   --svg FILE         Write the rank-to-rank traffic heatmap of the full-size plan (of the
                      host run's plan with --no-simulate) as SVG
   --no-simulate      Skip the full-size simulation
@@ -157,7 +161,10 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         out::count(tensors.len() as u64),
         out::bytes(small.bytes()),
     );
-    let Some(run) = host_run::plan_fill_execute(tensors, refit_setup::config(mode, &cluster))?
+    let Some(run) = host_run::plan_fill_execute(
+        tensors,
+        refit_setup::config_with_options(parsed, "refit", mode, &cluster)?,
+    )?
     else {
         return Ok(1);
     };
@@ -203,7 +210,8 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             args.model.name(),
             cluster.name
         );
-        Some((simulate::simulate(&refit, &cluster, mode)?, refit.bytes()))
+        let config = refit_setup::config_with_options(parsed, "refit", mode, &cluster)?;
+        Some((simulate::simulate(&refit, &cluster, config)?, refit.bytes()))
     } else {
         None
     };

@@ -171,6 +171,33 @@ pub fn config(mode: Mode, cluster: &Cluster) -> Config {
     }
 }
 
+/// [`config`] with `--rounds N` and `--no-relay` applied.
+pub fn config_with_options(
+    parsed: &Parsed,
+    command: &'static str,
+    mode: Mode,
+    cluster: &Cluster,
+) -> Result<Config, Failure> {
+    let mut config = config(mode, cluster);
+    if let Some(text) = parsed.value("rounds") {
+        config.rounds = text
+            .parse()
+            .ok()
+            .filter(|&r| r <= ncclreshard::plan::MAX_ROUNDS)
+            .ok_or_else(|| {
+                usage(
+                    command,
+                    format!(
+                        "--rounds: {text:?} is not 0 (automatic) to {}",
+                        ncclreshard::plan::MAX_ROUNDS
+                    ),
+                )
+            })?;
+    }
+    config.relay = !parsed.flag("no-relay");
+    Ok(config)
+}
+
 pub fn planner(tensors: &[TensorSpec], config: Config) -> Result<Planner, Failure> {
     Planner::new(tensors.to_vec(), config).map_err(|e| Failure::Input(e.to_string()))
 }

@@ -11,7 +11,7 @@ use ncclreshard::models::Refit;
 use ncclreshard::sim::{
     self, BoundKind, Cluster, Direction, LinkKind, LinkUse, LowerBound, SimReport,
 };
-use ncclreshard::{Mode, RankProgram};
+use ncclreshard::{Config, RankProgram};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -29,6 +29,8 @@ pub const COMMAND: Command = Command {
         value("experts"),
         flag("colocated"),
         value("mode"),
+        value("rounds"),
+        flag("no-relay"),
         flag("json"),
     ],
     run,
@@ -58,6 +60,8 @@ Options:
   --experts E        stacked (default) or per-expert routed expert tensors
   --colocated        Inference runs on the training ranks (default: the ranks after them)
   --mode MODE        auto (default), staged or groupable
+  --rounds N         Staged/auto: rounds to spread the data over (default 0: automatic)
+  --no-relay         Send each replica its data across the network (no NVLink relays)
   --json             JSON output: reshard_s, gather_broadcast_s, lower_bound_s, bytes_total,
                      messages_max_per_rank, messages_mean_per_rank, busiest_link, ...
   -h, --help         Show this help
@@ -80,9 +84,10 @@ pub struct Simulation {
     pub simulate_s: f64,
 }
 
-/// Plans every rank of `refit` for `cluster` and simulates it, the baseline and the bound.
-pub fn simulate(refit: &Refit, cluster: &Cluster, mode: Mode) -> Result<Simulation, Failure> {
-    let planner = refit_setup::planner(&refit.tensors, refit_setup::config(mode, cluster))?;
+/// Plans every rank of `refit` with `config` and simulates it on `cluster`, with the baseline
+/// and the bound.
+pub fn simulate(refit: &Refit, cluster: &Cluster, config: Config) -> Result<Simulation, Failure> {
+    let planner = refit_setup::planner(&refit.tensors, config)?;
     let (programs, planned) = refit_setup::plan_all(&planner, "planning ranks")?;
     let ((reshard, baseline, bound), simulated) = work::track("simulating", 0, |_| {
         (
@@ -225,7 +230,8 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
     if refit.tensors.is_empty() {
         return Err(usage("simulate", "the model has no tensors"));
     }
-    let s = simulate(&refit, &cluster, mode)?;
+    let config = refit_setup::config_with_options(parsed, "simulate", mode, &cluster)?;
+    let s = simulate(&refit, &cluster, config)?;
     let output = Output {
         model: args.model.name().to_string(),
         train: args.train_text.clone(),
