@@ -311,10 +311,14 @@ fn one_gpu_colocated_layouts_are_byte_exact() {
     let mut total = 0;
     for (name, tensors) in one_rank_cases() {
         for mode in [Mode::Groupable, Mode::Staged, Mode::Auto] {
-            for via_nccl in [false, true] {
+            for (via_nccl, rounds) in [(false, 0), (true, 0), (true, 3)] {
+                // Three rounds with small parts: packs, groups and unpacks per round, the
+                // staging arena reused in stream order (groupable mode stays one round).
                 let config = Config {
                     mode,
                     local_via_messages: via_nccl,
+                    rounds,
+                    split_min_bytes: if rounds > 0 { 4096 } else { 1 << 20 },
                     ..Default::default()
                 };
                 let (program, checked) = run_rank0(&devs[0], comms[0], &tensors, &config);
@@ -325,7 +329,7 @@ fn one_gpu_colocated_layouts_are_byte_exact() {
             }
         }
     }
-    println!("gpu: one-rank colocated layouts: {} cases x 3 modes x (local, NCCL self) byte-exact, {total} elements checked", one_rank_cases().len());
+    println!("gpu: one-rank colocated layouts: {} cases x 3 modes x (local, NCCL self, NCCL self in 3 rounds) byte-exact, {total} elements checked", one_rank_cases().len());
     // NCCL_RESHARD_CHECK's fingerprint exchange (with itself here) passes and data still moves.
     let (name, tensors) = &one_rank_cases()[5];
     let config = Config {
