@@ -1,5 +1,6 @@
 //! Planner configuration and the plan fingerprint.
 
+use super::fxhash::FxHashMap;
 use crate::error::{Error, Result};
 use crate::layout::{Layout, Placement, TensorSpec};
 
@@ -141,11 +142,18 @@ impl Config {
 pub fn fingerprint(tensors: &[TensorSpec], config: &Config) -> u64 {
     let mut h = Fnv::default();
     h.u64(tensors.len() as u64);
+    // A model repeats a few layouts over thousands of tensors: digest each distinct one once.
+    let mut digests: FxHashMap<&Layout, u64> = FxHashMap::default();
     for t in tensors {
         h.list(&t.shape);
         h.u64(t.dtype.nccl_code() as u64);
         for layout in [&t.src, &t.dst] {
-            layout_hash(&mut h, layout);
+            let digest = *digests.entry(layout).or_insert_with(|| {
+                let mut d = Fnv::default();
+                layout_hash(&mut d, layout);
+                d.0
+            });
+            h.u64(digest);
         }
     }
     h.u64(match config.mode {

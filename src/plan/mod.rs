@@ -23,7 +23,7 @@ pub use messages::{Block, STAGING_ALIGN};
 pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan};
 
 use crate::error::{Error, Result};
-use crate::layout::{next_index, DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
+use crate::layout::{next_index, DType, DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
 use assign::{assign, Unit};
 use fxhash::{FxHashMap, FxHashSet};
 use messages::{transfer_blocks, Emitter, End, Side};
@@ -122,15 +122,25 @@ impl Planner {
             return Err(Error::invalid_argument("too many tensors"));
         }
         config.validate()?;
-        // Identical tensors (a model's layers) are validated once.
-        let mut valid: FxHashSet<&TensorSpec> = FxHashSet::default();
-        for (i, t) in tensors.iter().enumerate() {
-            if valid.contains(t) {
+        // Identical layouts are interned (tensors sharing a layout share geometry), and
+        // identical tensors (a model's layers) are validated once.
+        let layout_ids: Vec<[u32; 2]> = {
+            let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
+            let mut id = |layout| {
+                let next = ids.len() as u32;
+                *ids.entry(layout).or_insert(next)
+            };
+            tensors.iter().map(|t| [id(&t.src), id(&t.dst)]).collect()
+        };
+        let mut valid: FxHashSet<([u32; 2], &[u64], DType)> = FxHashSet::default();
+        for (i, (t, ids)) in tensors.iter().zip(&layout_ids).enumerate() {
+            let key = (*ids, t.shape.as_slice(), t.dtype);
+            if valid.contains(&key) {
                 continue;
             }
             t.validate()
                 .map_err(|e| e.context(format!("tensors[{i}]")))?;
-            valid.insert(t);
+            valid.insert(key);
         }
         if let Topology::NodeTable(table) = &config.topology {
             let ranks = tensors
@@ -146,14 +156,6 @@ impl Planner {
             }
         }
         let fingerprint = fingerprint(&tensors, &config);
-        let layout_ids: Vec<[u32; 2]> = {
-            let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
-            let mut id = |layout| {
-                let next = ids.len() as u32;
-                *ids.entry(layout).or_insert(next)
-            };
-            tensors.iter().map(|t| [id(&t.src), id(&t.dst)]).collect()
-        };
         let rounds = rounds_for(&tensors, &layout_ids, &config);
         Ok(Planner {
             tensors,
