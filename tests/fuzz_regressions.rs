@@ -168,7 +168,7 @@ fn plan_info_byte_totals_do_not_overflow() {
 /// pair (within the per-pair limit) and 2^25 for rank 0, whose plan took over 2 GiB and 12 s
 /// to build. No groupable plan can do with fewer messages, so rank 0 must refuse it.
 #[test]
-#[ignore = "library bug: groupable mode bounds messages per peer pair (2^20) but not per rank; ncclReshardPlanCreate builds 2^25 messages for rank 0 and allocates over 2 GiB"]
+
 fn groupable_plan_with_too_many_messages_per_rank_is_refused() {
     let outcomes = replay(
         &reproducer("plan_create/groupable-messages-per-rank"),

@@ -29,6 +29,8 @@ pub const AUTO_STAGE_MAX_MESSAGES: u64 = 256;
 /// Groupable mode refuses a pair that needs more messages than this (the plan would be huge and
 /// slow to post); auto and staged modes coalesce such pairs.
 pub const GROUPABLE_MAX_MESSAGES_PER_PAIR: u64 = 1 << 20;
+/// …and a rank whose pairs together need more than this.
+pub const GROUPABLE_MAX_MESSAGES_PER_RANK: u64 = 1 << 20;
 
 /// Automatic rounds ([`Config::rounds`] = 0) aim at about this many bytes per rank and round…
 pub const ROUND_TARGET_BYTES: u64 = 4 << 30;

@@ -7,7 +7,7 @@
 
 use super::config::{
     Mode, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES,
-    GROUPABLE_MAX_MESSAGES_PER_PAIR,
+    GROUPABLE_MAX_MESSAGES_PER_PAIR, GROUPABLE_MAX_MESSAGES_PER_RANK,
 };
 use super::fxhash::FxHashMap;
 use super::program::{Buffer, Copy, CopyDim, Loc, Message};
@@ -249,6 +249,8 @@ pub(crate) struct Emitter {
     /// Staged sends already packed, by their source side: a relay forwards the same data to
     /// every replica on its node, so it packs once and sends that region to each.
     packed: FxHashMap<Vec<(Loc, u64, Vec<CopyDim>)>, Loc>,
+    /// Messages groupable pairs have asked for so far, checked before they are formed.
+    groupable_messages: u64,
 }
 
 impl Emitter {
@@ -292,6 +294,16 @@ impl Emitter {
                     return Err(Error::invalid_usage(format!(
                         "groupable mode needs {n} messages from rank {} to rank {} (their regions interleave in the destination); use auto or staged mode",
                         pair.0, pair.1
+                    )));
+                }
+                self.groupable_messages = self.groupable_messages.saturating_add(n);
+                if self.groupable_messages > GROUPABLE_MAX_MESSAGES_PER_RANK {
+                    let rank = match end {
+                        End::Sender => pair.0,
+                        End::Receiver => pair.1,
+                    };
+                    return Err(Error::invalid_usage(format!(
+                        "groupable mode needs more than {GROUPABLE_MAX_MESSAGES_PER_RANK} messages on rank {rank} (destination regions interleave); use auto or staged mode"
                     )));
                 }
                 false

@@ -17,7 +17,8 @@ pub use assign::Transfer;
 pub use config::{
     fingerprint, Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_STAGE_MAX_AVG_BYTES,
     AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES, DEFAULT_SPLIT_MIN_BYTES,
-    GROUPABLE_MAX_MESSAGES_PER_PAIR, MAX_ROUNDS, ROUND_TARGET_BYTES,
+    GROUPABLE_MAX_MESSAGES_PER_PAIR, GROUPABLE_MAX_MESSAGES_PER_RANK, MAX_ROUNDS,
+    ROUND_TARGET_BYTES,
 };
 pub use messages::{Block, STAGING_ALIGN};
 pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan};
