@@ -556,6 +556,40 @@ fn graph_capture_replays_the_reshard() {
     unsafe { (nccl.destroy)(comms[0]) };
 }
 
+/// Runs each rank's executor on its own thread (as a multi-process job would), with the rank's
+/// context current; returns each rank's outcome.
+fn execute_on_threads(
+    devs: &[Device],
+    comms: &[Comm],
+    runs: &[(RankData, CudaExecutor)],
+) -> Vec<Result<(), String>> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = runs
+            .iter()
+            .enumerate()
+            .map(|(r, (data, executor))| {
+                let h = Handles {
+                    context: devs[r].context,
+                    stream: devs[r].stream,
+                    comm: comms[r],
+                };
+                scope.spawn(move || {
+                    let h = h;
+                    // SAFETY: a retained primary context.
+                    ck(
+                        unsafe { sys::cuCtxSetCurrent(h.context) },
+                        "cuCtxSetCurrent",
+                    );
+                    executor
+                        .execute(&data.buffers(), h.comm, h.stream.cast())
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
 #[ignore = "needs two or more CUDA GPUs and NCCL"]
 fn multi_gpu_reshards_in_one_group() {
@@ -618,27 +652,11 @@ fn multi_gpu_reshards_in_one_group() {
                 // SAFETY: closes the group.
                 unsafe { assert_eq!((nccl.group_end)(), 0) };
             } else {
-                std::thread::scope(|scope| {
-                    for (r, (data, executor)) in runs.iter().enumerate() {
-                        let handles = Handles {
-                            context: devs[r].context,
-                            stream: devs[r].stream,
-                            comm: comms[r],
-                        };
-                        scope.spawn(move || {
-                            let h = handles;
-                            // SAFETY: a retained primary context.
-                            ck(
-                                unsafe { sys::cuCtxSetCurrent(h.context) },
-                                "cuCtxSetCurrent",
-                            );
-                            let buffers = data.buffers();
-                            executor
-                                .execute(&buffers, h.comm, h.stream.cast())
-                                .unwrap_or_else(|e| panic!("rank {r} pass {pass}: {e}"));
-                        });
+                for (r, result) in execute_on_threads(&devs, &comms, &runs).iter().enumerate() {
+                    if let Err(e) = result {
+                        panic!("rank {r} pass {pass}: {e}");
                     }
-                });
+                }
             }
         }
         let mut checked = 0;
@@ -672,33 +690,10 @@ fn multi_gpu_reshards_in_one_group() {
             (data, executor)
         })
         .collect();
-    let errors: Vec<String> = std::thread::scope(|scope| {
-        let handles: Vec<_> = runs
-            .iter()
-            .enumerate()
-            .map(|(r, (data, executor))| {
-                let handles = Handles {
-                    context: devs[r].context,
-                    stream: devs[r].stream,
-                    comm: comms[r],
-                };
-                scope.spawn(move || {
-                    let h = handles;
-                    // SAFETY: a retained primary context.
-                    ck(
-                        unsafe { sys::cuCtxSetCurrent(h.context) },
-                        "cuCtxSetCurrent",
-                    );
-                    executor
-                        .execute(&data.buffers(), h.comm, h.stream.cast())
-                        .err()
-                        .map(|e| e.to_string())
-                        .unwrap_or_default()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let errors: Vec<String> = execute_on_threads(&devs, &comms, &runs)
+        .into_iter()
+        .map(|r| r.err().unwrap_or_default())
+        .collect();
     for (r, e) in errors.iter().enumerate().take(2) {
         assert!(
             e.contains("different tensors or config"),

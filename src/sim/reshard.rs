@@ -39,7 +39,7 @@ pub fn simulate(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
     rounds.sort_unstable();
     rounds.dedup();
     if rounds.len() <= 1 {
-        return simulate_round(programs, cluster).0;
+        return simulate_round(programs, cluster);
     }
     simulate_rounds(programs, cluster, &rounds)
 }
@@ -98,29 +98,8 @@ fn simulate_rounds(programs: &[RankProgram], cluster: &Cluster, labels: &[u32]) 
                 if cluster.node(from) != cluster.node(to) {
                     bytes_offnode += bytes;
                 }
-                let (out, inn) = if cluster.same_domain(from, to) {
-                    (0, 1)
-                } else {
-                    (2, 3)
-                };
-                let mut links = [
-                    (i * LINKS_PER_GPU + out) as u32,
-                    (j * LINKS_PER_GPU + inn) as u32,
-                    0,
-                ];
-                let mut nlinks = 2;
-                if let Some(fraction) = cluster.peer_fraction {
-                    links[2] = capacity.len() as u32;
-                    capacity.push(fraction * cluster.link_bw(from, to));
-                    nlinks = 3;
-                }
                 let f = flows.len() as u32;
-                flows.push(Flow {
-                    links,
-                    nlinks,
-                    bytes: bytes as f64,
-                    start: 0.0,
-                });
+                flows.push(pair_flow(cluster, (from, to), (i, j), bytes, &mut capacity));
                 meta.push(PairFlow {
                     round: k,
                     from: i,
@@ -229,52 +208,18 @@ fn simulate_rounds(programs: &[RankProgram], cluster: &Cluster, labels: &[u32]) 
             .map(|i| v[i * nr..(i + 1) * nr].iter().sum::<f64>())
             .fold(0.0, f64::max)
     };
-    let participants = programs.iter().filter(|p| !p.is_empty()).count();
-    let posted: u64 = programs
-        .iter()
-        .map(|p| (p.sends.len() + p.recvs.len()) as u64)
-        .sum();
-    let gpu_links = n * LINKS_PER_GPU;
-    let busiest_link = (0..gpu_links)
-        .filter(|&l| outcome.link_bytes[l] > 0.0)
-        .map(|l| {
-            let used = if time_s > 0.0 {
-                outcome.link_bytes[l] / capacity[l] / time_s
-            } else {
-                0.0
-            };
-            (l, used)
-        })
-        .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
-        .map(|(l, used)| LinkUse {
-            rank: ranks[l / LINKS_PER_GPU],
-            kind: LINKS[l % LINKS_PER_GPU].0,
-            direction: LINKS[l % LINKS_PER_GPU].1,
-            bytes: outcome.link_bytes[l].round() as u64,
-            busy_fraction: used,
-        });
+    let (messages_total, messages_max_per_rank, messages_mean_per_rank, bytes_max_per_rank) =
+        message_stats(programs);
     SimReport {
         time_s,
         bytes_total,
         bytes_offnode,
         bytes_local,
-        messages_total: programs.iter().map(|p| p.sends.len() as u64).sum(),
-        messages_max_per_rank: programs
-            .iter()
-            .map(|p| (p.sends.len() + p.recvs.len()) as u64)
-            .max()
-            .unwrap_or(0),
-        messages_mean_per_rank: if participants > 0 {
-            posted as f64 / participants as f64
-        } else {
-            0.0
-        },
-        bytes_max_per_rank: programs
-            .iter()
-            .map(|p| p.bytes_sent().max(p.bytes_received()))
-            .max()
-            .unwrap_or(0),
-        busiest_link,
+        messages_total,
+        messages_max_per_rank,
+        messages_mean_per_rank,
+        bytes_max_per_rank,
+        busiest_link: busiest_link(&outcome.link_bytes, &capacity, &ranks, time_s),
         phases: vec![
             Phase {
                 name: "prepare",
@@ -292,11 +237,91 @@ fn simulate_rounds(programs: &[RankProgram], cluster: &Cluster, labels: &[u32]) 
     }
 }
 
-/// Per-GPU link bytes of a round: ((rank, link index in [`LINKS`]), bytes).
-type LinkBytes = Vec<((u32, usize), f64)>;
+/// The flow of one (sender, receiver) pair (`ends`: their dense indices): the sender's egress
+/// and the receiver's ingress, NVLink inside a domain and NICs between; with a peer fraction,
+/// also a private link (pushed onto `capacity`) that caps this pair. Starts at 0.
+fn pair_flow(
+    cluster: &Cluster,
+    (from, to): (u32, u32),
+    (i, j): (usize, usize),
+    bytes: u64,
+    capacity: &mut Vec<f64>,
+) -> Flow {
+    let (out, inn) = if cluster.same_domain(from, to) {
+        (0, 1)
+    } else {
+        (2, 3)
+    };
+    let mut links = [
+        (i * LINKS_PER_GPU + out) as u32,
+        (j * LINKS_PER_GPU + inn) as u32,
+        0,
+    ];
+    let mut nlinks = 2;
+    if let Some(fraction) = cluster.peer_fraction {
+        links[2] = capacity.len() as u32;
+        capacity.push(fraction * cluster.link_bw(from, to));
+        nlinks = 3;
+    }
+    Flow {
+        links,
+        nlinks,
+        bytes: bytes as f64,
+        start: 0.0,
+    }
+}
+
+/// The link with the highest busy fraction over `time_s` (ties: the lowest link id).
+fn busiest_link(
+    link_bytes: &[f64],
+    capacity: &[f64],
+    ranks: &[u32],
+    time_s: f64,
+) -> Option<LinkUse> {
+    (0..ranks.len() * LINKS_PER_GPU)
+        .filter(|&l| link_bytes[l] > 0.0)
+        .map(|l| {
+            let busy = if time_s > 0.0 {
+                link_bytes[l] / capacity[l] / time_s
+            } else {
+                0.0
+            };
+            (l, busy)
+        })
+        .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+        .map(|(l, busy)| LinkUse {
+            rank: ranks[l / LINKS_PER_GPU],
+            kind: LINKS[l % LINKS_PER_GPU].0,
+            direction: LINKS[l % LINKS_PER_GPU].1,
+            bytes: link_bytes[l].round() as u64,
+            busy_fraction: busy,
+        })
+}
+
+/// Message and byte counts of the whole call: (messages total, most per rank, mean per
+/// participating rank, most bytes one rank sends or receives).
+fn message_stats(programs: &[RankProgram]) -> (u64, u64, f64, u64) {
+    let participants = programs.iter().filter(|p| !p.is_empty()).count();
+    let posted = |p: &RankProgram| (p.sends.len() + p.recvs.len()) as u64;
+    let total_posted: u64 = programs.iter().map(posted).sum();
+    (
+        programs.iter().map(|p| p.sends.len() as u64).sum(),
+        programs.iter().map(posted).max().unwrap_or(0),
+        if participants > 0 {
+            total_posted as f64 / participants as f64
+        } else {
+            0.0
+        },
+        programs
+            .iter()
+            .map(|p| p.bytes_sent().max(p.bytes_received()))
+            .max()
+            .unwrap_or(0),
+    )
+}
 
 /// One round (or a one-round program): local copies and packs, one group, unpacks.
-fn simulate_round(programs: &[RankProgram], cluster: &Cluster) -> (SimReport, LinkBytes) {
+fn simulate_round(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
     let copy_bytes = |copies: &[Copy]| copies.iter().map(Copy::bytes).sum::<u64>();
 
     // One flow per (sender, receiver) pair.
@@ -326,18 +351,12 @@ fn simulate_round(programs: &[RankProgram], cluster: &Cluster) -> (SimReport, Li
     let mut prepared = vec![0.0f64; ranks.len()];
     let mut unpack_s = vec![0.0f64; ranks.len()];
     let mut bytes_local = 0u64;
-    let mut messages_total = 0u64;
-    let mut messages_max = 0u64;
-    let mut bytes_max = 0u64;
     for p in programs {
         let local = copy_bytes(&p.local_copies);
         bytes_local += local;
         let r = index(p.rank);
         prepared[r] = (local + copy_bytes(&p.packs)) as f64 / cluster.hbm_copy_bw;
         unpack_s[r] = copy_bytes(&p.unpacks) as f64 / cluster.hbm_copy_bw;
-        messages_total += p.sends.len() as u64;
-        messages_max = messages_max.max((p.sends.len() + p.recvs.len()) as u64);
-        bytes_max = bytes_max.max(p.bytes_sent().max(p.bytes_received()));
     }
 
     let gpu_links = ranks.len() * LINKS_PER_GPU;
@@ -358,29 +377,9 @@ fn simulate_round(programs: &[RankProgram], cluster: &Cluster) -> (SimReport, Li
         }
         let (i, j) = (index(from), index(to));
         ends.push((i, j));
-        let (out, inn) = if cluster.same_domain(from, to) {
-            (0, 1)
-        } else {
-            (2, 3)
-        };
-        let mut links = [
-            (i * LINKS_PER_GPU + out) as u32,
-            (j * LINKS_PER_GPU + inn) as u32,
-            0,
-        ];
-        let mut nlinks = 2;
-        if let Some(fraction) = cluster.peer_fraction {
-            // A private link caps this pair's flow.
-            links[2] = capacity.len() as u32;
-            capacity.push(fraction * cluster.link_bw(from, to));
-            nlinks = 3;
-        }
-        flow_list.push(Flow {
-            links,
-            nlinks,
-            bytes: bytes as f64,
-            start: prepared[i].max(prepared[j]) + count as f64 * cluster.latency_s,
-        });
+        let mut flow = pair_flow(cluster, (from, to), (i, j), bytes, &mut capacity);
+        flow.start = prepared[i].max(prepared[j]) + count as f64 * cluster.latency_s;
+        flow_list.push(flow);
     }
 
     let outcome = flows::run(&flow_list, &capacity);
@@ -398,52 +397,18 @@ fn simulate_round(programs: &[RankProgram], cluster: &Cluster) -> (SimReport, Li
         transfer_s = transfer_s.max(group_end[r] - prepared[r]);
     }
 
-    let busiest_link = (0..gpu_links)
-        .filter(|&l| outcome.link_bytes[l] > 0.0)
-        .map(|l| {
-            let busy = if time_s > 0.0 {
-                outcome.link_bytes[l] / capacity[l] / time_s
-            } else {
-                0.0
-            };
-            (l, busy)
-        })
-        .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
-        .map(|(l, busy)| LinkUse {
-            rank: ranks[l / LINKS_PER_GPU],
-            kind: LINKS[l % LINKS_PER_GPU].0,
-            direction: LINKS[l % LINKS_PER_GPU].1,
-            bytes: outcome.link_bytes[l].round() as u64,
-            busy_fraction: busy,
-        });
-
-    let participants = programs.iter().filter(|p| !p.is_empty()).count();
-    let posted: u64 = programs
-        .iter()
-        .map(|p| (p.sends.len() + p.recvs.len()) as u64)
-        .sum();
-    let links: LinkBytes = (0..gpu_links)
-        .filter(|&l| outcome.link_bytes[l] > 0.0)
-        .map(|l| {
-            (
-                (ranks[l / LINKS_PER_GPU], l % LINKS_PER_GPU),
-                outcome.link_bytes[l],
-            )
-        })
-        .collect();
-    let report = SimReport {
+    let busiest_link = busiest_link(&outcome.link_bytes, &capacity, &ranks, time_s);
+    let (messages_total, messages_max_per_rank, messages_mean_per_rank, bytes_max_per_rank) =
+        message_stats(programs);
+    SimReport {
         time_s,
         bytes_total,
         bytes_offnode,
         bytes_local,
         messages_total,
-        messages_max_per_rank: messages_max,
-        messages_mean_per_rank: if participants > 0 {
-            posted as f64 / participants as f64
-        } else {
-            0.0
-        },
-        bytes_max_per_rank: bytes_max,
+        messages_max_per_rank,
+        messages_mean_per_rank,
+        bytes_max_per_rank,
         busiest_link,
         phases: vec![
             Phase {
@@ -459,6 +424,5 @@ fn simulate_round(programs: &[RankProgram], cluster: &Cluster) -> (SimReport, Li
                 seconds: unpack_s.iter().copied().fold(0.0, f64::max),
             },
         ],
-    };
-    (report, links)
+    }
 }
