@@ -65,6 +65,10 @@ for t in "${targets[@]}"; do
   found_before="$(find "$artifacts" -type f | wc -l)"
   flags=(-max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -max_len=4096
     -artifact_prefix="$artifacts/" -print_final_stats=1)
+  # A fixed seed replays the same mutations (CI): a run differs only in how far it gets.
+  if [[ -n "${FUZZ_SEED:-}" ]]; then
+    flags+=(-seed="$FUZZ_SEED")
+  fi
   if [[ "${FUZZ_KEEP_GOING:-0}" == 1 ]]; then
     flags+=(-fork=1 -ignore_crashes=1 -ignore_timeouts=1 -ignore_ooms=1)
   fi
