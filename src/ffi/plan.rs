@@ -111,9 +111,10 @@ impl PlanObject {
         let program = Arc::new(planner.program_from_blocks(rank, &blocks)?);
         debug::log(Level::Info, || {
             format!(
-                "plan for rank {rank}: {} tensors, {:?} mode, {} peers, {} sends ({} bytes), {} receives ({} bytes), {} bytes copied locally, {} staging bytes, fingerprint {:#018x}",
+                "plan for rank {rank}: {} tensors, {:?} mode, {} round(s), {} peers, {} sends ({} bytes), {} receives ({} bytes), {} bytes copied locally, {} staging bytes, fingerprint {:#018x}",
                 views.len(),
                 program.mode(),
+                program.rounds().len(),
                 program.peers().len(),
                 program.sends.len(),
                 program.bytes_sent(),

@@ -282,8 +282,9 @@ impl CudaExecutor {
 
         debug::log(Level::Info, || {
             format!(
-                "rank {}: {} local copy/pack blocks, {} sends ({} bytes), {} receives ({} bytes), {} unpack blocks, stream {stream:p}",
+                "rank {}: {} round(s), {} local copy/pack blocks, {} sends ({} bytes), {} receives ({} bytes), {} unpack blocks, stream {stream:p}",
                 p.rank,
+                p.rounds().len(),
                 p.local_copies.len() + p.packs.len(),
                 p.sends.len(),
                 p.bytes_sent(),
