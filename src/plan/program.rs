@@ -353,11 +353,6 @@ impl RankProgram {
             && last.unpacks_end == self.unpacks.len()
     }
 
-    /// The last round any message or copy of this rank is in (0 for one round).
-    pub fn last_round(&self) -> u32 {
-        self.round_spans.last().map_or(0, |s| s.round)
-    }
-
     // Totals saturate: one rank's traffic over 2^64 bytes is absurd but must not wrap.
     pub fn bytes_sent(&self) -> u64 {
         self.sends
