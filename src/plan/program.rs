@@ -303,40 +303,38 @@ impl RankProgram {
     /// The rounds this rank runs, in order (at least one; local copies come before them).
     /// Spans out of order or out of range (a malformed program) end the list early.
     pub fn rounds(&self) -> Vec<Round<'_>> {
-        if self.round_spans.is_empty() {
-            return vec![Round {
-                round: 0,
-                packs: &self.packs,
-                sends: &self.sends,
-                recvs: &self.recvs,
-                unpacks: &self.unpacks,
-            }];
-        }
-        let mut out = Vec::with_capacity(self.round_spans.len());
-        let mut start = RoundSpan::default();
-        for (i, span) in self.round_spans.iter().enumerate() {
-            let ordered = i == 0 || span.round > start.round;
-            let (Some(packs), Some(sends), Some(recvs), Some(unpacks)) = (
-                self.packs.get(start.packs_end..span.packs_end),
-                self.sends.get(start.sends_end..span.sends_end),
-                self.recvs.get(start.recvs_end..span.recvs_end),
-                self.unpacks.get(start.unpacks_end..span.unpacks_end),
-            ) else {
-                break;
-            };
-            if !ordered {
-                break;
+        self.rounds_iter().collect()
+    }
+
+    /// [`RankProgram::rounds`] without allocating (the executors' per-call path).
+    pub fn rounds_iter(&self) -> impl Iterator<Item = Round<'_>> + '_ {
+        let whole = Round {
+            round: 0,
+            packs: &self.packs,
+            sends: &self.sends,
+            recvs: &self.recvs,
+            unpacks: &self.unpacks,
+        };
+        let single = self.round_spans.is_empty().then_some(whole);
+        let mut start: Option<RoundSpan> = None;
+        let mut spans = self.round_spans.iter();
+        let spanned = std::iter::from_fn(move || {
+            let span = spans.next()?;
+            let from = start.unwrap_or_default();
+            if start.is_some_and(|s| span.round <= s.round) {
+                return None;
             }
-            out.push(Round {
+            let round = Round {
                 round: span.round,
-                packs,
-                sends,
-                recvs,
-                unpacks,
-            });
-            start = *span;
-        }
-        out
+                packs: self.packs.get(from.packs_end..span.packs_end)?,
+                sends: self.sends.get(from.sends_end..span.sends_end)?,
+                recvs: self.recvs.get(from.recvs_end..span.recvs_end)?,
+                unpacks: self.unpacks.get(from.unpacks_end..span.unpacks_end)?,
+            };
+            start = Some(*span);
+            Some(round)
+        });
+        single.into_iter().chain(spanned)
     }
 
     /// True when the round spans cover the four lists exactly, in increasing round order.
@@ -388,5 +386,54 @@ impl RankProgram {
     /// True when the program has nothing to do (the rank may skip the call).
     pub fn is_empty(&self) -> bool {
         self.local_copies.is_empty() && self.sends.is_empty() && self.recvs.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(peer: u32) -> Message {
+        Message {
+            peer,
+            loc: Loc {
+                buffer: Buffer::Src,
+                tensor: 0,
+                offset: 0,
+            },
+            bytes: 1,
+        }
+    }
+
+    fn span(round: u32, sends_end: usize) -> RoundSpan {
+        RoundSpan {
+            round,
+            sends_end,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn rounds_follow_the_spans_and_stop_at_malformed_ones() {
+        let mut p = RankProgram {
+            sends: vec![message(1), message(2), message(3)],
+            ..Default::default()
+        };
+        assert_eq!(p.rounds().len(), 1, "no spans: one round 0 with everything");
+        assert_eq!(p.rounds()[0].sends.len(), 3);
+        p.round_spans = vec![span(0, 1), span(2, 3)];
+        let rounds = p.rounds();
+        assert_eq!(rounds.iter().map(|r| r.round).collect::<Vec<_>>(), [0, 2]);
+        assert_eq!(rounds[1].sends, &p.sends[1..]);
+        assert!(p.rounds_are_consistent());
+        // Out of order, past the end, or not covering everything: malformed.
+        for spans in [
+            vec![span(1, 1), span(1, 3)],
+            vec![span(0, 1), span(1, 4)],
+            vec![span(0, 2)],
+        ] {
+            p.round_spans = spans;
+            assert!(!p.rounds_are_consistent(), "{:?}", p.round_spans);
+        }
     }
 }

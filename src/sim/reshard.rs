@@ -208,33 +208,17 @@ fn simulate_rounds(programs: &[RankProgram], cluster: &Cluster, labels: &[u32]) 
             .map(|i| v[i * nr..(i + 1) * nr].iter().sum::<f64>())
             .fold(0.0, f64::max)
     };
-    let (messages_total, messages_max_per_rank, messages_mean_per_rank, bytes_max_per_rank) =
-        message_stats(programs);
-    SimReport {
+    report(
+        programs,
         time_s,
-        bytes_total,
-        bytes_offnode,
-        bytes_local,
-        messages_total,
-        messages_max_per_rank,
-        messages_mean_per_rank,
-        bytes_max_per_rank,
-        busiest_link: busiest_link(&outcome.link_bytes, &capacity, &ranks, time_s),
-        phases: vec![
-            Phase {
-                name: "prepare",
-                seconds: sum_per_rank(&pack),
-            },
-            Phase {
-                name: "transfer",
-                seconds: busy.iter().copied().fold(0.0, f64::max),
-            },
-            Phase {
-                name: "unpack",
-                seconds: sum_per_rank(&unpack),
-            },
+        (bytes_total, bytes_offnode, bytes_local),
+        busiest_link(&outcome.link_bytes, &capacity, &ranks, time_s),
+        [
+            sum_per_rank(&pack),
+            busy.iter().copied().fold(0.0, f64::max),
+            sum_per_rank(&unpack),
         ],
-    }
+    )
 }
 
 /// The flow of one (sender, receiver) pair (`ends`: their dense indices): the sender's egress
@@ -298,26 +282,52 @@ fn busiest_link(
         })
 }
 
-/// Message and byte counts of the whole call: (messages total, most per rank, mean per
-/// participating rank, most bytes one rank sends or receives).
-fn message_stats(programs: &[RankProgram]) -> (u64, u64, f64, u64) {
+/// The report of a call: times and link use as simulated, message and byte counts from the
+/// programs. `bytes` is (total, off-node, local); `phases` the prepare, transfer and unpack
+/// seconds.
+fn report(
+    programs: &[RankProgram],
+    time_s: f64,
+    (bytes_total, bytes_offnode, bytes_local): (u64, u64, u64),
+    busiest_link: Option<LinkUse>,
+    [prepare, transfer, unpack]: [f64; 3],
+) -> SimReport {
     let participants = programs.iter().filter(|p| !p.is_empty()).count();
     let posted = |p: &RankProgram| (p.sends.len() + p.recvs.len()) as u64;
     let total_posted: u64 = programs.iter().map(posted).sum();
-    (
-        programs.iter().map(|p| p.sends.len() as u64).sum(),
-        programs.iter().map(posted).max().unwrap_or(0),
-        if participants > 0 {
+    SimReport {
+        time_s,
+        bytes_total,
+        bytes_offnode,
+        bytes_local,
+        messages_total: programs.iter().map(|p| p.sends.len() as u64).sum(),
+        messages_max_per_rank: programs.iter().map(posted).max().unwrap_or(0),
+        messages_mean_per_rank: if participants > 0 {
             total_posted as f64 / participants as f64
         } else {
             0.0
         },
-        programs
+        bytes_max_per_rank: programs
             .iter()
             .map(|p| p.bytes_sent().max(p.bytes_received()))
             .max()
             .unwrap_or(0),
-    )
+        busiest_link,
+        phases: vec![
+            Phase {
+                name: "prepare",
+                seconds: prepare,
+            },
+            Phase {
+                name: "transfer",
+                seconds: transfer,
+            },
+            Phase {
+                name: "unpack",
+                seconds: unpack,
+            },
+        ],
+    }
 }
 
 /// One round (or a one-round program): local copies and packs, one group, unpacks.
@@ -397,32 +407,15 @@ fn simulate_round(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
         transfer_s = transfer_s.max(group_end[r] - prepared[r]);
     }
 
-    let busiest_link = busiest_link(&outcome.link_bytes, &capacity, &ranks, time_s);
-    let (messages_total, messages_max_per_rank, messages_mean_per_rank, bytes_max_per_rank) =
-        message_stats(programs);
-    SimReport {
+    report(
+        programs,
         time_s,
-        bytes_total,
-        bytes_offnode,
-        bytes_local,
-        messages_total,
-        messages_max_per_rank,
-        messages_mean_per_rank,
-        bytes_max_per_rank,
-        busiest_link,
-        phases: vec![
-            Phase {
-                name: "prepare",
-                seconds: prepared.iter().copied().fold(0.0, f64::max),
-            },
-            Phase {
-                name: "transfer",
-                seconds: transfer_s,
-            },
-            Phase {
-                name: "unpack",
-                seconds: unpack_s.iter().copied().fold(0.0, f64::max),
-            },
+        (bytes_total, bytes_offnode, bytes_local),
+        busiest_link(&outcome.link_bytes, &capacity, &ranks, time_s),
+        [
+            prepared.iter().copied().fold(0.0, f64::max),
+            transfer_s,
+            unpack_s.iter().copied().fold(0.0, f64::max),
         ],
-    }
+    )
 }

@@ -68,7 +68,8 @@ Usage: ncclreshard bench --plan --model M --train SPEC --infer SPEC [OPTIONS]
          Best of --repeat runs (default 5); GB/s = bytes copied per second.
 
 Options:
-  --model, --train, --infer, --system, --dtype, --experts, --colocated, --mode, --cluster
+  --model, --train, --infer, --system, --dtype, --experts, --colocated, --mode, --rounds,
+  --no-relay, --cluster
                As for `ncclreshard simulate` (the cluster sets the planner's topology)
   --scale N    Width divisor for --exec (default 32)
   --mib N      Bytes of --copy in MiB (default 256)

@@ -284,7 +284,7 @@ impl CudaExecutor {
             format!(
                 "rank {}: {} round(s), {} local copy/pack blocks, {} sends ({} bytes), {} receives ({} bytes), {} unpack blocks, stream {stream:p}",
                 p.rank,
-                p.rounds().len(),
+                p.rounds_iter().count(),
                 p.local_copies.len() + p.packs.len(),
                 p.sends.len(),
                 p.bytes_sent(),
@@ -300,10 +300,10 @@ impl CudaExecutor {
         }
         // Each round: packs, one NCCL group, unpacks, all in stream order, so the staging
         // arena is reused by the next round only once this one has finished with it.
-        for (round, (before, after)) in p.rounds().iter().zip(tables) {
+        for (round, (before, after)) in p.rounds_iter().zip(tables) {
             launch_all(kernel, before, &base, stream)?;
             if let Some(nccl) = nccl {
-                post_messages(nccl, p.rank, round, &addressing, &base, comm, stream)?;
+                post_messages(nccl, p.rank, &round, &addressing, &base, comm, stream)?;
             }
             launch_all(kernel, after, &base, stream)?;
         }
