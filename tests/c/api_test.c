@@ -4,6 +4,7 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -247,6 +248,22 @@ static void test_bad_descriptors(void) {
   config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
   config.ranksPerNode = -2;
   EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument, "config.ranksPerNode is -2");
+  config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
+  config.rounds = -1;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument, "config.rounds is -1");
+  config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
+  config.rounds = 100000;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument, "config.rounds is 100000");
+  config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
+  config.relay = 2;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument, "config.relay is 2");
+  /* A config from a 0.1 header (no rounds/relay) is still accepted, with their defaults. */
+  config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
+  config.size = offsetof(ncclReshardConfig_t, rounds);
+  config.rounds = -1; /* past the caller's size: never read */
+  ncclReshardPlan_t old_header_plan = NULL;
+  OK(ncclReshardPlanCreate(&old_header_plan, 1, &t, 0, &config));
+  OK(ncclReshardPlanDestroy(old_header_plan));
 
   /* Two tensors in one buffer at the same offset would alias: rejected on the rank that has them. */
   ncclReshardTensor_t two[2] = {t, t};
