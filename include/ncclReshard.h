@@ -21,10 +21,16 @@
 /** Initialisers: every versioned struct must start from one, so size/version/magic are set. */
 #define NCCL_RESHARD_LAYOUT_INITIALIZER { sizeof(ncclReshardLayout_t), NCCL_RESHARD_VERSION_CODE, 0, {0}, NULL, 0, {{0, 0, 0}}, NULL }
 #define NCCL_RESHARD_TENSOR_INITIALIZER { sizeof(ncclReshardTensor_t), NCCL_RESHARD_VERSION_CODE, 0, {0}, ncclFloat32, NULL, NULL, 0, 0, NULL }
-#define NCCL_RESHARD_CONFIG_INITIALIZER { sizeof(ncclReshardConfig_t), NCCL_RESHARD_CONFIG_MAGIC, NCCL_RESHARD_VERSION_CODE, ncclReshardModeGroupable, 0, NULL, 0, 0, 0, 0, 1 }
+#define NCCL_RESHARD_CONFIG_INITIALIZER { sizeof(ncclReshardConfig_t), NCCL_RESHARD_CONFIG_MAGIC, NCCL_RESHARD_VERSION_CODE, ncclReshardModeAuto, 0, NULL, 0, 0, 0, 0, 1 }
 #define NCCL_RESHARD_PLAN_INFO_INITIALIZER { sizeof(ncclReshardPlanInfo_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 #define NCCL_RESHARD_TRANSFER_INITIALIZER { sizeof(ncclReshardTransfer_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, {0}, {0}, 0, 0, 0, 0, {0}, {0}, {0}, 0 }
 
+
+/**
+ * Default bound on a rank's staging (`NCCL_RESHARD_STAGING_BYTES` overrides it, the config's
+ * `maxStagingBytes` overrides both).
+ */
+#define DEFAULT_MAX_STAGING_BYTES (8 << 30)
 
 /**
  * Most tensor dims and most mesh axes a descriptor can carry.
@@ -46,9 +52,13 @@ typedef enum {
 } ncclReshardPlacementKind_t;
 
 /**
- * How messages are formed (see DESIGN §3): groupable (default; callable inside
- * `ncclGroupStart/End`), staged (coalesced per peer, unpacked after; outside groups only), or
- * auto (staged per peer pair only where groupable would need many small messages).
+ * How messages are formed (see docs/executor.md): auto (the default: coalesced and staged per
+ * peer pair where that saves messages, sent as they are otherwise), staged (one packed message
+ * per peer pair), or groupable (every message sent from the source view and received into the
+ * destination view as it is: no staging, one round, so a call may sit inside
+ * `ncclGroupStart/End`, any number of times per group; regions interleaved on either side cost
+ * one message per contiguous run, at most 4096 per rank). Only groupable plans may be called
+ * inside a group; other plans called there are refused with `ncclInvalidUsage`.
  */
 typedef enum {
   ncclReshardModeGroupable = 0,
@@ -141,11 +151,13 @@ typedef struct {
 /**
  * Plan options; pass NULL for defaults. Every rank must pass the same values.
  *
- * `mode` is an `ncclReshardMode_t`. The topology (for preferring same-node senders) is
+ * `mode` is an `ncclReshardMode_t` (default `ncclReshardModeAuto`). The topology (for preferring same-node senders) is
  * `ranksPerNode` (rank r on node r / ranksPerNode; 0 = unknown) or, when `nodeOfRank` is not
  * NULL, the node id of each of `nodeOfRankCount` ranks. `splitMinBytes` is the smallest part a
  * replicated overlap is split into across senders (0 = 1 MiB). `maxStagingBytes` bounds the
- * staging memory the CUDA executor allocates per plan and stream (0 = its default).
+ * staging one call of the plan needs on this rank, checked at plan creation (0 =
+ * `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB); staging comes from a stream-ordered pool for each
+ * call and goes back at its end.
  * `rounds` (staged and auto modes) cuts the data into that many rounds that reuse one staging
  * arena (0 = chosen from the tensors' sizes, about 4 GiB per rank and round). `relay` (staged
  * and auto modes, topology known): 1 (default) sends data that several replicas on one node
@@ -182,9 +194,8 @@ typedef struct {
    */
   int mode;
   /**
-   * 1 when every receive of this rank lands in the destination buffer (no unpack) in one
-   * round, so its call may sit inside a group. In auto mode ranks can differ; a plan created with
-   * `ncclReshardModeGroupable` is groupable on every rank.
+   * 1 when the plan was created in `ncclReshardModeGroupable`: its calls may sit inside
+   * `ncclGroupStart/End` (the same on every rank).
    */
   int groupable;
   /**
@@ -290,9 +301,24 @@ ncclResult_t ncclReshardPlanDestroy(ncclReshardPlan_t plan);
  * destination is complete when `stream` reaches that point (after the outermost
  * `ncclGroupEnd` when called inside a group). Sources must not change until then.
  * `sendbuff` may be NULL on a rank outside every source mesh and `recvbuff` on a rank outside
- * every destination mesh; a rank with nothing to do may skip the call. A groupable plan may be
- * called between `ncclGroupStart`/`ncclGroupEnd`; a staged one must not. The two buffers must
+ * every destination mesh; a rank with nothing to do may skip the call. The two buffers must
  * not overlap.
+ *
+ * Groups: a plan created in `ncclReshardModeGroupable` may be called between
+ * `ncclGroupStart`/`ncclGroupEnd`, any number of times, with other NCCL operations; its work
+ * is issued at the outermost `ncclGroupEnd`. Any other plan called inside a group returns
+ * `ncclInvalidUsage` on every rank before any NCCL operation of its own (NCCL has no query for
+ * an open group, so the library detects it by calling `ncclGroupEnd`, which issues what the
+ * group holds so far, and reopens the group).
+ *
+ * CUDA graphs: after the plan's first call on its device (which compiles and loads the
+ * kernel and uploads the plan; it synchronises a private stream), calls only enqueue work and
+ * can be captured, on any stream of the device; staging is a graph memory allocation. A first
+ * call during a capture is refused with `ncclInvalidUsage` and leaves the capture valid.
+ *
+ * Thread safety: a plan may be used by several threads at once, on different streams and
+ * communicators (one communicator must not be used by two threads at once, as NCCL requires).
+ * `stream` must belong to the primary context of the communicator's device.
  */
 ncclResult_t ncclReshard(const void *sendbuff,
                          void *recvbuff,

@@ -7,9 +7,11 @@
 #
 # NCCL and NVRTC are found through NCCL_RESHARD_NCCL_LIBRARY / NCCL_RESHARD_NVRTC_LIBRARY, else
 # in the NVIDIA Python wheels of the python3 on PATH (PyTorch ships both), else on the loader's
-# path. Prints `gpu: …` report lines: byte checks on one GPU (local copies and NCCL self
-# send/receive, every mode), copy-kernel bandwidth as a fraction of cudaMemcpy, CUDA graph
-# replay, and multi-GPU reshards when more than one GPU is visible. Runs in a few minutes.
+# path. Prints `gpu: …` report lines: byte checks (local copies and NCCL self send/receive on
+# one GPU, every mode; multi-rank reshards when several GPUs are visible), plans inside a
+# caller's NCCL group (groupable twice, staged refused), CUDA graph capture and replay,
+# concurrent calls, a nonblocking communicator, and copy-kernel bandwidth as a fraction of
+# cudaMemcpy. Runs in a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=.gpu/gpu-tests
@@ -65,6 +67,6 @@ status=0
 timeout 420 "$bin" --ignored --nocapture --test-threads=1 2>&1 | tee "$log" || status=$?
 echo
 echo "== GPU report"
-grep '^gpu:' "$log" || true
+grep -o 'gpu: .*' "$log" || true
 grep -E '^test result|panicked|FAILED' "$log" || true
 exit "$status"

@@ -118,7 +118,12 @@ proptest! {
     ) {
         let planner = Planner::new(tensors, Config { mode, ..Default::default() }).expect("valid");
         for rank in planner.ranks() {
-            let program = planner.rank_program(rank).expect("plans");
+            let program = match planner.rank_program(rank) {
+                Ok(program) => program,
+                // Element-wise interleaving can exceed groupable mode's message cap.
+                Err(e) if mode == Mode::Groupable && e.message.contains("groupable mode needs") => continue,
+                Err(e) => panic!("plans: {e}"),
+            };
             for (i, copy) in program.local_copies.iter().chain(&program.packs).chain(&program.unpacks).enumerate() {
                 compare(copy, i as u8);
             }

@@ -24,7 +24,7 @@ fn trailer() -> String {
 /** Initialisers: every versioned struct must start from one, so size/version/magic are set. */
 #define NCCL_RESHARD_LAYOUT_INITIALIZER {{ sizeof(ncclReshardLayout_t), NCCL_RESHARD_VERSION_CODE, 0, {{0}}, NULL, 0, {{{{0, 0, 0}}}}, NULL }}
 #define NCCL_RESHARD_TENSOR_INITIALIZER {{ sizeof(ncclReshardTensor_t), NCCL_RESHARD_VERSION_CODE, 0, {{0}}, ncclFloat32, NULL, NULL, 0, 0, NULL }}
-#define NCCL_RESHARD_CONFIG_INITIALIZER {{ sizeof(ncclReshardConfig_t), NCCL_RESHARD_CONFIG_MAGIC, NCCL_RESHARD_VERSION_CODE, ncclReshardModeGroupable, 0, NULL, 0, 0, 0, 0, 1 }}
+#define NCCL_RESHARD_CONFIG_INITIALIZER {{ sizeof(ncclReshardConfig_t), NCCL_RESHARD_CONFIG_MAGIC, NCCL_RESHARD_VERSION_CODE, ncclReshardModeAuto, 0, NULL, 0, 0, 0, 0, 1 }}
 #define NCCL_RESHARD_PLAN_INFO_INITIALIZER {{ sizeof(ncclReshardPlanInfo_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }}
 #define NCCL_RESHARD_TRANSFER_INITIALIZER {{ sizeof(ncclReshardTransfer_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, {{0}}, {{0}}, 0, 0, 0, 0, {{0}}, {{0}}, {{0}}, 0 }}
 "#

@@ -16,7 +16,7 @@ fn copy_kernel_compiles_for_sm80_sm90_sm100_without_warnings() {
             compiled.log
         );
         assert_eq!(
-            &compiled.cubin[..4],
+            &compiled.image[..4],
             b"\x7fELF",
             "sm_{major}{minor}: not a cubin"
         );
@@ -32,7 +32,7 @@ fn a_missing_nvrtc_is_an_error_not_a_crash() {
     // Without NVRTC on the loader's path, compiling is a clean error (never a panic); with
     // one, it compiles.
     match nvrtc::compile(9, 0) {
-        Ok(compiled) => assert_eq!(&compiled.cubin[..4], b"\x7fELF"),
+        Ok(compiled) => assert_eq!(&compiled.image[..4], b"\x7fELF"),
         Err(err) => assert!(err.message.contains("NVRTC was not found"), "{err}"),
     }
 }

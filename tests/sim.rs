@@ -365,7 +365,7 @@ fn packs_and_unpacks_run_at_copy_bandwidth() {
             layout(&[0], Placement::Replicate),
             layout(&[8, 16], Placement::Shard(1)),
         )],
-        Mode::Groupable,
+        Mode::Auto,
     );
     let packs: u64 = programs
         .iter()
@@ -681,7 +681,7 @@ fn simulated_plans_never_beat_the_lower_bound() {
             dst,
         };
         let bound = lower_bound(std::slice::from_ref(&spec), &cluster);
-        for mode in [Mode::Groupable, Mode::Staged] {
+        for mode in [Mode::Auto, Mode::Staged] {
             let report = simulate(&plan_all(vec![spec.clone()], mode), &cluster);
             assert!(
                 report.time_s >= bound.time_s * (1.0 - 1e-9),

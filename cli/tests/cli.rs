@@ -38,13 +38,16 @@ fn scratch_file(name: &str, text: &str) -> String {
     path.to_string_lossy().into_owned()
 }
 
-/// The `N passed, M failed` closing line of `check`.
+/// The `N passed, M failed[, K refused]` closing line of `check` (passed, failed).
 fn summary(out: &Output) -> (usize, usize) {
     let text = stdout(out);
     let last = text.lines().last().unwrap_or_default().to_string();
     let words: Vec<&str> = last.split_whitespace().collect();
     match words.as_slice() {
-        [passed, "passed,", failed, "failed"] => (passed.parse().unwrap(), failed.parse().unwrap()),
+        [passed, "passed,", failed, "failed"]
+        | [passed, "passed,", failed, "failed,", _, "refused"] => {
+            (passed.parse().unwrap(), failed.parse().unwrap())
+        }
         _ => panic!(
             "no summary line in check output:\n{text}\nstderr:\n{}",
             stderr(out)

@@ -238,7 +238,7 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
         size: CONFIG_MIN_SIZE,
         magic: NCCL_RESHARD_CONFIG_MAGIC,
         version: 0,
-        mode: 0,
+        mode: ncclReshardMode_t::ncclReshardModeAuto as c_int,
         ranksPerNode: 0,
         nodeOfRank: std::ptr::null(),
         nodeOfRankCount: 0,

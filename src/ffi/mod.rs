@@ -114,9 +114,24 @@ pub unsafe extern "C" fn ncclReshardPlanDestroy(plan: ncclReshardPlan_t) -> nccl
 /// destination is complete when `stream` reaches that point (after the outermost
 /// `ncclGroupEnd` when called inside a group). Sources must not change until then.
 /// `sendbuff` may be NULL on a rank outside every source mesh and `recvbuff` on a rank outside
-/// every destination mesh; a rank with nothing to do may skip the call. A groupable plan may be
-/// called between `ncclGroupStart`/`ncclGroupEnd`; a staged one must not. The two buffers must
+/// every destination mesh; a rank with nothing to do may skip the call. The two buffers must
 /// not overlap.
+///
+/// Groups: a plan created in `ncclReshardModeGroupable` may be called between
+/// `ncclGroupStart`/`ncclGroupEnd`, any number of times, with other NCCL operations; its work
+/// is issued at the outermost `ncclGroupEnd`. Any other plan called inside a group returns
+/// `ncclInvalidUsage` on every rank before any NCCL operation of its own (NCCL has no query for
+/// an open group, so the library detects it by calling `ncclGroupEnd`, which issues what the
+/// group holds so far, and reopens the group).
+///
+/// CUDA graphs: after the plan's first call on its device (which compiles and loads the
+/// kernel and uploads the plan; it synchronises a private stream), calls only enqueue work and
+/// can be captured, on any stream of the device; staging is a graph memory allocation. A first
+/// call during a capture is refused with `ncclInvalidUsage` and leaves the capture valid.
+///
+/// Thread safety: a plan may be used by several threads at once, on different streams and
+/// communicators (one communicator must not be used by two threads at once, as NCCL requires).
+/// `stream` must belong to the primary context of the communicator's device.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshard(
     sendbuff: *const c_void,

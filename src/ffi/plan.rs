@@ -8,9 +8,24 @@ use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::cuda::{CallBuffers, CudaExecutor};
 use crate::layout::{IndexRuns, TensorSpec};
-use crate::plan::{Block, Config, ExecMode, Planner, RankProgram};
+use crate::plan::{Block, Config, Mode, Planner, RankProgram};
 use std::os::raw::c_int;
 use std::sync::Arc;
+
+/// Default bound on a rank's staging (`NCCL_RESHARD_STAGING_BYTES` overrides it, the config's
+/// `maxStagingBytes` overrides both).
+pub const DEFAULT_MAX_STAGING_BYTES: u64 = 8 << 30;
+
+fn staging_limit(configured: u64) -> u64 {
+    if configured > 0 {
+        return configured;
+    }
+    std::env::var("NCCL_RESHARD_STAGING_BYTES")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|&v| v > 0)
+        .unwrap_or(DEFAULT_MAX_STAGING_BYTES)
+}
 
 /// Where one tensor's views sit for this rank: (byte offset in the single-buffer call, bytes),
 /// `None` when the rank has no view on that side.
@@ -109,6 +124,15 @@ impl PlanObject {
         check_disjoint(dst_ranges, "recvbuff", "dstOffset")?;
         let blocks = planner.rank_blocks(rank)?;
         let program = Arc::new(planner.program_from_blocks(rank, &blocks)?);
+        // Checked here, not per call: a call refused on one rank after its peers posted their
+        // messages would leave them waiting.
+        let limit = staging_limit(max_staging_bytes);
+        if program.staging_bytes > limit {
+            return Err(Error::invalid_usage(format!(
+                "the plan needs {} bytes of staging on rank {rank} (its largest round) but the limit is {limit}; raise config.rounds (more, smaller rounds), config.maxStagingBytes or NCCL_RESHARD_STAGING_BYTES, or plan in groupable mode (no staging)",
+                program.staging_bytes
+            )));
+        }
         debug::log(Level::Info, || {
             format!(
                 "plan for rank {rank}: {} tensors, {:?} mode, {} round(s), {} peers, {} sends ({} bytes), {} receives ({} bytes), {} bytes copied locally, {} staging bytes, fingerprint {:#018x}",
@@ -129,7 +153,7 @@ impl PlanObject {
             program.clone(),
             views.iter().map(|v| v.src.map_or(0, |(o, _)| o)).collect(),
             views.iter().map(|v| v.dst.map_or(0, |(o, _)| o)).collect(),
-            max_staging_bytes,
+            planner.config().mode == Mode::Groupable,
         );
         Ok(PlanObject {
             rank,
@@ -273,7 +297,7 @@ impl PlanObject {
             rank: self.rank as c_int,
             ntensors: self.views.len() as c_int,
             mode: self.planner.config().mode as c_int,
-            groupable: c_int::from(p.mode() == ExecMode::Groupable),
+            groupable: c_int::from(self.planner.config().mode == Mode::Groupable),
             peers: p.peers().len() as c_int,
             messagesSent: p.sends.len() as i64,
             messagesReceived: p.recvs.len() as i64,

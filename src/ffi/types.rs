@@ -29,9 +29,13 @@ pub enum ncclReshardPlacementKind_t {
     ncclReshardStridedShard = 2,
 }
 
-/// How messages are formed (see DESIGN §3): groupable (default; callable inside
-/// `ncclGroupStart/End`), staged (coalesced per peer, unpacked after; outside groups only), or
-/// auto (staged per peer pair only where groupable would need many small messages).
+/// How messages are formed (see docs/executor.md): auto (the default: coalesced and staged per
+/// peer pair where that saves messages, sent as they are otherwise), staged (one packed message
+/// per peer pair), or groupable (every message sent from the source view and received into the
+/// destination view as it is: no staging, one round, so a call may sit inside
+/// `ncclGroupStart/End`, any number of times per group; regions interleaved on either side cost
+/// one message per contiguous run, at most 4096 per rank). Only groupable plans may be called
+/// inside a group; other plans called there are refused with `ncclInvalidUsage`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ncclReshardMode_t {
@@ -107,11 +111,13 @@ pub struct ncclReshardTensor_t {
 
 /// Plan options; pass NULL for defaults. Every rank must pass the same values.
 ///
-/// `mode` is an `ncclReshardMode_t`. The topology (for preferring same-node senders) is
+/// `mode` is an `ncclReshardMode_t` (default `ncclReshardModeAuto`). The topology (for preferring same-node senders) is
 /// `ranksPerNode` (rank r on node r / ranksPerNode; 0 = unknown) or, when `nodeOfRank` is not
 /// NULL, the node id of each of `nodeOfRankCount` ranks. `splitMinBytes` is the smallest part a
 /// replicated overlap is split into across senders (0 = 1 MiB). `maxStagingBytes` bounds the
-/// staging memory the CUDA executor allocates per plan and stream (0 = its default).
+/// staging one call of the plan needs on this rank, checked at plan creation (0 =
+/// `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB); staging comes from a stream-ordered pool for each
+/// call and goes back at its end.
 /// `rounds` (staged and auto modes) cuts the data into that many rounds that reuse one staging
 /// arena (0 = chosen from the tensors' sizes, about 4 GiB per rank and round). `relay` (staged
 /// and auto modes, topology known): 1 (default) sends data that several replicas on one node
@@ -144,9 +150,8 @@ pub struct ncclReshardPlanInfo_t {
     pub ntensors: c_int,
     /// The configured `ncclReshardMode_t`.
     pub mode: c_int,
-    /// 1 when every receive of this rank lands in the destination buffer (no unpack) in one
-    /// round, so its call may sit inside a group. In auto mode ranks can differ; a plan created with
-    /// `ncclReshardModeGroupable` is groupable on every rank.
+    /// 1 when the plan was created in `ncclReshardModeGroupable`: its calls may sit inside
+    /// `ncclGroupStart/End` (the same on every rank).
     pub groupable: c_int,
     /// Number of distinct peers this rank sends to or receives from.
     pub peers: c_int,

@@ -7,16 +7,20 @@ use crate::layout::{Layout, Placement, TensorSpec};
 /// How messages are formed (DESIGN §3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Mode {
-    /// Every receive lands directly in the destination buffer; callable inside a user's
-    /// `ncclGroupStart/End`. May need many messages when destination regions interleave.
+    /// Every message is sent from the source view and lands in the destination view as it is
+    /// (no pack, no unpack, no staging, one round): callable inside a user's
+    /// `ncclGroupStart/End`, any number of times per group. Needs one message per run that is
+    /// contiguous on both ends, so regions that interleave on either end cost many messages.
     Groupable,
     /// One message per peer pair covering every tensor, packed and unpacked around it; must
-    /// run outside a user group.
+    /// run outside a user group (a call inside one is refused).
     Staged,
-    /// Per peer pair and round: staged when the groupable form would need many messages
-    /// ([`AUTO_STAGE_MIN_MESSAGES`] or more, averaging under [`AUTO_STAGE_MAX_AVG_BYTES`] or
-    /// more than [`AUTO_STAGE_MAX_MESSAGES`] of them); in a plan of several rounds (which is not
-    /// groupable anyway), whenever it would need more than one.
+    /// The default. Per peer pair and round: staged when sending runs as they are would need
+    /// many messages ([`AUTO_STAGE_MIN_MESSAGES`] or more, averaging under
+    /// [`AUTO_STAGE_MAX_AVG_BYTES`] or more than [`AUTO_STAGE_MAX_MESSAGES`] of them), else one
+    /// message per destination-contiguous run (packed by the sender where its side is
+    /// strided); in a plan of several rounds, whenever it would need more than one. Must run
+    /// outside a user group (a call inside one is refused).
     Auto,
 }
 
@@ -26,11 +30,16 @@ pub const AUTO_STAGE_MIN_MESSAGES: u64 = 4;
 pub const AUTO_STAGE_MAX_AVG_BYTES: u64 = 1 << 20;
 /// …or there are more of them than this.
 pub const AUTO_STAGE_MAX_MESSAGES: u64 = 256;
-/// Groupable mode refuses a pair that needs more messages than this (the plan would be huge and
-/// slow to post); auto and staged modes coalesce such pairs.
-pub const GROUPABLE_MAX_MESSAGES_PER_PAIR: u64 = 1 << 20;
-/// …and a rank whose pairs together need more than this.
-pub const GROUPABLE_MAX_MESSAGES_PER_RANK: u64 = 1 << 20;
+/// Groupable mode refuses a pair whose regions split into more runs than this before adjacent
+/// runs are merged (planning them would take too much memory); auto and staged modes coalesce
+/// such pairs.
+pub const GROUPABLE_MAX_PIECES_PER_PAIR: u64 = 1 << 20;
+/// Groupable mode refuses a rank that would post more messages than this in one NCCL group.
+/// NCCL sizes its per-communicator queues for about this many operations (`NCCL_MAX_OPS` is
+/// 2048 per channel) and posts each operation from the host one by one; past a few thousand a
+/// group is slow to post and to run. Auto and staged modes coalesce such plans into few
+/// messages.
+pub const GROUPABLE_MAX_MESSAGES_PER_RANK: u64 = 4096;
 
 /// Automatic rounds ([`Config::rounds`] = 0) aim at about this many bytes per rank and round…
 pub const ROUND_TARGET_BYTES: u64 = 4 << 30;
@@ -107,7 +116,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            mode: Mode::Groupable,
+            mode: Mode::Auto,
             topology: Topology::Unknown,
             split_min_bytes: DEFAULT_SPLIT_MIN_BYTES,
             local_via_messages: false,

@@ -7,7 +7,7 @@
 
 use super::config::{
     Mode, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES,
-    GROUPABLE_MAX_MESSAGES_PER_PAIR, GROUPABLE_MAX_MESSAGES_PER_RANK,
+    GROUPABLE_MAX_MESSAGES_PER_RANK, GROUPABLE_MAX_PIECES_PER_PAIR,
 };
 use super::fxhash::FxHashMap;
 use super::program::{Buffer, Copy, CopyDim, Loc, Message};
@@ -137,6 +137,14 @@ fn groupable_piece_count(copy: &Copy) -> u64 {
     copy.dims[..k].iter().map(|d| d.count).product()
 }
 
+/// Number of runs contiguous on both ends (groupable messages before merging) of a copy: its
+/// chunks, since `Copy::new` folds every dim contiguous on both ends into the chunk.
+fn direct_piece_count(copy: &Copy) -> u64 {
+    copy.dims
+        .iter()
+        .fold(1u64, |acc, d| acc.saturating_mul(d.count))
+}
+
 fn for_each_piece(copy: &Copy, mut f: impl FnMut(Piece)) {
     let (k, bytes) = dst_contiguous_split(copy);
     let outer = &copy.dims[..k];
@@ -249,7 +257,7 @@ pub(crate) struct Emitter {
     /// Staged sends already packed, by their source side: a relay forwards the same data to
     /// every replica on its node, so it packs once and sends that region to each.
     packed: FxHashMap<Vec<(Loc, u64, Vec<CopyDim>)>, Loc>,
-    /// Messages groupable pairs have asked for so far, checked before they are formed.
+    /// Messages (sends and receives) groupable pairs have formed so far on this rank.
     groupable_messages: u64,
 }
 
@@ -289,24 +297,31 @@ impl Emitter {
         };
         let staged = match mode {
             Mode::Groupable => {
-                let n = messages();
-                if n > GROUPABLE_MAX_MESSAGES_PER_PAIR {
+                let pieces = copies
+                    .iter()
+                    .map(|c| direct_piece_count(c))
+                    .fold(0u64, u64::saturating_add);
+                if pieces > GROUPABLE_MAX_PIECES_PER_PAIR {
                     return Err(Error::invalid_usage(format!(
-                        "groupable mode needs {n} messages from rank {} to rank {} (their regions interleave in the destination); use auto or staged mode",
+                        "groupable mode needs {pieces} messages from rank {} to rank {} (their regions interleave); use auto or staged mode",
                         pair.0, pair.1
                     )));
                 }
-                self.groupable_messages = self.groupable_messages.saturating_add(n);
+                let before = self.messages.len();
+                self.direct_pair(end, peer, &copies);
+                self.groupable_messages = self
+                    .groupable_messages
+                    .saturating_add((self.messages.len() - before) as u64);
                 if self.groupable_messages > GROUPABLE_MAX_MESSAGES_PER_RANK {
                     let rank = match end {
                         End::Sender => pair.0,
                         End::Receiver => pair.1,
                     };
                     return Err(Error::invalid_usage(format!(
-                        "groupable mode needs more than {GROUPABLE_MAX_MESSAGES_PER_RANK} messages on rank {rank} (destination regions interleave); use auto or staged mode"
+                        "groupable mode needs more than {GROUPABLE_MAX_MESSAGES_PER_RANK} messages on rank {rank} in one NCCL group (regions that interleave on the sending or the receiving side travel one contiguous run per message); use auto or staged mode, which pack them into few messages (called outside ncclGroupStart/End)"
                     )));
                 }
-                false
+                return Ok(());
             }
             Mode::Staged => true,
             Mode::Auto if coalesce => {
@@ -342,6 +357,54 @@ impl Emitter {
             self.groupable_pair(end, peer, &copies);
         }
         Ok(())
+    }
+
+    /// Groupable mode: one message per run contiguous on both ends (a copy's chunk), adjacent
+    /// runs merged; sent from the source view, received into the destination view, nothing
+    /// packed. A call then holds no state between posting a message and NCCL running it, so it
+    /// is correct inside a caller's group however many calls the group holds.
+    fn direct_pair(&mut self, end: End, peer: u32, copies: &[&Copy]) {
+        let mut pending: Option<(Loc, Loc, u64)> = None;
+        for c in copies {
+            let mut index = vec![0u64; c.dims.len()];
+            loop {
+                let (mut src, mut dst) = (c.src, c.dst);
+                for (d, &i) in c.dims.iter().zip(&index) {
+                    src.offset += i * d.src_stride;
+                    dst.offset += i * d.dst_stride;
+                }
+                match &mut pending {
+                    Some((s, t, bytes))
+                        if s.buffer == src.buffer
+                            && s.tensor == src.tensor
+                            && s.offset + *bytes == src.offset
+                            && t.tensor == dst.tensor
+                            && t.offset + *bytes == dst.offset =>
+                    {
+                        *bytes += c.chunk_bytes;
+                    }
+                    _ => {
+                        if let Some(done) = pending.replace((src, dst, c.chunk_bytes)) {
+                            self.push_direct(end, peer, done);
+                        }
+                    }
+                }
+                if !next_index(&mut index, |d| c.dims[d].count) {
+                    break;
+                }
+            }
+        }
+        if let Some(done) = pending {
+            self.push_direct(end, peer, done);
+        }
+    }
+
+    fn push_direct(&mut self, end: End, peer: u32, (src, dst, bytes): (Loc, Loc, u64)) {
+        let loc = match end {
+            End::Sender => src,
+            End::Receiver => dst,
+        };
+        self.messages.push(Message { peer, loc, bytes });
     }
 
     /// One message for the whole pair; zero-copy on a side where it is one contiguous run.

@@ -17,8 +17,7 @@ pub use assign::Transfer;
 pub use config::{
     fingerprint, Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_STAGE_MAX_AVG_BYTES,
     AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES, DEFAULT_SPLIT_MIN_BYTES,
-    GROUPABLE_MAX_MESSAGES_PER_PAIR, GROUPABLE_MAX_MESSAGES_PER_RANK, MAX_ROUNDS,
-    ROUND_TARGET_BYTES,
+    GROUPABLE_MAX_MESSAGES_PER_RANK, GROUPABLE_MAX_PIECES_PER_PAIR, MAX_ROUNDS, ROUND_TARGET_BYTES,
 };
 pub use messages::{Block, STAGING_ALIGN};
 pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan};
@@ -479,6 +478,13 @@ mod tests {
     use super::*;
     use crate::layout::{DType, Mesh, Placement};
 
+    fn groupable() -> Config {
+        Config {
+            mode: Mode::Groupable,
+            ..Default::default()
+        }
+    }
+
     fn layout(shape: &[u64], ranks: &[u32], placements: &[Placement]) -> Layout {
         Layout::new(
             Mesh::new(shape.to_vec(), ranks.to_vec()).unwrap(),
@@ -538,16 +544,22 @@ mod tests {
     }
 
     #[test]
-    fn gathering_a_row_split_packs_on_the_sender() {
+    fn gathering_a_row_split_packs_on_the_sender_except_in_groupable_mode() {
         // TP1 → TP2 on dim 1: each receiver's half is contiguous for it but strided for the
-        // sender, so the sender packs and sends one message per receiver.
+        // sender. Auto and staged: the sender packs and sends one message per receiver.
+        // Groupable: nothing is packed (a pack into staging would be overwritten by a second
+        // call in the same NCCL group before NCCL reads it), so one message per row.
         let spec = TensorSpec {
             shape: vec![8, 8],
             dtype: DType::Float32,
             src: layout(&[1], &[0], &[Placement::Replicate]),
             dst: layout(&[2], &[1, 2], &[Placement::Shard(1)]),
         };
-        let planner = Planner::new(vec![spec], Config::default()).unwrap();
+        let auto = Config {
+            mode: Mode::Auto,
+            ..Default::default()
+        };
+        let planner = Planner::new(vec![spec.clone()], auto).unwrap();
         let sender = planner.rank_program(0).unwrap();
         assert_eq!(sender.sends.len(), 2);
         assert_eq!(sender.packs.len(), 2);
@@ -556,6 +568,52 @@ mod tests {
             .iter()
             .all(|m| m.loc.buffer == Buffer::Staging && m.bytes == 8 * 4 * 4));
         assert_eq!(planner.rank_program(1).unwrap().recvs.len(), 1);
+
+        let planner = Planner::new(vec![spec], groupable()).unwrap();
+        let sender = planner.rank_program(0).unwrap();
+        assert_eq!(sender.mode(), ExecMode::Groupable);
+        assert!(sender.packs.is_empty() && sender.staging_bytes == 0);
+        assert_eq!(sender.sends.len(), 2 * 8);
+        assert!(sender
+            .sends
+            .iter()
+            .all(|m| m.loc.buffer == Buffer::Src && m.bytes == 4 * 4));
+        let receiver = planner.rank_program(1).unwrap();
+        assert_eq!(receiver.recvs.len(), 8);
+        assert!(receiver.recvs.iter().all(|m| m.loc.buffer == Buffer::Dst));
+    }
+
+    #[test]
+    fn groupable_caps_messages_per_rank() {
+        // 8192 rows gathered from two senders, each row half from each: 16384 receives on one
+        // rank, over the groupable cap; auto mode coalesces them into two.
+        let spec = TensorSpec {
+            shape: vec![8192, 2],
+            dtype: DType::Float32,
+            src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
+            dst: layout(&[1], &[2], &[Placement::Replicate]),
+        };
+        let planner = Planner::new(vec![spec.clone()], groupable()).unwrap();
+        let err = planner.rank_program(2).unwrap_err();
+        assert!(
+            err.message.contains(&format!(
+                "more than {GROUPABLE_MAX_MESSAGES_PER_RANK} messages on rank 2"
+            )) && err.message.contains("use auto or staged mode"),
+            "{err}"
+        );
+        let auto = Config {
+            mode: Mode::Auto,
+            ..Default::default()
+        };
+        assert_eq!(
+            Planner::new(vec![spec], auto)
+                .unwrap()
+                .rank_program(2)
+                .unwrap()
+                .recvs
+                .len(),
+            2
+        );
     }
 
     #[test]
@@ -566,7 +624,7 @@ mod tests {
             src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
             dst: layout(&[2], &[1, 0], &[Placement::Shard(0)]),
         };
-        let planner = Planner::new(vec![spec], Config::default()).unwrap();
+        let planner = Planner::new(vec![spec], groupable()).unwrap();
         let p = planner.rank_program(0).unwrap();
         assert!(p.local_copies.is_empty());
         assert_eq!((p.sends.len(), p.recvs.len()), (1, 1));
@@ -576,7 +634,7 @@ mod tests {
             src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
             dst: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
         };
-        let p = Planner::new(vec![same], Config::default())
+        let p = Planner::new(vec![same], groupable())
             .unwrap()
             .rank_program(1)
             .unwrap();
@@ -597,7 +655,7 @@ mod tests {
             ),
             dst: layout(&[1], &[8], &[Placement::Replicate]),
         };
-        let planner = Planner::new(vec![spec], Config::default()).unwrap();
+        let planner = Planner::new(vec![spec], groupable()).unwrap();
         let receiver = planner.rank_program(8).unwrap();
         assert_eq!(receiver.peers(), (0..8).collect::<Vec<_>>());
         assert_eq!(receiver.bytes_received(), 4096 * 1024 * 2);
@@ -651,7 +709,7 @@ mod tests {
             src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
             dst: layout(&[1], &[2], &[Placement::Replicate]),
         };
-        let groupable = Planner::new(vec![spec.clone()], Config::default()).unwrap();
+        let groupable = Planner::new(vec![spec.clone()], groupable()).unwrap();
         let err = groupable.rank_program(2).unwrap_err();
         assert!(err.message.contains("use auto or staged mode"), "{err}");
         let auto = Planner::new(

@@ -88,6 +88,8 @@ static void test_plan_lifecycle(void) {
   ncclReshardLayout_t src = src_layout(), dst = dst_layout();
   ncclReshardTensor_t t = tensor(&src, &dst);
   ncclReshardConfig_t config = NCCL_RESHARD_CONFIG_INITIALIZER;
+  CHECK(config.mode == ncclReshardModeAuto); /* the default */
+  config.mode = ncclReshardModeGroupable;
   unsigned long long fingerprints[3];
   for (int rank = 0; rank < 3; rank++) {
     ncclReshardPlan_t plan = NULL;

@@ -43,7 +43,7 @@ Options:
   --shape R,C          Global shape of every tensor (default 4096,4096)
   --dtype NAME         Element type, torch's name (default bfloat16)
   --ranks-per-node N   Topology: rank r is on node r / N (default 8; 0 for unknown)
-  --mode MODE          groupable, staged or auto (default groupable)
+  --mode MODE          groupable, staged or auto (default auto)
   --rank R             The rank timed alone (default 0)
   --json               {"plan_ms_one_rank", "plan_ms_all_ranks", "ranks", "tensors",
                         "messages_total", ...}
@@ -143,7 +143,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         dst: Layout::new(dst, dst_placements(dst_mesh.len(), shape.len())),
     };
     let config = Config {
-        mode: mode.unwrap_or(Mode::Groupable),
+        mode: mode.unwrap_or(Mode::Auto),
         topology: if ranks_per_node == 0 {
             Topology::Unknown
         } else {

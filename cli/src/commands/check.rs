@@ -7,7 +7,8 @@ use crate::case;
 use crate::out;
 use crate::Failure;
 use ncclreshard::check::CheckReport;
-use ncclreshard::{Config, TensorSpec};
+use ncclreshard::plan::GROUPABLE_MAX_MESSAGES_PER_RANK;
+use ncclreshard::{Config, Mode, TensorSpec};
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,8 +33,9 @@ counted as a case and named NAME[mode].
 
 Prints one line per case:
   ok   NAME  ranks=… elements=… bytes_sent=… local_bytes=… messages=… staged_ranks=… ms=…
+  refused NAME: ERROR   (groupable mode past its message cap: a documented limit, not a failure)
   FAIL NAME: ERROR
-then `N passed, M failed`.
+then `N passed, M failed` (and `, K refused` when some were).
 
 Options:
   --jobs N   Cases checked at once (default: the number of CPUs)
@@ -62,7 +64,13 @@ struct Job {
     config: Config,
 }
 
-type Outcome = Result<(CheckReport, f64), String>;
+/// A checked case, or why it failed.
+enum Outcome {
+    Passed(CheckReport, f64),
+    /// Groupable mode refused the case for needing too many messages (a documented limit).
+    Refused(String),
+    Failed(String),
+}
 
 fn run(parsed: &Parsed) -> Result<u8, Failure> {
     if parsed.positional.is_empty() {
@@ -100,7 +108,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         .clamp(1, jobs.len().max(1));
     let next = AtomicUsize::new(0);
     let (tx, rx) = mpsc::channel::<(usize, Outcome)>();
-    let (mut passed, mut failed) = (0usize, 0usize);
+    let (mut passed, mut failed, mut refused) = (0usize, 0usize, 0usize);
     std::thread::scope(|scope| {
         for _ in 0..workers {
             let (tx, next, jobs) = (tx.clone(), &next, &jobs);
@@ -121,7 +129,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             while let Some(Some(outcome)) = results.get_mut(shown).map(Option::take) {
                 let name = &jobs[shown].name;
                 match outcome {
-                    Ok((r, ms)) => {
+                    Outcome::Passed(r, ms) => {
                         passed += 1;
                         if !quiet {
                             out::line(&format!(
@@ -130,7 +138,13 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
                             ));
                         }
                     }
-                    Err(e) => {
+                    Outcome::Refused(e) => {
+                        refused += 1;
+                        if !quiet {
+                            out::line(&format!("refused {name}: {e}"));
+                        }
+                    }
+                    Outcome::Failed(e) => {
                         failed += 1;
                         out::line(&format!("FAIL {name}: {e}"));
                     }
@@ -139,7 +153,13 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             }
         }
     });
-    out::line(&format!("{passed} passed, {failed} failed"));
+    if refused > 0 {
+        out::line(&format!(
+            "{passed} passed, {failed} failed, {refused} refused"
+        ));
+    } else {
+        out::line(&format!("{passed} passed, {failed} failed"));
+    }
     Ok(u8::from(failed > 0))
 }
 
@@ -151,15 +171,23 @@ fn check_one(job: &Job) -> Outcome {
     }));
     let ms = started.elapsed().as_secs_f64() * 1e3;
     match result {
-        Ok(Ok(report)) => Ok((report, ms)),
-        Ok(Err(e)) => Err(e.to_string()),
+        Ok(Ok(report)) => Outcome::Passed(report, ms),
+        Ok(Err(e))
+            if job.config.mode == Mode::Groupable
+                && e.message.contains(&format!(
+                    "groupable mode needs more than {GROUPABLE_MAX_MESSAGES_PER_RANK} messages"
+                )) =>
+        {
+            Outcome::Refused(e.to_string())
+        }
+        Ok(Err(e)) => Outcome::Failed(e.to_string()),
         Err(payload) => {
             let message = payload
                 .downcast_ref::<String>()
                 .map(String::as_str)
                 .or_else(|| payload.downcast_ref::<&str>().copied())
                 .unwrap_or("(no message)");
-            Err(format!("the library panicked (a bug): {message}"))
+            Outcome::Failed(format!("the library panicked (a bug): {message}"))
         }
     }
 }

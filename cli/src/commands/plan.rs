@@ -27,7 +27,7 @@ locally, messages sent / received, groupable or staged, staging bytes) and the t
 Options:
   --rank R     Only rank R's program summary
   --mode MODE  Plan in this mode (groupable, staged, auto) instead of the case's own
-               (a case without a mode is planned as groupable)
+               (a case without a mode is planned in auto mode, the default)
   --case NAME  Only the case with this name (or index in the file)
   --json       JSON output (snake_case keys; an array when the file holds an array)
   -h, --help   Show this help

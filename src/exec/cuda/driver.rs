@@ -58,7 +58,35 @@ pub(crate) fn pointer_device(ptr: usize, name: &str) -> Result<i32> {
     Ok(ordinal)
 }
 
-/// True while `stream` is being captured into a CUDA graph.
+/// The CUDA version the driver supports, as `cuDriverGetVersion` reports it (12080 = 12.8).
+pub(crate) fn driver_version() -> Result<i32> {
+    let mut version = 0;
+    // SAFETY: writes one int.
+    call("cuDriverGetVersion", || unsafe {
+        sys::cuDriverGetVersion(&mut version)
+    })?;
+    Ok(version)
+}
+
+/// The context `stream` belongs to (for the legacy and per-thread default streams: the
+/// current context).
+pub(crate) fn stream_context(stream: sys::CUstream) -> Result<sys::CUcontext> {
+    let mut context: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one context handle for a stream handle the caller gave us.
+    call("cuStreamGetCtx", || unsafe {
+        sys::cuStreamGetCtx(stream, &mut context)
+    })
+    .map_err(|e| {
+        Error::invalid_argument(format!(
+            "stream ({stream:p}) is not a valid CUDA stream: {}",
+            e.message
+        ))
+    })?;
+    Ok(context)
+}
+
+/// True while `stream` is being captured into a CUDA graph. Needs the stream's context current
+/// (for the legacy and per-thread default streams it asks about the current context's).
 pub(crate) fn is_capturing(stream: sys::CUstream) -> Result<bool> {
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: writes one capture status for a stream the caller owns.
@@ -173,34 +201,51 @@ impl DeviceBuffer {
         Ok(DeviceBuffer { ptr })
     }
 
-    /// Allocates and fills from host memory (synchronous; warm-up only).
-    pub fn upload<T: Copy>(data: &[T], what: &str) -> Result<DeviceBuffer> {
+    /// Allocates and fills from host memory with a copy ordered on `stream` (our private
+    /// warm-up stream): `data` must stay alive, and the buffer unused by others, until that
+    /// stream has been synchronised. A synchronous `cuMemcpyHtoD` would not do: from pageable
+    /// memory it may return before the data has landed, and the legacy stream it runs on does
+    /// not order the caller's non-blocking streams.
+    pub fn upload<T: Copy>(data: &[T], what: &str, stream: &PrivateStream) -> Result<DeviceBuffer> {
         let bytes = std::mem::size_of_val(data);
         let buffer = DeviceBuffer::alloc(bytes, what)?;
         if bytes > 0 {
-            // SAFETY: `data` is `bytes` readable bytes; the buffer was just allocated that large.
-            call("cuMemcpyHtoD", || unsafe {
-                sys::cuMemcpyHtoD_v2(buffer.ptr, data.as_ptr().cast::<c_void>(), bytes)
+            // SAFETY: `data` is `bytes` readable bytes and outlives the copy (the caller
+            // synchronises `stream` before dropping it); the buffer was just allocated that
+            // large.
+            call("cuMemcpyHtoDAsync", || unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    buffer.ptr,
+                    data.as_ptr().cast::<c_void>(),
+                    bytes,
+                    stream.0,
+                )
             })?;
         }
         Ok(buffer)
     }
 
-    /// Copies the first `out.len()` elements back to the host, after `stream` has finished.
+    /// Copies the first `out.len()` elements back to the host once `stream` reaches this
+    /// point (waits for the stream).
     pub fn download<T: Copy>(&self, out: &mut [T], stream: sys::CUstream) -> Result<()> {
         let bytes = std::mem::size_of_val(out);
-        // SAFETY: waits for work the caller enqueued on its own stream.
-        call("cuStreamSynchronize", || unsafe {
-            sys::cuStreamSynchronize(stream)
-        })?;
         if bytes > 0 {
             // SAFETY: the buffer holds at least `bytes` bytes (the caller allocated it so);
-            // `out` is `bytes` writable bytes.
-            call("cuMemcpyDtoH", || unsafe {
-                sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast::<c_void>(), self.ptr, bytes)
+            // `out` is `bytes` writable bytes, alive until the synchronisation below.
+            call("cuMemcpyDtoHAsync", || unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    out.as_mut_ptr().cast::<c_void>(),
+                    self.ptr,
+                    bytes,
+                    stream,
+                )
             })?;
         }
-        Ok(())
+        // SAFETY: waits for work enqueued on the caller's stream (not during capture: callers
+        // check).
+        call("cuStreamSynchronize", || unsafe {
+            sys::cuStreamSynchronize(stream)
+        })
     }
 }
 
@@ -224,20 +269,26 @@ unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
 
 impl Kernel {
-    pub fn load(cubin: &[u8], name: &str) -> Result<Kernel> {
-        let mut module: sys::CUmodule = std::ptr::null_mut();
-        // SAFETY: `cubin` is a complete image produced by NVRTC.
-        call("cuModuleLoadData", || unsafe {
-            sys::cuModuleLoadData(&mut module, cubin.as_ptr().cast())
-        })?;
+    /// Loads `image` (a cubin, or NUL-terminated PTX) into the current context and finds
+    /// `name` in it.
+    pub fn load(image: &[u8], name: &str) -> Result<Kernel> {
         let name =
             std::ffi::CString::new(name).map_err(|_| Error::internal("kernel name has a NUL"))?;
-        let mut function: sys::CUfunction = std::ptr::null_mut();
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: `image` is a complete image produced by NVRTC (PTX is NUL-terminated).
+        call("cuModuleLoadData", || unsafe {
+            sys::cuModuleLoadData(&mut module, image.as_ptr().cast())
+        })?;
+        // From here on the module is unloaded on every path (by the value's Drop).
+        let mut kernel = Kernel {
+            module,
+            function: std::ptr::null_mut(),
+        };
         // SAFETY: looks up a function in the module just loaded.
         call("cuModuleGetFunction", || unsafe {
-            sys::cuModuleGetFunction(&mut function, module, name.as_ptr())
+            sys::cuModuleGetFunction(&mut kernel.function, kernel.module, name.as_ptr())
         })?;
-        Ok(Kernel { module, function })
+        Ok(kernel)
     }
 }
 
@@ -246,6 +297,189 @@ impl Drop for Kernel {
         // SAFETY: unloads the module this value loaded, once.
         let _ = call("cuModuleUnload", || unsafe {
             sys::cuModuleUnload(self.module)
+        });
+    }
+}
+
+/// Lets this thread make calls that are illegal while a CUDA graph is being captured elsewhere
+/// in global mode (allocation, synchronous copies), for as long as it lives, as libraries that
+/// allocate on first use must (NCCL does the same): another thread's capture is neither broken
+/// nor able to break the warm-up.
+pub(crate) struct RelaxedCapture(sys::CUstreamCaptureMode);
+
+impl RelaxedCapture {
+    pub fn new() -> Result<RelaxedCapture> {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: swaps this thread's capture mode; the guard swaps it back.
+        call("cuThreadExchangeStreamCaptureMode", || unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut mode)
+        })?;
+        Ok(RelaxedCapture(mode))
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        let mut mode = self.0;
+        // SAFETY: restores the mode `new` replaced.
+        let _ = call("cuThreadExchangeStreamCaptureMode", || unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut mode)
+        });
+    }
+}
+
+/// A non-blocking stream of our own (in the current context) for warm-up uploads: it orders
+/// nothing of the caller's, and synchronising it waits only for our own copies.
+pub(crate) struct PrivateStream(pub sys::CUstream);
+
+impl PrivateStream {
+    pub fn new() -> Result<PrivateStream> {
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: writes one stream handle; destroyed in Drop.
+        call("cuStreamCreate", || unsafe {
+            sys::cuStreamCreate(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        })?;
+        Ok(PrivateStream(stream))
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: a stream this value owns.
+        call("cuStreamSynchronize", || unsafe {
+            sys::cuStreamSynchronize(self.0)
+        })
+    }
+}
+
+impl Drop for PrivateStream {
+    fn drop(&mut self) {
+        // SAFETY: destroys the stream `new` created, once (pending work still completes).
+        let _ = call("cuStreamDestroy", || unsafe {
+            sys::cuStreamDestroy_v2(self.0)
+        });
+    }
+}
+
+/// An event without timing, for waiting on a point of a stream from the host.
+pub(crate) struct Event(sys::CUevent);
+
+impl Event {
+    pub fn new() -> Result<Event> {
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle; destroyed in Drop.
+        call("cuEventCreate", || unsafe {
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            )
+        })?;
+        Ok(Event(event))
+    }
+
+    pub fn record(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: our event, the caller's stream.
+        call("cuEventRecord", || unsafe {
+            sys::cuEventRecord(self.0, stream)
+        })
+    }
+
+    /// True once the stream has passed the recorded point.
+    pub fn is_done(&self) -> Result<bool> {
+        // SAFETY: our event.
+        let status = guard("cuEventQuery", || unsafe { sys::cuEventQuery(self.0) })?;
+        if status == CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        check(status, "cuEventQuery").map(|()| true)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: destroys the event `new` created, once.
+        let _ = call("cuEventDestroy", || unsafe {
+            sys::cuEventDestroy_v2(self.0)
+        });
+    }
+}
+
+/// A stream-ordered memory pool on one device for staging: a call allocates its staging on
+/// its stream when it starts and frees it on its stream when its last unpack is enqueued, so
+/// concurrent calls on different streams never share memory, a CUDA graph capture records the
+/// allocation as a graph memory node, and nothing is tied to a stream handle. Memory is kept
+/// for reuse (release threshold: unlimited) until [`MemoryPool::trim`].
+pub(crate) struct MemoryPool(sys::CUmemoryPool);
+
+// SAFETY: pool handles may be used from any thread (the driver API is thread-safe).
+unsafe impl Send for MemoryPool {}
+unsafe impl Sync for MemoryPool {}
+
+impl MemoryPool {
+    /// A pool on device `device` (ordinal `ordinal`); needs that device's context current.
+    pub fn new(device: sys::CUdevice, ordinal: i32) -> Result<MemoryPool> {
+        let mut supported = 0;
+        // SAFETY: writes one int.
+        call("cuDeviceGetAttribute", || unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut supported,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED,
+                device,
+            )
+        })?;
+        if supported == 0 {
+            return Err(Error::system(format!(
+                "device {ordinal} does not support stream-ordered memory pools (CUDA 11.2 or newer driver and GPU needed); staged plans allocate their staging from one"
+            )));
+        }
+        // SAFETY: all-zero is a valid bit pattern for this plain C struct (its "unset" value).
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = ordinal;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: writes one pool handle from valid properties.
+        call("cuMemPoolCreate", || unsafe {
+            sys::cuMemPoolCreate(&mut pool, &props)
+        })?;
+        let pool = MemoryPool(pool);
+        let mut threshold = u64::MAX;
+        // SAFETY: RELEASE_THRESHOLD takes a u64.
+        call("cuMemPoolSetAttribute", || unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool.0,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast::<c_void>(),
+            )
+        })?;
+        Ok(pool)
+    }
+
+    /// `bytes` usable by work enqueued on `stream` after this call.
+    pub fn alloc(&self, bytes: usize, stream: sys::CUstream) -> Result<sys::CUdeviceptr> {
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: writes one device pointer; freed by `free` in stream order.
+        call(
+            &format!("cuMemAllocFromPoolAsync ({bytes} bytes of staging)"),
+            || unsafe { sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, self.0, stream) },
+        )?;
+        Ok(ptr)
+    }
+
+    /// Returns `ptr` to the pool once `stream` reaches this point.
+    pub fn free(&self, ptr: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: `ptr` came from `alloc` and is freed once, in stream order.
+        call("cuMemFreeAsync", || unsafe {
+            sys::cuMemFreeAsync(ptr, stream)
+        })
+    }
+
+    /// Gives back to the driver the memory no allocation uses.
+    pub fn trim(&self) {
+        // SAFETY: trims our own pool; memory in use is kept.
+        let _ = call("cuMemPoolTrimTo", || unsafe {
+            sys::cuMemPoolTrimTo(self.0, 0)
         });
     }
 }

@@ -1,32 +1,32 @@
-//! Running one rank's program on a CUDA stream and an NCCL communicator.
+//! Running one rank's program on a CUDA stream and an NCCL communicator (docs/executor.md).
 //!
-//! Per call: local copies and packs (one kernel launch per encoded launch), then every send and
-//! receive inside `ncclGroupStart/End` (nested inside the caller's group when there is one),
-//! then unpacks. The first call on a device compiles the kernel (cached per process), uploads
-//! the plan's descriptor tables and allocates staging for the stream; later calls only pass
-//! base pointers, so they allocate nothing, never synchronise and can be captured into a CUDA
-//! graph (capture a stream that has already run the plan once).
+//! A call: checks (communicator, buffers, stream, an open NCCL group where the plan may not be
+//! in one), then per round the round's packs (local copies before the first), one NCCL group of
+//! its sends and receives, its unpacks, all enqueued on the caller's stream; staging comes from
+//! a stream-ordered pool for the call and goes back at its end. The first call of a plan on a
+//! device (warm-up) compiles and loads the kernel and uploads the descriptor tables; later
+//! calls only pass pointers as kernel arguments, so they can be captured into a CUDA graph.
 
 use super::descriptors::{encode, Addressing, BaseKey, Encoded, Launch, MAX_BASES};
-use super::driver::{self, DeviceBuffer, Kernel, PrimaryContext};
+use super::device::{self, Device};
+use super::driver::{self, DeviceBuffer, Event, Kernel, PrivateStream, RelaxedCapture};
 use super::libs;
 use super::nccl::{nccl, Nccl, NcclComm, NCCL_UINT8};
-use super::nvrtc;
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::plan::{Copy, Loc, Message, RankProgram, Round};
 use cudarc::driver::sys;
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// Threads per block; must match `NCCL_RESHARD_THREADS` in kernels/copy.cu.
 const THREADS: u32 = 256;
 /// Most blocks one launch covers (the rest go to further launches).
 const MAX_GRID: u64 = 1 << 30;
-/// Default bound on staging per plan and stream (`NCCL_RESHARD_STAGING_BYTES` overrides it,
-/// the config's `maxStagingBytes` overrides both).
-pub const DEFAULT_MAX_STAGING_BYTES: u64 = 8 << 30;
+/// Default for how long `NCCL_RESHARD_CHECK=1` waits for the peers' fingerprints
+/// (`NCCL_RESHARD_CHECK_TIMEOUT`, seconds).
+const CHECK_TIMEOUT_SECONDS: u64 = 300;
 
 /// Where this call's buffers are.
 pub enum CallBuffers<'a> {
@@ -47,167 +47,92 @@ struct Uploaded {
     tiles: DeviceBuffer,
 }
 
-impl Uploaded {
-    fn new(encoded: Encoded) -> Result<Uploaded> {
-        Ok(Uploaded {
-            descs: DeviceBuffer::upload(&encoded.descs, "copy descriptors")?,
-            tiles: DeviceBuffer::upload(&encoded.tiles, "copy tiles")?,
-            launches: encoded.launches,
-        })
-    }
+/// What warm-up puts on the device for one plan: per round, the tables before and after its
+/// messages, for both ways of passing buffers (so a later call of either kind needs no upload,
+/// also during a capture), and the fingerprint buffers.
+struct Tables {
+    single: Vec<(Uploaded, Uploaded)>,
+    per_tensor: Vec<(Uploaded, Uploaded)>,
+    /// This plan's fingerprint (8 bytes), sent to every peer.
+    mine: DeviceBuffer,
+    /// One 8-byte slot per peer (in `peers` order) for theirs.
+    theirs: DeviceBuffer,
 }
 
-/// The plan's state on one device. Buffers are freed with the context current, before it is
-/// released.
-struct DeviceState {
-    kernel: Option<Kernel>,
-    /// Per round, (before the messages, after them), per addressing: single-buffer,
-    /// per-tensor. Filled under `init` at the first call that needs them; read without
-    /// locking after.
-    single: OnceLock<Vec<(Uploaded, Uploaded)>>,
-    per_tensor: OnceLock<Vec<(Uploaded, Uploaded)>>,
+/// A plan's state on its device. Dropped with the plan, with the context current.
+struct PlanDevice {
+    device: Arc<Device>,
+    tables: OnceLock<Tables>,
     init: Mutex<()>,
-    /// Staging arena per stream (concurrent calls on different streams must not share it).
-    staging: Mutex<HashMap<usize, Arc<DeviceBuffer>>>,
-    context: PrimaryContext,
 }
 
-impl Drop for DeviceState {
+impl Drop for PlanDevice {
     fn drop(&mut self) {
-        let _current = self.context.push();
-        self.kernel.take();
-        drop(self.single.take());
-        drop(self.per_tensor.take());
-        if let Ok(mut staging) = self.staging.lock() {
-            staging.clear();
+        let _current = self.device.context.push();
+        drop(self.tables.take());
+        if let Some(pool) = self.device.existing_pool() {
+            pool.trim();
         }
     }
 }
 
 /// Executes one rank's program on GPUs. Created with the plan (no CUDA calls); the first call
-/// on a device initialises it.
+/// initialises it on the call's device.
 pub struct CudaExecutor {
     program: Arc<RankProgram>,
     src_offsets: Vec<u64>,
     dst_offsets: Vec<u64>,
-    /// The staging bound, resolved once from the config and the environment.
-    max_staging_bytes: u64,
-    /// The program's distinct peers, computed once (checked against the communicator's size
-    /// on every call).
+    /// The program's distinct peers, ascending (checked against the communicator's size on
+    /// every call; fingerprint slots follow this order).
     peers: Vec<u32>,
-    /// `NCCL_RESHARD_CHECK=1` (read at plan creation): compare plan fingerprints with every
-    /// peer before moving data.
-    check_peers: bool,
-    device: Mutex<Option<Arc<DeviceState>>>,
-}
-
-fn staging_limit(configured: u64) -> u64 {
-    if configured > 0 {
-        return configured;
-    }
-    std::env::var("NCCL_RESHARD_STAGING_BYTES")
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .filter(|&v| v > 0)
-        .unwrap_or(DEFAULT_MAX_STAGING_BYTES)
+    /// The plan was made in groupable mode: it may be called inside a caller's NCCL group.
+    /// Plan-wide (the config's mode), so every rank decides the same.
+    groupable: bool,
+    /// `NCCL_RESHARD_CHECK=1` when the plan was created: each call waits for the peers'
+    /// fingerprints and compares them before moving data.
+    verify: bool,
+    state: Mutex<Option<Arc<PlanDevice>>>,
 }
 
 impl CudaExecutor {
     /// `src_offsets`/`dst_offsets`: byte offsets of each tensor's views in the single-buffer
-    /// call; `max_staging_bytes`: 0 for the default.
+    /// call; `groupable`: the plan was created in groupable mode.
     pub fn new(
         program: Arc<RankProgram>,
         src_offsets: Vec<u64>,
         dst_offsets: Vec<u64>,
-        max_staging_bytes: u64,
+        groupable: bool,
     ) -> Self {
         let peers = program.peers();
         CudaExecutor {
             program,
             src_offsets,
             dst_offsets,
-            max_staging_bytes: staging_limit(max_staging_bytes),
             peers,
-            check_peers: std::env::var("NCCL_RESHARD_CHECK").is_ok_and(|v| v.trim() == "1"),
-            device: Mutex::new(None),
+            groupable,
+            verify: std::env::var("NCCL_RESHARD_CHECK").is_ok_and(|v| v.trim() == "1"),
+            state: Mutex::new(None),
         }
     }
 
-    /// Compares fingerprints with every peer before each call (default: `NCCL_RESHARD_CHECK`
-    /// is `1` when the executor is created).
+    /// Waits for and compares the peers' fingerprints on every call (default:
+    /// `NCCL_RESHARD_CHECK` is `1` when the executor is created).
     pub fn with_peer_check(mut self, on: bool) -> Self {
-        self.check_peers = on;
+        self.verify = on;
         self
-    }
-
-    /// `NCCL_RESHARD_CHECK=1`: sends this plan's fingerprint to every peer and receives
-    /// theirs (one NCCL group on `stream`), waits, and fails naming the first peer whose plan
-    /// differs. Synchronises the stream: not for graph capture or inside a user's group.
-    fn check_fingerprints(&self, nccl: &Nccl, comm: NcclComm, stream: *mut c_void) -> Result<()> {
-        let p = &*self.program;
-        if driver::is_capturing(stream as sys::CUstream)? {
-            return Err(Error::invalid_usage(
-                "NCCL_RESHARD_CHECK=1 waits for the peers' fingerprints, which a CUDA graph capture cannot do; unset it while capturing",
-            ));
-        }
-        let mine = DeviceBuffer::upload(&[p.fingerprint], "plan fingerprint")?;
-        let theirs = DeviceBuffer::alloc(8 * self.peers.len(), "peer fingerprints")?;
-        // SAFETY: group calls have no preconditions; every Start is matched by an End below.
-        nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
-        let posted = self.peers.iter().enumerate().try_for_each(|(i, &peer)| {
-            let slot = (theirs.ptr + 8 * i as u64) as *mut c_void;
-            // SAFETY: both buffers are ours, 8 bytes per peer, alive until the wait below.
-            unsafe {
-                nccl.check(
-                    (nccl.send)(
-                        mine.ptr as *mut c_void,
-                        8,
-                        NCCL_UINT8,
-                        peer as i32,
-                        comm,
-                        stream,
-                    ),
-                    "ncclSend (fingerprint)",
-                    comm,
-                )?;
-                nccl.check(
-                    (nccl.recv)(slot, 8, NCCL_UINT8, peer as i32, comm, stream),
-                    "ncclRecv (fingerprint)",
-                    comm,
-                )
-            }
-        });
-        // SAFETY: closes the group opened above.
-        let ended = nccl.check(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm);
-        posted.and(ended)?;
-        let mut fingerprints = vec![0u64; self.peers.len()];
-        theirs.download(&mut fingerprints, stream as sys::CUstream)?;
-        for (&peer, &theirs) in self.peers.iter().zip(&fingerprints) {
-            if theirs != p.fingerprint {
-                return Err(Error::invalid_usage(format!(
-                    "rank {peer} created its plan from different tensors or config than rank {} (fingerprint {theirs:#018x} vs {:#018x}); every rank must pass the same descriptors and config",
-                    p.rank, p.fingerprint
-                )));
-            }
-        }
-        debug::log(Level::Info, || {
-            format!(
-                "rank {}: NCCL_RESHARD_CHECK: {} peer(s) planned the same ({:#018x})",
-                p.rank,
-                self.peers.len(),
-                p.fingerprint
-            )
-        });
-        Ok(())
     }
 
     fn addressing(&self, buffers: &CallBuffers<'_>) -> Addressing<'_> {
         match buffers {
-            CallBuffers::Single { .. } => Addressing::Single {
-                src_offsets: &self.src_offsets,
-                dst_offsets: &self.dst_offsets,
-            },
+            CallBuffers::Single { .. } => self.single_addressing(),
             CallBuffers::PerTensor { .. } => Addressing::PerTensor,
+        }
+    }
+
+    fn single_addressing(&self) -> Addressing<'_> {
+        Addressing::Single {
+            src_offsets: &self.src_offsets,
+            dst_offsets: &self.dst_offsets,
         }
     }
 
@@ -222,13 +147,6 @@ impl CudaExecutor {
         if p.is_empty() {
             return Ok(());
         }
-        let limit = self.max_staging_bytes;
-        if p.staging_bytes > limit {
-            return Err(Error::invalid_usage(format!(
-                "the plan needs {} bytes of staging on rank {} (its largest round) but the limit is {limit}; raise config.rounds (more, smaller rounds), config.maxStagingBytes or NCCL_RESHARD_STAGING_BYTES, or plan in groupable mode",
-                p.staging_bytes, p.rank
-            )));
-        }
         let messages = !(p.sends.is_empty() && p.recvs.is_empty());
         if messages && comm.is_null() {
             return Err(Error::invalid_argument(format!(
@@ -240,49 +158,70 @@ impl CudaExecutor {
         libs::driver()?;
         let nccl = if messages { Some(nccl()?) } else { None };
         let ordinal = self.device_ordinal(buffers, comm, nccl)?;
-        let state = self.device_state(ordinal, stream)?;
-        let _current = state.context.push()?;
-        let stream_key = stream as usize;
-        let staging = self.staging(&state, stream_key, stream)?;
-        let addressing = self.addressing(buffers);
-        let tables = match buffers {
-            CallBuffers::Single { .. } => &state.single,
-            CallBuffers::PerTensor { .. } => &state.per_tensor,
+        let state = self.plan_device(ordinal)?;
+        let device = &*state.device;
+        let _current = device.context.push()?;
+        let cu_stream = stream as sys::CUstream;
+        check_stream(cu_stream, device)?;
+        let capturing = driver::is_capturing(cu_stream)?;
+        let tables = match state.tables.get() {
+            Some(tables) => tables,
+            None if capturing => return Err(warm_up_error()),
+            None => self.warm_up(&state)?,
         };
-        if tables.get().is_none() {
-            let _init = state
-                .init
-                .lock()
-                .map_err(|_| Error::internal("executor lock poisoned"))?;
-            if tables.get().is_none() {
-                if driver::is_capturing(stream as sys::CUstream)? {
-                    return Err(warm_up_error());
-                }
-                // Local copies run with the first round's packs.
-                let mut built = Vec::new();
-                for (i, round) in p.rounds().iter().enumerate() {
-                    let local: &[Copy] = if i == 0 { &p.local_copies } else { &[] };
-                    let pre: Vec<Copy> = local.iter().chain(round.packs).cloned().collect();
-                    built.push((
-                        Uploaded::new(encode(&pre, addressing))?,
-                        Uploaded::new(encode(round.unpacks, addressing))?,
+        let kernel = device.kernel()?;
+
+        // Everything that can refuse the call does so before its first NCCL operation, and
+        // decides from plan-wide facts, so every rank refuses alike.
+        if let Some(nccl) = nccl {
+            if !self.groupable {
+                nccl.refuse_open_group(|| {
+                    format!(
+                        "rank {}: this plan was not created in groupable mode, so it must not be called inside ncclGroupStart/ncclGroupEnd (its packs, unpacks or rounds need its NCCL operations issued at once); call it outside the group, or create the plan with mode ncclReshardModeGroupable",
+                        p.rank
+                    )
+                })?;
+            }
+            if self.verify {
+                if capturing {
+                    return Err(Error::invalid_usage(
+                        "NCCL_RESHARD_CHECK=1 waits for the peers' fingerprints, which a CUDA graph capture cannot do; unset it while capturing",
                     ));
                 }
-                let _ = tables.set(built);
+                if self.groupable {
+                    nccl.refuse_open_group(|| {
+                        format!(
+                            "rank {}: NCCL_RESHARD_CHECK=1 waits for the peers' fingerprints, which cannot arrive while the caller's NCCL group is open; unset it or call outside the group",
+                            p.rank
+                        )
+                    })?;
+                }
+                self.check_fingerprints(nccl, comm, cu_stream, tables)?;
             }
         }
-        let tables = tables
-            .get()
-            .ok_or_else(|| Error::internal("descriptor tables missing"))?;
-        let kernel = state
-            .kernel
-            .as_ref()
-            .ok_or_else(|| Error::internal("kernel not loaded"))?;
-        let base = |key: BaseKey| -> u64 { resolve_base(key, buffers, staging.ptr) };
 
+        let pool = if p.staging_bytes > 0 {
+            Some(device.pool()?)
+        } else {
+            None
+        };
+        let staging = match pool {
+            Some(pool) => {
+                let bytes = usize::try_from(p.staging_bytes)
+                    .map_err(|_| Error::invalid_usage("staging does not fit the address space"))?;
+                pool.alloc(bytes, cu_stream)?
+            }
+            None => 0,
+        };
+        let addressing = self.addressing(buffers);
+        let phases = match buffers {
+            CallBuffers::Single { .. } => &tables.single,
+            CallBuffers::PerTensor { .. } => &tables.per_tensor,
+        };
+        let base = |key: BaseKey| -> u64 { resolve_base(key, buffers, staging) };
         debug::log(Level::Info, || {
             format!(
-                "rank {}: {} round(s), {} local copy/pack blocks, {} sends ({} bytes), {} receives ({} bytes), {} unpack blocks, stream {stream:p}",
+                "rank {}: {} round(s), {} local copy/pack blocks, {} sends ({} bytes), {} receives ({} bytes), {} unpack blocks, stream {stream:p}{}",
                 p.rank,
                 p.rounds_iter().count(),
                 p.local_copies.len() + p.packs.len(),
@@ -290,24 +229,42 @@ impl CudaExecutor {
                 p.bytes_sent(),
                 p.recvs.len(),
                 p.bytes_received(),
-                p.unpacks.len()
+                p.unpacks.len(),
+                if capturing { " (capturing)" } else { "" }
             )
         });
-        if self.check_peers {
+
+        // Each round: packs, one NCCL group, unpacks, in stream order, so the staging of one
+        // round is reused by the next only once this one is done with it. Once the first NCCL
+        // operation is posted, a failure no longer stops the call: the remaining groups are
+        // still posted (their data may be wrong) so that no peer waits forever, and the first
+        // error is returned at the end.
+        let mut failure: Option<Error> = None;
+        for (i, (round, (before, after))) in p.rounds_iter().zip(phases).enumerate() {
+            if failure.is_none() {
+                failure = launch_all(kernel, before, &base, cu_stream).err();
+            }
             if let Some(nccl) = nccl {
-                self.check_fingerprints(nccl, comm, stream)?;
+                // Without NCCL_RESHARD_CHECK the fingerprints travel in the first group, ahead
+                // of each peer's data, unchecked: every rank posts them on every call whatever
+                // its environment, so the messages between two ranks always pair up.
+                let fingerprints = (i == 0 && !self.verify).then_some(tables);
+                let posted =
+                    self.post_round(nccl, &round, &addressing, &base, fingerprints, comm, stream);
+                if let Err(e) = posted {
+                    failure.get_or_insert(e);
+                }
+            }
+            if failure.is_none() {
+                failure = launch_all(kernel, after, &base, cu_stream).err();
             }
         }
-        // Each round: packs, one NCCL group, unpacks, all in stream order, so the staging
-        // arena is reused by the next round only once this one has finished with it.
-        for (round, (before, after)) in p.rounds_iter().zip(tables) {
-            launch_all(kernel, before, &base, stream)?;
-            if let Some(nccl) = nccl {
-                post_messages(nccl, p.rank, &round, &addressing, &base, comm, stream)?;
+        if let Some(pool) = pool {
+            if let Err(e) = pool.free(staging, cu_stream) {
+                failure.get_or_insert(e);
             }
-            launch_all(kernel, after, &base, stream)?;
         }
-        Ok(())
+        failure.map_or(Ok(()), Err)
     }
 
     /// The device of the call: the communicator's, which every buffer must be on.
@@ -381,71 +338,254 @@ impl CudaExecutor {
         })
     }
 
-    /// The plan's state on `ordinal`, initialised by the first call.
-    fn device_state(&self, ordinal: i32, stream: *mut c_void) -> Result<Arc<DeviceState>> {
+    /// The plan's state on `ordinal` (one device per plan).
+    fn plan_device(&self, ordinal: i32) -> Result<Arc<PlanDevice>> {
         let mut slot = self
-            .device
+            .state
             .lock()
             .map_err(|_| Error::internal("executor lock poisoned"))?;
         if let Some(state) = slot.as_ref() {
-            if state.context.ordinal != ordinal {
+            if state.device.context.ordinal != ordinal {
                 return Err(Error::invalid_usage(format!(
-                    "the plan runs on device {} but this call's buffers are on device {ordinal}; create one plan per device",
-                    state.context.ordinal
+                    "the plan runs on device {} but this call's communicator or buffers are on device {ordinal}; create one plan per device",
+                    state.device.context.ordinal
                 )));
             }
             return Ok(state.clone());
         }
-        if driver::is_capturing(stream as sys::CUstream)? {
-            return Err(warm_up_error());
-        }
-        let context = PrimaryContext::retain(ordinal)?;
-        let (major, minor) = context.compute_capability()?;
-        let cubin = nvrtc::cubin(major, minor)?;
-        let kernel = {
-            let _current = context.push()?;
-            Kernel::load(&cubin, nvrtc::KERNEL_NAME)?
-        };
-        let state = Arc::new(DeviceState {
-            kernel: Some(kernel),
-            single: OnceLock::new(),
-            per_tensor: OnceLock::new(),
+        let state = Arc::new(PlanDevice {
+            device: device::device(ordinal)?,
+            tables: OnceLock::new(),
             init: Mutex::new(()),
-            staging: Mutex::new(HashMap::new()),
-            context,
         });
         *slot = Some(state.clone());
         Ok(state)
     }
 
-    /// This stream's staging arena (allocated on its first call).
-    fn staging(
-        &self,
-        state: &DeviceState,
-        key: usize,
-        stream: *mut c_void,
-    ) -> Result<Arc<DeviceBuffer>> {
-        let mut map = state
-            .staging
+    /// The first call on the device (not capturing; context current): loads the kernel,
+    /// creates the staging pool, uploads the tables and waits for the upload, with this
+    /// thread's capture mode relaxed so another thread's capture is not disturbed.
+    fn warm_up<'s>(&self, state: &'s PlanDevice) -> Result<&'s Tables> {
+        let _init = state
+            .init
             .lock()
-            .map_err(|_| Error::internal("staging lock poisoned"))?;
-        if let Some(buffer) = map.get(&key) {
-            return Ok(buffer.clone());
+            .map_err(|_| Error::internal("executor lock poisoned"))?;
+        if let Some(tables) = state.tables.get() {
+            return Ok(tables);
         }
-        if driver::is_capturing(stream as sys::CUstream)? {
-            return Err(warm_up_error());
+        let p = &*self.program;
+        let _relaxed = RelaxedCapture::new()?;
+        state.device.kernel()?;
+        if p.staging_bytes > 0 {
+            state.device.pool()?;
         }
-        let bytes = usize::try_from(self.program.staging_bytes)
-            .map_err(|_| Error::invalid_usage("staging does not fit the address space"))?;
-        let buffer = Arc::new(DeviceBuffer::alloc(bytes, "staging")?);
-        map.insert(key, buffer.clone());
-        Ok(buffer)
+        // Local copies run with the first round's packs.
+        let phases = |addressing: Addressing<'_>| -> Vec<(Encoded, Encoded)> {
+            p.rounds_iter()
+                .enumerate()
+                .map(|(i, round)| {
+                    let local: &[Copy] = if i == 0 { &p.local_copies } else { &[] };
+                    let pre: Vec<Copy> = local.iter().chain(round.packs).cloned().collect();
+                    (encode(&pre, addressing), encode(round.unpacks, addressing))
+                })
+                .collect()
+        };
+        let single = phases(self.single_addressing());
+        let per_tensor = phases(Addressing::PerTensor);
+        let zeros = vec![0u64; self.peers.len()];
+        let upload = PrivateStream::new()?;
+        let on_device = |encoded: &[(Encoded, Encoded)]| -> Result<Vec<(Uploaded, Uploaded)>> {
+            let one = |e: &Encoded| -> Result<Uploaded> {
+                Ok(Uploaded {
+                    descs: DeviceBuffer::upload(&e.descs, "copy descriptors", &upload)?,
+                    tiles: DeviceBuffer::upload(&e.tiles, "copy tiles", &upload)?,
+                    launches: e.launches.clone(),
+                })
+            };
+            encoded
+                .iter()
+                .map(|(before, after)| Ok((one(before)?, one(after)?)))
+                .collect()
+        };
+        let tables = Tables {
+            single: on_device(&single)?,
+            per_tensor: on_device(&per_tensor)?,
+            mine: DeviceBuffer::upload(&[p.fingerprint], "plan fingerprint", &upload)?,
+            theirs: DeviceBuffer::upload(&zeros, "peer fingerprints", &upload)?,
+        };
+        // The host vectors above stay alive until the copies have landed.
+        upload.synchronize()?;
+        Ok(state.tables.get_or_init(|| tables))
     }
+
+    /// One round's NCCL group: this rank's sends and receives (after one fingerprint send and
+    /// receive per peer when `fingerprints` is given, so they precede that peer's data).
+    #[allow(clippy::too_many_arguments)]
+    fn post_round(
+        &self,
+        nccl: &Nccl,
+        round: &Round<'_>,
+        addressing: &Addressing<'_>,
+        base: &impl Fn(BaseKey) -> u64,
+        fingerprints: Option<&Tables>,
+        comm: NcclComm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        if round.sends.is_empty() && round.recvs.is_empty() && fingerprints.is_none() {
+            return Ok(());
+        }
+        let rank = self.program.rank;
+        // SAFETY: group calls have no preconditions; every Start is matched by an End below.
+        nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
+        let mut posted = Ok(());
+        if let Some(tables) = fingerprints {
+            posted = self.post_fingerprints(nccl, tables, comm, stream);
+        }
+        let post = |m: &Message, send: bool| -> Result<()> {
+            let ptr = address(m.loc, addressing, base) as *mut c_void;
+            debug::log(Level::Trace, || {
+                format!(
+                    "rank {rank} round {} {} {} bytes {} rank {} at {ptr:p}",
+                    round.round,
+                    if send { "sends" } else { "receives" },
+                    m.bytes,
+                    if send { "to" } else { "from" },
+                    m.peer
+                )
+            });
+            let bytes =
+                usize::try_from(m.bytes).map_err(|_| Error::invalid_usage("message too large"))?;
+            // SAFETY: ptr addresses `bytes` bytes inside the caller's buffers or our staging,
+            // per the plan; NCCL reads/writes them in stream order.
+            let result = unsafe {
+                if send {
+                    (nccl.send)(ptr, bytes, NCCL_UINT8, m.peer as i32, comm, stream)
+                } else {
+                    (nccl.recv)(ptr, bytes, NCCL_UINT8, m.peer as i32, comm, stream)
+                }
+            };
+            nccl.check_posted(result, if send { "ncclSend" } else { "ncclRecv" }, comm)
+        };
+        if posted.is_ok() {
+            posted = round
+                .sends
+                .iter()
+                .try_for_each(|m| post(m, true))
+                .and_then(|()| round.recvs.iter().try_for_each(|m| post(m, false)));
+        }
+        // SAFETY: closes the group opened above, also after an error so NCCL's state stays
+        // sane; a nonblocking communicator is waited for before anything else is enqueued.
+        let ended = nccl.check_issued(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm);
+        posted.and(ended)
+    }
+
+    /// Posts, per peer, our fingerprint's send and the receive of theirs into its slot.
+    fn post_fingerprints(
+        &self,
+        nccl: &Nccl,
+        tables: &Tables,
+        comm: NcclComm,
+        stream: *mut c_void,
+    ) -> Result<()> {
+        for (i, &peer) in self.peers.iter().enumerate() {
+            let slot = (tables.theirs.ptr + 8 * i as u64) as *mut c_void;
+            // SAFETY: both buffers are the plan's, 8 bytes per slot, alive as long as the plan
+            // (the caller must not destroy it before the stream passes this call).
+            unsafe {
+                nccl.check_posted(
+                    (nccl.send)(
+                        tables.mine.ptr as *mut c_void,
+                        8,
+                        NCCL_UINT8,
+                        peer as i32,
+                        comm,
+                        stream,
+                    ),
+                    "ncclSend (fingerprint)",
+                    comm,
+                )?;
+                nccl.check_posted(
+                    (nccl.recv)(slot, 8, NCCL_UINT8, peer as i32, comm, stream),
+                    "ncclRecv (fingerprint)",
+                    comm,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `NCCL_RESHARD_CHECK=1`: exchanges fingerprints with every peer in a group of their own,
+    /// waits for them (at most `NCCL_RESHARD_CHECK_TIMEOUT` seconds) and fails naming the first
+    /// peer whose plan differs, before any data moves. The caller made sure no NCCL group is
+    /// open and the stream is not being captured.
+    fn check_fingerprints(
+        &self,
+        nccl: &Nccl,
+        comm: NcclComm,
+        stream: sys::CUstream,
+        tables: &Tables,
+    ) -> Result<()> {
+        let p = &*self.program;
+        // SAFETY: group calls have no preconditions; the Start is matched by the End below.
+        nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
+        let posted = self.post_fingerprints(nccl, tables, comm, stream.cast());
+        // SAFETY: closes the group opened above.
+        let ended = nccl.check_issued(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm);
+        posted.and(ended)?;
+        let arrived = Event::new()?;
+        arrived.record(stream)?;
+        let timeout = std::env::var("NCCL_RESHARD_CHECK_TIMEOUT")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(CHECK_TIMEOUT_SECONDS);
+        let start = Instant::now();
+        while !arrived.is_done()? {
+            if start.elapsed() > Duration::from_secs(timeout) {
+                return Err(Error::invalid_usage(format!(
+                    "rank {}: NCCL_RESHARD_CHECK=1: the fingerprints of peers {:?} did not arrive within {timeout} s (NCCL_RESHARD_CHECK_TIMEOUT); a peer does not call this plan, or planned a different set of peers; the communicator may now hold unmatched operations",
+                    p.rank, self.peers
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let mut fingerprints = vec![0u64; self.peers.len()];
+        tables.theirs.download(&mut fingerprints, stream)?;
+        for (&peer, &theirs) in self.peers.iter().zip(&fingerprints) {
+            if theirs != p.fingerprint {
+                return Err(Error::invalid_usage(format!(
+                    "rank {peer} created its plan from different tensors or config than rank {} (fingerprint {theirs:#018x} vs {:#018x}); every rank must pass the same descriptors and config",
+                    p.rank, p.fingerprint
+                )));
+            }
+        }
+        debug::log(Level::Info, || {
+            format!(
+                "rank {}: NCCL_RESHARD_CHECK: {} peer(s) planned the same ({:#018x})",
+                p.rank,
+                self.peers.len(),
+                p.fingerprint
+            )
+        });
+        Ok(())
+    }
+}
+
+/// The stream must belong to the device's primary context: the kernel is loaded there, and a
+/// stream of another device or of a context made with `cuCtxCreate` cannot run it.
+fn check_stream(stream: sys::CUstream, device: &Device) -> Result<()> {
+    let context = driver::stream_context(stream)?;
+    if context != device.context.context {
+        return Err(Error::invalid_argument(format!(
+            "stream ({stream:p}) belongs to a CUDA context other than device {}'s primary context, which the communicator and buffers use: pass a stream of that device created through the CUDA runtime (cudaStreamCreate after cudaSetDevice({}), as PyTorch and NCCL do), not one of another device or of a context made with cuCtxCreate",
+            device.context.ordinal, device.context.ordinal
+        )));
+    }
+    Ok(())
 }
 
 fn warm_up_error() -> Error {
     Error::invalid_usage(
-        "ncclReshard was first called on this device/stream while the stream is being captured: run the plan once on that stream before capturing it (the first call compiles kernels and allocates)",
+        "this is the plan's first call on this device and its stream is being captured into a CUDA graph: run the plan once outside the capture first (on any stream; the first call compiles the kernel and uploads the plan)",
     )
 }
 
@@ -478,7 +618,7 @@ fn launch_all(
     kernel: &Kernel,
     tables: &Uploaded,
     base: &impl Fn(BaseKey) -> u64,
-    stream: *mut c_void,
+    stream: sys::CUstream,
 ) -> Result<()> {
     for launch in &tables.launches {
         let mut bases = Bases([0; MAX_BASES]);
@@ -509,7 +649,7 @@ fn launch_all(
                     1,
                     1,
                     0,
-                    stream as sys::CUstream,
+                    stream,
                     params.as_mut_ptr(),
                     std::ptr::null_mut(),
                 )
@@ -518,55 +658,6 @@ fn launch_all(
         }
     }
     Ok(())
-}
-
-fn post_messages(
-    nccl: &Nccl,
-    rank: u32,
-    round: &Round<'_>,
-    addressing: &Addressing<'_>,
-    base: &impl Fn(BaseKey) -> u64,
-    comm: NcclComm,
-    stream: *mut c_void,
-) -> Result<()> {
-    if round.sends.is_empty() && round.recvs.is_empty() {
-        return Ok(());
-    }
-    // SAFETY: group calls have no preconditions; every Start is matched by an End below.
-    nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
-    let post = |m: &Message, send: bool| -> Result<()> {
-        let ptr = address(m.loc, addressing, base) as *mut c_void;
-        debug::log(Level::Trace, || {
-            format!(
-                "rank {rank} round {} {} {} bytes {} rank {} at {ptr:p}",
-                round.round,
-                if send { "sends" } else { "receives" },
-                m.bytes,
-                if send { "to" } else { "from" },
-                m.peer
-            )
-        });
-        let bytes =
-            usize::try_from(m.bytes).map_err(|_| Error::invalid_usage("message too large"))?;
-        // SAFETY: ptr addresses `bytes` bytes inside the caller's buffers or our staging, per
-        // the plan; NCCL reads/writes them in stream order.
-        let result = unsafe {
-            if send {
-                (nccl.send)(ptr, bytes, NCCL_UINT8, m.peer as i32, comm, stream)
-            } else {
-                (nccl.recv)(ptr, bytes, NCCL_UINT8, m.peer as i32, comm, stream)
-            }
-        };
-        nccl.check(result, if send { "ncclSend" } else { "ncclRecv" }, comm)
-    };
-    let posted = round
-        .sends
-        .iter()
-        .try_for_each(|m| post(m, true))
-        .and_then(|()| round.recvs.iter().try_for_each(|m| post(m, false)));
-    // SAFETY: closes the group opened above, also after an error so NCCL's state stays sane.
-    let ended = nccl.check(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm);
-    posted.and(ended)
 }
 
 // Plans are shared across threads; the executor must be too.

@@ -2,10 +2,11 @@
 //! communicator, with kernels compiled by NVRTC at first use and NCCL taken from the process.
 
 pub mod descriptors;
+mod device;
 pub(crate) mod driver;
 mod executor;
 pub(crate) mod libs;
 pub(crate) mod nccl;
 pub mod nvrtc;
 
-pub use executor::{CallBuffers, CudaExecutor, DEFAULT_MAX_STAGING_BYTES};
+pub use executor::{CallBuffers, CudaExecutor};

@@ -15,6 +15,10 @@ pub(crate) type CudaStream = *mut c_void;
 
 /// `ncclUint8`: messages are byte counts.
 pub(crate) const NCCL_UINT8: c_int = 1;
+/// `ncclInvalidUsage`.
+const NCCL_INVALID_USAGE: NcclResult = 5;
+/// `ncclInProgress`: a nonblocking communicator is still issuing the operation.
+const NCCL_IN_PROGRESS: NcclResult = 7;
 
 // C signatures from nccl.h.
 type SendFn =
@@ -26,6 +30,7 @@ type CommIntFn = unsafe extern "C" fn(NcclComm, *mut c_int) -> NcclResult;
 type ErrorStringFn = unsafe extern "C" fn(NcclResult) -> *const c_char;
 type LastErrorFn = unsafe extern "C" fn(NcclComm) -> *const c_char;
 type VersionFn = unsafe extern "C" fn(*mut c_int) -> NcclResult;
+type AsyncErrorFn = unsafe extern "C" fn(NcclComm, *mut NcclResult) -> NcclResult;
 
 /// The NCCL functions the executor calls.
 pub(crate) struct Nccl {
@@ -39,6 +44,7 @@ pub(crate) struct Nccl {
     pub get_error_string: ErrorStringFn,
     pub get_last_error: LastErrorFn,
     pub get_version: VersionFn,
+    pub comm_get_async_error: AsyncErrorFn,
     /// Where the symbols came from, for messages.
     pub origin: String,
 }
@@ -85,6 +91,7 @@ fn load_from(handle: *mut c_void, origin: String) -> Result<Nccl> {
         get_error_string: resolve!("ncclGetErrorString", ErrorStringFn),
         get_last_error: resolve!("ncclGetLastError", LastErrorFn),
         get_version: resolve!("ncclGetVersion", VersionFn),
+        comm_get_async_error: resolve!("ncclCommGetAsyncError", AsyncErrorFn),
         origin,
     })
 }
@@ -170,5 +177,65 @@ impl Nccl {
         // SAFETY: writes one int.
         unsafe { (self.get_version)(&mut v) };
         v
+    }
+}
+
+impl Nccl {
+    /// Checks the result of an operation that a nonblocking communicator may still be issuing
+    /// (`ncclInProgress`): waits until NCCL has issued it, as NCCL requires before the next
+    /// call on that communicator and before anything else is enqueued on its stream (the
+    /// operation's kernel is not on the stream until then).
+    pub fn check_issued(&self, result: NcclResult, what: &str, comm: NcclComm) -> Result<()> {
+        if result != NCCL_IN_PROGRESS {
+            return self.check(result, what, comm);
+        }
+        loop {
+            let mut state = NCCL_IN_PROGRESS;
+            // SAFETY: writes one result for the caller's communicator.
+            let queried = unsafe { (self.comm_get_async_error)(comm, &mut state) };
+            self.check(queried, "ncclCommGetAsyncError", comm)?;
+            if state != NCCL_IN_PROGRESS {
+                return self.check(state, what, comm);
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Checks the result of `ncclSend`/`ncclRecv` posted inside a group: a nonblocking
+    /// communicator may answer `ncclInProgress` there, which the group's end settles.
+    pub fn check_posted(&self, result: NcclResult, what: &str, comm: NcclComm) -> Result<()> {
+        if result == NCCL_IN_PROGRESS {
+            return Ok(());
+        }
+        self.check(result, what, comm)
+    }
+
+    /// `Ok` when this thread has no NCCL group open; otherwise `why` as `ncclInvalidUsage`.
+    ///
+    /// NCCL has no query for an open group, but `ncclGroupEnd` with none open returns
+    /// `ncclInvalidUsage` and changes nothing (NCCL logs "ncclGroupEnd: not in a group call."
+    /// when `NCCL_DEBUG` is WARN or more). With a group open it closes one level (if that was
+    /// the outermost, NCCL issues what the caller posted in the group so far); the level is
+    /// reopened at once and the message says so.
+    pub fn refuse_open_group(&self, why: impl FnOnce() -> String) -> Result<()> {
+        // SAFETY: group calls have no preconditions; a closed level is reopened below.
+        let ended = unsafe { (self.group_end)() };
+        if ended == NCCL_INVALID_USAGE {
+            return Ok(());
+        }
+        // SAFETY: reopens the level closed above.
+        let reopened = unsafe { (self.group_start)() };
+        let mut message = format!(
+            "{} (libncclreshard found the group open by ending it, as NCCL has no query for it: the operations posted in the group before this call were issued; the group was reopened",
+            why()
+        );
+        if ended != 0 && ended != NCCL_IN_PROGRESS {
+            message.push_str(&format!("; ncclGroupEnd returned {ended}"));
+        }
+        if reopened != 0 {
+            message.push_str(&format!("; reopening it returned {reopened}"));
+        }
+        message.push(')');
+        Err(Error::invalid_usage(message))
     }
 }

@@ -1,0 +1,109 @@
+//! What the executor keeps per GPU for the life of the process, shared by every plan: the
+//! device's primary context (the one the CUDA runtime, NCCL and PyTorch use), the copy kernel
+//! loaded into it, and the stream-ordered pool staging comes from. Plans come and go; these
+//! stay, as NCCL's per-device resources do.
+
+use super::driver::{self, Kernel, MemoryPool, PrimaryContext};
+use super::nvrtc::{self, ImageKind};
+use crate::debug::{self, Level};
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub(crate) struct Device {
+    pub context: PrimaryContext,
+    kernel: OnceLock<Kernel>,
+    pool: OnceLock<MemoryPool>,
+    init: Mutex<()>,
+}
+
+/// The process's state for device `ordinal` (its primary context retained on first use).
+pub(crate) fn device(ordinal: i32) -> Result<Arc<Device>> {
+    static DEVICES: OnceLock<Mutex<HashMap<i32, Arc<Device>>>> = OnceLock::new();
+    let mut devices = DEVICES
+        .get_or_init(Default::default)
+        .lock()
+        .map_err(|_| Error::internal("device table poisoned"))?;
+    if let Some(device) = devices.get(&ordinal) {
+        return Ok(device.clone());
+    }
+    let device = Arc::new(Device {
+        context: PrimaryContext::retain(ordinal)?,
+        kernel: OnceLock::new(),
+        pool: OnceLock::new(),
+        init: Mutex::new(()),
+    });
+    devices.insert(ordinal, device.clone());
+    Ok(device)
+}
+
+impl Device {
+    /// The copy kernel, compiled and loaded on first use. Needs the context current and,
+    /// the first time, a moment where loading a module is allowed (no capture on this thread's
+    /// stream; the caller relaxes the thread's capture mode).
+    pub fn kernel(&self) -> Result<&Kernel> {
+        if let Some(kernel) = self.kernel.get() {
+            return Ok(kernel);
+        }
+        let _init = self
+            .init
+            .lock()
+            .map_err(|_| Error::internal("device lock poisoned"))?;
+        if let Some(kernel) = self.kernel.get() {
+            return Ok(kernel);
+        }
+        let (major, minor) = self.context.compute_capability()?;
+        let driver = driver::driver_version()?;
+        let image = nvrtc::image(major, minor, driver)?;
+        let kernel = Kernel::load(&image.image, nvrtc::KERNEL_NAME).map_err(|e| Error {
+            message: format!(
+                "{} (kernel compiled by {} as {} for {}_{})",
+                e.message,
+                image.compiler,
+                match image.kind {
+                    ImageKind::Cubin => "a cubin",
+                    ImageKind::Ptx => "PTX",
+                },
+                match image.kind {
+                    ImageKind::Cubin => "sm",
+                    ImageKind::Ptx => "compute",
+                },
+                image.arch
+            ),
+            ..e
+        })?;
+        debug::log(Level::Info, || {
+            format!(
+                "device {}: copy kernel loaded ({:?} for arch {} by {}, driver CUDA {}.{})",
+                self.context.ordinal,
+                image.kind,
+                image.arch,
+                image.compiler,
+                driver / 1000,
+                driver % 1000 / 10
+            )
+        });
+        Ok(self.kernel.get_or_init(|| kernel))
+    }
+
+    /// The staging pool, created on first use (context current).
+    pub fn pool(&self) -> Result<&MemoryPool> {
+        if let Some(pool) = self.pool.get() {
+            return Ok(pool);
+        }
+        let _init = self
+            .init
+            .lock()
+            .map_err(|_| Error::internal("device lock poisoned"))?;
+        if let Some(pool) = self.pool.get() {
+            return Ok(pool);
+        }
+        let pool = MemoryPool::new(self.context.device, self.context.ordinal)?;
+        Ok(self.pool.get_or_init(|| pool))
+    }
+
+    /// The pool if it exists (for trimming when a plan goes).
+    pub fn existing_pool(&self) -> Option<&MemoryPool> {
+        self.pool.get()
+    }
+}
