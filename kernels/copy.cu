@@ -96,17 +96,16 @@ __device__ __forceinline__ void copy_run(const char* src, char* dst, u64 bytes) 
   for (; u < units; u += blockDim.x) *NCCL_RESHARD_WRITE(to + u) = *NCCL_RESHARD_READ(from + u);
 }
 
-// A tile of whole chunks. The block's threads form groups of `g` lanes (a power of two, at
-// most a warp, at least the chunk's units when it has fewer than 32); group j copies chunks
-// j, j + G, j + 2G, … (G groups), NCCL_RESHARD_UNROLL chunks at a time. A group finds its next
-// chunk by adding strides along the innermost dim and divides only when it crosses a row of
-// that dim.
+// A tile of whole chunks. The block's threads form groups of `g` lanes (a power of two: the
+// chunk's units rounded up, at most the block); group j copies chunks j, j + G, j + 2G, …
+// (G groups), NCCL_RESHARD_UNROLL chunks at a time. A group finds its next chunk by adding
+// strides along the innermost dim and divides only when it crosses a row of that dim.
 template <typename T>
 __device__ __forceinline__ void copy_chunks(const CopyDesc& d, const char* src, char* dst,
                                             u64 first, u32 chunks) {
   const u32 per_chunk = (u32)(d.chunk_bytes / sizeof(T));
   u32 g = 1;
-  while (g < per_chunk && g < 32) g <<= 1;
+  while (g < per_chunk && g < blockDim.x) g <<= 1;
   const u32 groups = blockDim.x / g;
   const u32 group = threadIdx.x / g;
   const u32 lane = threadIdx.x % g;

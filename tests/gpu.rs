@@ -568,7 +568,16 @@ fn one_rank_colocated_layouts_are_byte_exact() {
                         ..Default::default()
                     };
                     let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
-                    let program = planner.rank_program(0).unwrap();
+                    let program = match planner.rank_program(0) {
+                        Ok(program) => program,
+                        // Element-wise interleaving through self messages: past groupable
+                        // mode's message cap (auto and staged take it).
+                        Err(e) if mode == Mode::Groupable && via_nccl => {
+                            assert!(e.message.contains("groupable mode needs"), "{name}: {e}");
+                            continue;
+                        }
+                        Err(e) => panic!("{name}: {e}"),
+                    };
                     if via_nccl {
                         assert!(!program.sends.is_empty(), "{name}: expected self messages");
                     }

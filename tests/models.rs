@@ -253,10 +253,10 @@ fn deepseek_v3_per_expert_refit_is_planned() {
     assert_eq!(planner.ranks().len(), 512);
 }
 
-// ---- The public NCCL M2N configs (../shared/reference/m2n-configs) ----
+// ---- The public NCCL M2N configs (tests/data/m2n-configs) ----
 
 fn m2n_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/reference/m2n-configs")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/m2n-configs")
 }
 
 /// Just enough JSON for the M2N files: objects, arrays, strings without escapes, integers.

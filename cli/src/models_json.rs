@@ -251,7 +251,7 @@ mod tests {
     use std::path::PathBuf;
 
     fn m2n() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/m2n-configs")
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/m2n-configs")
     }
 
     #[test]
