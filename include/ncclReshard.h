@@ -57,7 +57,7 @@ typedef enum {
  * per peer pair), or groupable (every message sent from the source view and received into the
  * destination view as it is: no staging, one round, so a call may sit inside
  * `ncclGroupStart/End`, any number of times per group; regions interleaved on either side cost
- * one message per contiguous run, at most 4096 per rank). Only groupable plans may be called
+ * one message per contiguous run, at most 16384 per rank). Only groupable plans may be called
  * inside a group; other plans called there are refused with `ncclInvalidUsage`.
  */
 typedef enum {

@@ -34,12 +34,12 @@ pub const AUTO_STAGE_MAX_MESSAGES: u64 = 256;
 /// runs are merged (planning them would take too much memory); auto and staged modes coalesce
 /// such pairs.
 pub const GROUPABLE_MAX_PIECES_PER_PAIR: u64 = 1 << 20;
-/// Groupable mode refuses a rank that would post more messages than this in one NCCL group.
-/// NCCL sizes its per-communicator queues for about this many operations (`NCCL_MAX_OPS` is
-/// 2048 per channel) and posts each operation from the host one by one; past a few thousand a
-/// group is slow to post and to run. Auto and staged modes coalesce such plans into few
-/// messages.
-pub const GROUPABLE_MAX_MESSAGES_PER_RANK: u64 = 4096;
+/// Groupable mode refuses a rank that would post more messages (sends and receives) than this
+/// in one NCCL group. NCCL posts each operation from the host one by one (about a microsecond
+/// each) and runs a group's small operations a few per channel at a time, so past this many a
+/// group costs tens of milliseconds of host time and far more than the bytes on the GPU. Auto
+/// and staged modes coalesce such plans into few messages.
+pub const GROUPABLE_MAX_MESSAGES_PER_RANK: u64 = 16384;
 
 /// Automatic rounds ([`Config::rounds`] = 0) aim at about this many bytes per rank and round…
 pub const ROUND_TARGET_BYTES: u64 = 4 << 30;

@@ -585,10 +585,10 @@ mod tests {
 
     #[test]
     fn groupable_caps_messages_per_rank() {
-        // 8192 rows gathered from two senders, each row half from each: 16384 receives on one
-        // rank, over the groupable cap; auto mode coalesces them into two.
+        // 16384 rows gathered from two senders, each row half from each: 32768 receives on
+        // one rank, over the groupable cap; auto mode coalesces them into two.
         let spec = TensorSpec {
-            shape: vec![8192, 2],
+            shape: vec![16384, 2],
             dtype: DType::Float32,
             src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
             dst: layout(&[1], &[2], &[Placement::Replicate]),

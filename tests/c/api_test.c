@@ -259,6 +259,14 @@ static void test_bad_descriptors(void) {
   config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
   config.relay = 2;
   EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument, "config.relay is 2");
+  /* A staging bound is checked when the plan is created (a call refused on one rank after its
+   * peers posted their messages would leave them waiting): TP2 -> TP1 staged needs 8 KiB on
+   * the receiver. */
+  config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
+  config.mode = ncclReshardModeStaged;
+  config.maxStagingBytes = 1024;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 2, &config), ncclInvalidUsage,
+               "bytes of staging on rank 2");
   /* A config from a 0.1 header (no rounds/relay) is still accepted, with their defaults. */
   config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
   config.size = offsetof(ncclReshardConfig_t, rounds);
