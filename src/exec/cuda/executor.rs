@@ -196,7 +196,14 @@ impl CudaExecutor {
                         )
                     })?;
                 }
-                self.check_fingerprints(nccl, comm, cu_stream, tables)?;
+            }
+            // Every call of every rank, whatever its environment, exchanges fingerprints with
+            // each peer in a group of their own ahead of any data, so the messages between two
+            // ranks always pair up and no fingerprint waits behind another peer's data in
+            // NCCL's queues; only NCCL_RESHARD_CHECK=1 waits for them.
+            self.exchange_fingerprints(nccl, comm, cu_stream, tables)?;
+            if self.verify {
+                self.verify_fingerprints(cu_stream, tables)?;
             }
         }
 
@@ -240,17 +247,12 @@ impl CudaExecutor {
         // still posted (their data may be wrong) so that no peer waits forever, and the first
         // error is returned at the end.
         let mut failure: Option<Error> = None;
-        for (i, (round, (before, after))) in p.rounds_iter().zip(phases).enumerate() {
+        for (round, (before, after)) in p.rounds_iter().zip(phases) {
             if failure.is_none() {
                 failure = launch_all(kernel, before, &base, cu_stream).err();
             }
             if let Some(nccl) = nccl {
-                // Without NCCL_RESHARD_CHECK the fingerprints travel in the first group, ahead
-                // of each peer's data, unchecked: every rank posts them on every call whatever
-                // its environment, so the messages between two ranks always pair up.
-                let fingerprints = (i == 0 && !self.verify).then_some(tables);
-                let posted =
-                    self.post_round(nccl, &round, &addressing, &base, fingerprints, comm, stream);
+                let posted = self.post_round(nccl, &round, &addressing, &base, comm, stream);
                 if let Err(e) = posted {
                     failure.get_or_insert(e);
                 }
@@ -418,29 +420,22 @@ impl CudaExecutor {
         Ok(state.tables.get_or_init(|| tables))
     }
 
-    /// One round's NCCL group: this rank's sends and receives (after one fingerprint send and
-    /// receive per peer when `fingerprints` is given, so they precede that peer's data).
-    #[allow(clippy::too_many_arguments)]
+    /// One round's NCCL group: this rank's sends and receives.
     fn post_round(
         &self,
         nccl: &Nccl,
         round: &Round<'_>,
         addressing: &Addressing<'_>,
         base: &impl Fn(BaseKey) -> u64,
-        fingerprints: Option<&Tables>,
         comm: NcclComm,
         stream: *mut c_void,
     ) -> Result<()> {
-        if round.sends.is_empty() && round.recvs.is_empty() && fingerprints.is_none() {
+        if round.sends.is_empty() && round.recvs.is_empty() {
             return Ok(());
         }
         let rank = self.program.rank;
         // SAFETY: group calls have no preconditions; every Start is matched by an End below.
         nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
-        let mut posted = Ok(());
-        if let Some(tables) = fingerprints {
-            posted = self.post_fingerprints(nccl, tables, comm, stream);
-        }
         let post = |m: &Message, send: bool| -> Result<()> {
             let ptr = address(m.loc, addressing, base) as *mut c_void;
             debug::log(Level::Trace, || {
@@ -466,72 +461,57 @@ impl CudaExecutor {
             };
             nccl.check_posted(result, if send { "ncclSend" } else { "ncclRecv" }, comm)
         };
-        if posted.is_ok() {
-            posted = round
-                .sends
-                .iter()
-                .try_for_each(|m| post(m, true))
-                .and_then(|()| round.recvs.iter().try_for_each(|m| post(m, false)));
-        }
+        let posted = round
+            .sends
+            .iter()
+            .try_for_each(|m| post(m, true))
+            .and_then(|()| round.recvs.iter().try_for_each(|m| post(m, false)));
         // SAFETY: closes the group opened above, also after an error so NCCL's state stays
         // sane; a nonblocking communicator is waited for before anything else is enqueued.
         let ended = nccl.check_issued(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm);
         posted.and(ended)
     }
 
-    /// Posts, per peer, our fingerprint's send and the receive of theirs into its slot.
-    fn post_fingerprints(
-        &self,
-        nccl: &Nccl,
-        tables: &Tables,
-        comm: NcclComm,
-        stream: *mut c_void,
-    ) -> Result<()> {
-        for (i, &peer) in self.peers.iter().enumerate() {
-            let slot = (tables.theirs.ptr + 8 * i as u64) as *mut c_void;
-            // SAFETY: both buffers are the plan's, 8 bytes per slot, alive as long as the plan
-            // (the caller must not destroy it before the stream passes this call).
-            unsafe {
-                nccl.check_posted(
-                    (nccl.send)(
-                        tables.mine.ptr as *mut c_void,
-                        8,
-                        NCCL_UINT8,
-                        peer as i32,
-                        comm,
-                        stream,
-                    ),
-                    "ncclSend (fingerprint)",
-                    comm,
-                )?;
-                nccl.check_posted(
-                    (nccl.recv)(slot, 8, NCCL_UINT8, peer as i32, comm, stream),
-                    "ncclRecv (fingerprint)",
-                    comm,
-                )?;
-            }
-        }
-        Ok(())
-    }
-
-    /// `NCCL_RESHARD_CHECK=1`: exchanges fingerprints with every peer in a group of their own,
-    /// waits for them (at most `NCCL_RESHARD_CHECK_TIMEOUT` seconds) and fails naming the first
-    /// peer whose plan differs, before any data moves. The caller made sure no NCCL group is
-    /// open and the stream is not being captured.
-    fn check_fingerprints(
+    /// One NCCL group with, per peer, our fingerprint's send and the receive of theirs into
+    /// its slot.
+    fn exchange_fingerprints(
         &self,
         nccl: &Nccl,
         comm: NcclComm,
         stream: sys::CUstream,
         tables: &Tables,
     ) -> Result<()> {
-        let p = &*self.program;
         // SAFETY: group calls have no preconditions; the Start is matched by the End below.
         nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
-        let posted = self.post_fingerprints(nccl, tables, comm, stream.cast());
+        let posted = self.peers.iter().enumerate().try_for_each(|(i, &peer)| {
+            let slot = (tables.theirs.ptr + 8 * i as u64) as *mut c_void;
+            let mine = tables.mine.ptr as *mut c_void;
+            // SAFETY: both buffers are the plan's, 8 bytes per slot, alive as long as the plan
+            // (the caller must not destroy it before the stream passes this call).
+            unsafe {
+                nccl.check_posted(
+                    (nccl.send)(mine, 8, NCCL_UINT8, peer as i32, comm, stream.cast()),
+                    "ncclSend (fingerprint)",
+                    comm,
+                )?;
+                nccl.check_posted(
+                    (nccl.recv)(slot, 8, NCCL_UINT8, peer as i32, comm, stream.cast()),
+                    "ncclRecv (fingerprint)",
+                    comm,
+                )
+            }
+        });
         // SAFETY: closes the group opened above.
         let ended = nccl.check_issued(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm);
-        posted.and(ended)?;
+        posted.and(ended)
+    }
+
+    /// `NCCL_RESHARD_CHECK=1`: waits for the fingerprints just exchanged (at most
+    /// `NCCL_RESHARD_CHECK_TIMEOUT` seconds) and fails naming the first peer whose plan
+    /// differs, before any data moves. The caller made sure no NCCL group is open and the
+    /// stream is not being captured.
+    fn verify_fingerprints(&self, stream: sys::CUstream, tables: &Tables) -> Result<()> {
+        let p = &*self.program;
         let arrived = Event::new()?;
         arrived.record(stream)?;
         let timeout = std::env::var("NCCL_RESHARD_CHECK_TIMEOUT")
