@@ -1129,3 +1129,13 @@ pub unsafe extern "C" fn cuLaunchKernel(
 pub fn current_sticky() -> Option<CUresult> {
     context::current().ok().and_then(|c| *lock(&c.sticky))
 }
+
+/// `cuGetExportTable`: NVIDIA's private interfaces between its own libraries. NVRTC looks it up
+/// when a libcuda is loaded in the process and must be told there is none to use.
+#[no_mangle]
+pub unsafe extern "C" fn cuGetExportTable(table: *mut *const c_void, _id: *const c_void) -> CUresult {
+    if !table.is_null() {
+        *table = std::ptr::null();
+    }
+    CUresult::CUDA_ERROR_NOT_SUPPORTED
+}
