@@ -21,11 +21,16 @@ fn inits() -> &'static Mutex<Vec<(u64, Arc<Comm>)>> {
     INITS.get_or_init(|| Mutex::new(Vec::new()))
 }
 
-/// Registers an issued NCCL operation.
+/// Registers an issued NCCL operation. Finished ones are swept when the list has doubled since
+/// the last sweep, so registering stays O(1) amortized (groups can hold tens of thousands).
 pub fn pending(op: &Arc<Op>) {
+    static SWEPT: AtomicU64 = AtomicU64::new(0);
     start();
     let mut list = lock(ops());
-    list.retain(|w| w.upgrade().is_some_and(|o| !o.done.is_done()));
+    if list.len() as u64 >= 2 * SWEPT.load(Ordering::Relaxed) + 1024 {
+        list.retain(|w| w.upgrade().is_some_and(|o| !o.done.is_done()));
+        SWEPT.store(list.len() as u64, Ordering::Relaxed);
+    }
     list.push(Arc::downgrade(op));
 }
 

@@ -210,7 +210,14 @@ pub fn issue(p: &Posted, stream: &Stream) -> Arc<Op> {
         }
         _ => {}
     }
-    lock(&comm.outstanding).push(op.done.clone());
+    {
+        let mut outstanding = lock(&comm.outstanding);
+        if outstanding.len() >= 4096 && outstanding.len().is_power_of_two() {
+            outstanding.retain(|c| !c.is_done());
+        }
+        outstanding.push(op.done.clone());
+    }
+    crate::completion::progress();
     crate::watchdog::pending(&op);
     op
 }
