@@ -167,7 +167,11 @@ pub fn record(c: &Arc<Capture>, stream: &Arc<Stream>, work: Work) -> CuResult<()
         return err(CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     }
     st.nodes.push(work);
-    if let Some(m) = st.members.iter_mut().find(|m| m.stream.handle == stream.handle) {
+    if let Some(m) = st
+        .members
+        .iter_mut()
+        .find(|m| m.stream.handle == stream.handle)
+    {
         m.recorded += 1;
     }
     Ok(())

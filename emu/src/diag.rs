@@ -13,10 +13,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 pub fn report(message: impl Display) {
     // SAFETY: gettid has no preconditions.
     let tid = unsafe { libc::syscall(libc::SYS_gettid) };
-    eprintln!(
-        "[ncclreshard-emu {}:{tid}] {message}",
-        std::process::id()
-    );
+    eprintln!("[ncclreshard-emu {}:{tid}] {message}", std::process::id());
 }
 
 /// Reports a fatal misuse and aborts the process.

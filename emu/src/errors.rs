@@ -141,7 +141,10 @@ mod tests {
     fn driver_and_runtime_codes_map_through_the_table() {
         assert_eq!(runtime_code(CUresult::CUDA_ERROR_INVALID_CONTEXT), 201);
         assert_eq!(runtime_code(CUresult::CUDA_ERROR_OUT_OF_MEMORY), 2);
-        assert_eq!(runtime_code(CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT), 906);
+        assert_eq!(
+            runtime_code(CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT),
+            906
+        );
         assert!(driver_name(123456).is_none());
         for e in TABLE {
             if let Some((code, name)) = e.driver {

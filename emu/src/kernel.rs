@@ -41,9 +41,8 @@ pub fn param_layout() -> &'static ParamLayout {
         let mut sizes = [0usize; 32];
         let mut aligns = [0usize; 32];
         // SAFETY: the arrays hold 32 entries; the function fills at most `max` of them.
-        let n = unsafe {
-            ncclReshardEmuCopyKernelParams(sizes.as_mut_ptr(), aligns.as_mut_ptr(), 32)
-        };
+        let n =
+            unsafe { ncclReshardEmuCopyKernelParams(sizes.as_mut_ptr(), aligns.as_mut_ptr(), 32) };
         let mut total = 0usize;
         for i in 0..n {
             total = total.next_multiple_of(aligns[i]) + sizes[i];

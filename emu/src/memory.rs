@@ -311,7 +311,10 @@ pub fn release(a: &Allocation, by: &str) {
 
 /// The allocation containing `addr`, in any state.
 pub fn find(addr: u64) -> Option<Arc<Allocation>> {
-    let map = table().allocations.read().unwrap_or_else(|p| p.into_inner());
+    let map = table()
+        .allocations
+        .read()
+        .unwrap_or_else(|p| p.into_inner());
     map.range(..=addr)
         .next_back()
         .filter(|(_, a)| addr < a.base + a.size.max(1))
@@ -320,7 +323,10 @@ pub fn find(addr: u64) -> Option<Arc<Allocation>> {
 
 /// The allocation whose range is nearest to `addr` (for reports).
 pub fn nearest(addr: u64) -> Option<Arc<Allocation>> {
-    let map = table().allocations.read().unwrap_or_else(|p| p.into_inner());
+    let map = table()
+        .allocations
+        .read()
+        .unwrap_or_else(|p| p.into_inner());
     let below = map.range(..=addr).next_back().map(|(_, a)| a.clone());
     let above = map
         .range(addr.saturating_add(1)..)
@@ -340,7 +346,10 @@ pub fn nearest(addr: u64) -> Option<Arc<Allocation>> {
 
 /// Every allocation of a context that is not freed (for leak reports).
 pub fn unfreed_in_context(context: usize) -> Vec<Arc<Allocation>> {
-    let map = table().allocations.read().unwrap_or_else(|p| p.into_inner());
+    let map = table()
+        .allocations
+        .read()
+        .unwrap_or_else(|p| p.into_inner());
     map.values()
         .filter(|a| a.context == context && a.state() != FREED)
         .cloned()
@@ -463,7 +472,10 @@ pub fn translate(addr: u64, len: u64, device: Option<i32>) -> Result<*mut u8, Fa
     }
     {
         let pending = lock(&a.pending);
-        if let Some(w) = pending.iter().find(|w| w.start < addr + len && addr < w.end) {
+        if let Some(w) = pending
+            .iter()
+            .find(|w| w.start < addr + len && addr < w.end)
+        {
             return Err(Fault::PendingWrite(a.clone(), w.clone()));
         }
         if pending.is_empty() {

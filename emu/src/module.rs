@@ -337,7 +337,10 @@ pub fn parse_ptx(text: &str) -> Result<Image, Refusal> {
 /// The newest PTX ISA a driver version can JIT: 12.0 → 8.0 … 12.4 → 8.4, 12.5/12.6 → 8.5,
 /// 12.8 → 8.7, 12.9 → 8.8, 13.x → 9.x, 11.x → 7.x.
 pub fn max_ptx_isa(driver_version: i32) -> (u32, u32) {
-    let (major, minor) = ((driver_version / 1000) as u32, ((driver_version % 1000) / 10) as u32);
+    let (major, minor) = (
+        (driver_version / 1000) as u32,
+        ((driver_version % 1000) / 10) as u32,
+    );
     match major {
         12 => match minor {
             0..=4 => (8, minor),
@@ -427,7 +430,10 @@ pub unsafe fn parse_at(image: *const u8) -> Result<Image, Refusal> {
         // SAFETY: a complete image is readable up to its last section (the caller's contract).
         return parse_cubin(std::slice::from_raw_parts(image, len));
     }
-    if magic.iter().all(|c| c.is_ascii_graphic() || c.is_ascii_whitespace()) {
+    if magic
+        .iter()
+        .all(|c| c.is_ascii_graphic() || c.is_ascii_whitespace())
+    {
         // SAFETY: text images are NUL-terminated (cuModuleLoadData's contract for PTX).
         let text = std::ffi::CStr::from_ptr(image.cast());
         return parse_ptx(&text.to_string_lossy());

@@ -89,9 +89,9 @@ impl Work {
                 unsafe { func(*data as *mut c_void) }
             }
             Work::Nccl(op) => op.run(exec),
-            Work::NcclCaptured(_) => crate::diag::fatal(
-                "emulator bug: a captured NCCL group ran without being issued",
-            ),
+            Work::NcclCaptured(_) => {
+                crate::diag::fatal("emulator bug: a captured NCCL group ran without being issued")
+            }
             Work::AllocReached(a) => pool::reached_alloc(a),
             Work::FreeReached(f) => f.run(),
             Work::Graph(r) => r.run(exec),
@@ -204,7 +204,11 @@ impl Stream {
 
     /// Queues work after everything queued before it on this stream, after `deps`, and after
     /// what the legacy-stream rules order it after. Returns its completion.
-    pub fn enqueue(self: &Arc<Self>, work: Work, mut deps: Vec<Arc<Completion>>) -> Arc<Completion> {
+    pub fn enqueue(
+        self: &Arc<Self>,
+        work: Work,
+        mut deps: Vec<Arc<Completion>>,
+    ) -> Arc<Completion> {
         let ctx = self.context.clone();
         let _order = lock(&ctx.enqueue_lock);
         match self.kind {
@@ -237,7 +241,9 @@ impl Stream {
             std::thread::Builder::new()
                 .name(format!("emu-stream-{:x}", self.handle))
                 .spawn(move || me.work_loop())
-                .unwrap_or_else(|e| crate::diag::fatal(format!("cannot start a stream worker: {e}")));
+                .unwrap_or_else(|e| {
+                    crate::diag::fatal(format!("cannot start a stream worker: {e}"))
+                });
         }
         self.cv.notify_all();
         done

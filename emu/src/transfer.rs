@@ -46,7 +46,12 @@ pub fn check_range(api: &str, what: &str, addr: u64, len: u64) -> CuResult<()> {
         Some(_) => return Ok(()),
     };
     Err(diag::strict(
-        fault.describe(&format!("{api} ({what})"), addr, len, what.starts_with("dst")),
+        fault.describe(
+            &format!("{api} ({what})"),
+            addr,
+            len,
+            what.starts_with("dst"),
+        ),
         CuError(CUresult::CUDA_ERROR_INVALID_VALUE),
     ))
 }

@@ -16,8 +16,11 @@ fn ops() -> &'static Mutex<Vec<Weak<Op>>> {
     OPS.get_or_init(|| Mutex::new(Vec::new()))
 }
 
-fn inits() -> &'static Mutex<Vec<(u64, Arc<Comm>)>> {
-    static INITS: OnceLock<Mutex<Vec<(u64, Arc<Comm>)>>> = OnceLock::new();
+/// Inits waiting for their clique, by registration id.
+type WaitingInits = Mutex<Vec<(u64, Arc<Comm>)>>;
+
+fn inits() -> &'static WaitingInits {
+    static INITS: OnceLock<WaitingInits> = OnceLock::new();
     INITS.get_or_init(|| Mutex::new(Vec::new()))
 }
 
@@ -73,7 +76,9 @@ fn waiting() -> (Vec<Arc<Op>>, Vec<Arc<Comm>>) {
 
 fn watch() {
     let limit = config().deadlock;
-    let tick = Duration::from_millis(100).min(limit / 4).max(Duration::from_millis(10));
+    let tick = Duration::from_millis(100)
+        .min(limit / 4)
+        .max(Duration::from_millis(10));
     let mut last = (progress_count(), Instant::now());
     loop {
         std::thread::sleep(tick);

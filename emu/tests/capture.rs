@@ -60,7 +60,10 @@ fn captured_work_runs_only_when_launched_and_replays_each_time() {
     unsafe {
         ck(cuMemcpyDtoDAsync_v2(q, p, 64, s), "copy");
         ck(cuMemsetD8Async(q, 0xff, 4, s), "memset");
-        ck(cuLaunchHostFunc(s, Some(count), std::ptr::null_mut()), "host func");
+        ck(
+            cuLaunchHostFunc(s, Some(count), std::ptr::null_mut()),
+            "host func",
+        );
     }
     let (r, g) = end(s);
     ck(r, "end capture");
@@ -114,15 +117,24 @@ fn stream_synchronization_during_capture_fails_and_invalidates() {
     let s = stream(1);
     begin(s, RELAXED);
     // SAFETY: a capturing stream: the call under test.
-    assert_eq!(unsafe { cuStreamSynchronize(s) }, CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    assert_eq!(
+        unsafe { cuStreamSynchronize(s) },
+        CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+    );
     assert_eq!(end(s).0, CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     begin(s, GLOBAL);
     // SAFETY: as above.
-    assert_eq!(unsafe { cuStreamQuery(s) }, CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    assert_eq!(
+        unsafe { cuStreamQuery(s) },
+        CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+    );
     assert_eq!(end(s).0, CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
     begin(s, GLOBAL);
     // SAFETY: as above.
-    assert_eq!(unsafe { cuCtxSynchronize() }, CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    assert_eq!(
+        unsafe { cuCtxSynchronize() },
+        CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+    );
     assert_eq!(end(s).0, CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
 }
 
@@ -136,7 +148,11 @@ fn global_capture_forbids_unsafe_calls_on_other_threads_unless_relaxed() {
             "global",
             &[],
         );
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         return;
     }
     let ctx = use_device(2) as usize;
@@ -164,7 +180,11 @@ fn global_capture_forbids_unsafe_calls_on_other_threads_unless_relaxed() {
     assert_eq!(other(Some(THREAD_LOCAL)), CUresult::CUDA_SUCCESS);
     ck(end(s).0, "end capture");
     begin(s, THREAD_LOCAL);
-    assert_eq!(other(None), CUresult::CUDA_SUCCESS, "thread-local captures ignore other threads");
+    assert_eq!(
+        other(None),
+        CUresult::CUDA_SUCCESS,
+        "thread-local captures ignore other threads"
+    );
     assert_eq!(try_alloc(), CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     assert_eq!(end(s).0, CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
 }
@@ -244,7 +264,10 @@ fn waiting_on_uncaptured_work_breaks_capture_isolation() {
         ck(cuEventCreate(&mut e, 0), "event");
         ck(cuEventRecord(e, t), "record");
         begin(s, GLOBAL);
-        assert_eq!(cuStreamWaitEvent(s, e, 0), CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
+        assert_eq!(
+            cuStreamWaitEvent(s, e, 0),
+            CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION
+        );
     }
     assert_eq!(end(s).0, CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
 }
@@ -283,6 +306,10 @@ fn graph_allocations_are_live_only_between_their_nodes() {
         sync(s);
         return;
     }
-    let outcome = run_child("graph_allocations_are_live_only_between_their_nodes", "graph-uaf", &[]);
+    let outcome = run_child(
+        "graph_allocations_are_live_only_between_their_nodes",
+        "graph-uaf",
+        &[],
+    );
     assert_aborts(&outcome, &["graph's free node", "cuMemsetD8Async"]);
 }

@@ -24,7 +24,14 @@ fn section_header(out: &mut Vec<u8>, name: u32, kind: u32, offset: u64, size: u6
 
 /// A minimal cubin: the ELF header fields NVRTC sets, one global function symbol per name and
 /// an `.nv.info.<name>` section with EIATTR_CUDA_API_VERSION and EIATTR_MAX_THREADS (256).
-fn cubin(abi: u8, flags: u32, e_version: u32, machine: u16, names: &[&str], api: Option<u32>) -> Vec<u8> {
+fn cubin(
+    abi: u8,
+    flags: u32,
+    e_version: u32,
+    machine: u16,
+    names: &[&str],
+    api: Option<u32>,
+) -> Vec<u8> {
     let mut shstr = b"\0.shstrtab\0.strtab\0.symtab\0".to_vec();
     let mut strtab = vec![0u8];
     let mut symtab = vec![0u8; 24];
@@ -123,12 +130,52 @@ fn cubins_load_only_for_a_runnable_architecture_and_toolkit() {
     let cases = [
         (7, 0x005a_055a, 129, 190, Some(129), ok, "NVRTC 12.9 sm_90"),
         (7, 0x005a_0d5a, 129, 190, Some(129), ok, "NVRTC 12.9 sm_90a"),
-        (7, 0x0050_0550, 129, 190, Some(129), no_binary, "sm_80 on an sm_90 device"),
-        (8, 0x0600_6402, 1, 190, Some(129), no_binary, "NVRTC 12.9 sm_100"),
-        (8, 0x0600_5a04, 1, 190, Some(135), invalid, "NVRTC 13.5 sm_90 on a 12.9 driver"),
-        (8, 0x0600_5a04, 1, 190, Some(129), ok, "ABI 8 sm_90 from a 12.9 toolkit"),
+        (
+            7,
+            0x0050_0550,
+            129,
+            190,
+            Some(129),
+            no_binary,
+            "sm_80 on an sm_90 device",
+        ),
+        (
+            8,
+            0x0600_6402,
+            1,
+            190,
+            Some(129),
+            no_binary,
+            "NVRTC 12.9 sm_100",
+        ),
+        (
+            8,
+            0x0600_5a04,
+            1,
+            190,
+            Some(135),
+            invalid,
+            "NVRTC 13.5 sm_90 on a 12.9 driver",
+        ),
+        (
+            8,
+            0x0600_5a04,
+            1,
+            190,
+            Some(129),
+            ok,
+            "ABI 8 sm_90 from a 12.9 toolkit",
+        ),
         (7, 0x005a_055a, 129, 62, Some(129), invalid, "an x86-64 ELF"),
-        (9, 0x0600_5a04, 1, 190, None, invalid, "an unknown CUDA ELF ABI"),
+        (
+            9,
+            0x0600_5a04,
+            1,
+            190,
+            None,
+            invalid,
+            "an unknown CUDA ELF ABI",
+        ),
     ];
     for (abi, flags, version, machine, api, want, what) in cases {
         let image = cubin(abi, flags, version, machine, &[COPY], api);
@@ -143,45 +190,77 @@ fn older_minor_architectures_run_on_newer_devices_of_the_same_major() {
         let out = run_child(
             "older_minor_architectures_run_on_newer_devices_of_the_same_major",
             "sm86",
-            &[("NCCL_RESHARD_EMU_SM", "86"), ("NCCL_RESHARD_EMU_DRIVER_VERSION", "12040")],
+            &[
+                ("NCCL_RESHARD_EMU_SM", "86"),
+                ("NCCL_RESHARD_EMU_DRIVER_VERSION", "12040"),
+            ],
         );
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         return;
     }
     use_device(0);
     let cubin_for = |sm: u32| cubin(7, (sm << 16) | 0x0500 | sm, 124, 190, &[COPY], Some(124));
     assert_eq!(load(&cubin_for(80)).0, CUresult::CUDA_SUCCESS);
     assert_eq!(load(&cubin_for(86)).0, CUresult::CUDA_SUCCESS);
-    assert_eq!(load(&cubin_for(89)).0, CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU);
+    assert_eq!(
+        load(&cubin_for(89)).0,
+        CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU
+    );
     assert_eq!(load(&ptx("8.4", "sm_80", COPY)).0, CUresult::CUDA_SUCCESS);
-    assert_eq!(load(&ptx("8.5", "sm_80", COPY)).0, CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION);
+    assert_eq!(
+        load(&ptx("8.5", "sm_80", COPY)).0,
+        CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+    );
 }
 
 #[test]
 fn ptx_is_checked_against_the_driver_isa_and_the_device() {
     use_device(0);
     assert_eq!(load(&ptx("8.8", "sm_90", COPY)).0, CUresult::CUDA_SUCCESS);
-    assert_eq!(load(&ptx("9.0", "sm_90", COPY)).0, CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION);
-    assert_eq!(load(&ptx("8.8", "sm_100", COPY)).0, CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU);
+    assert_eq!(
+        load(&ptx("9.0", "sm_90", COPY)).0,
+        CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+    );
+    assert_eq!(
+        load(&ptx("8.8", "sm_100", COPY)).0,
+        CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU
+    );
     assert_eq!(load(b"hello world\0").0, CUresult::CUDA_ERROR_INVALID_IMAGE);
 }
 
 #[test]
 fn functions_exist_only_when_the_image_names_them() {
     use_device(0);
-    let (r, m) = load(&cubin(7, 0x005a_055a, 129, 190, &[COPY, "other"], Some(129)));
+    let (r, m) = load(&cubin(
+        7,
+        0x005a_055a,
+        129,
+        190,
+        &[COPY, "other"],
+        Some(129),
+    ));
     ck(r, "load");
     assert_eq!(function(m, "missing").0, CUresult::CUDA_ERROR_NOT_FOUND);
     let (r, f) = function(m, COPY);
     ck(r, "get function");
     let mut threads = 0;
     // SAFETY: a function handle.
-    ck(unsafe { cuFuncGetAttribute(&mut threads, 0, f) }, "attribute");
+    ck(
+        unsafe { cuFuncGetAttribute(&mut threads, 0, f) },
+        "attribute",
+    );
     assert_eq!(threads, 256, "the launch bound comes from the image");
     // SAFETY: a module handle.
     ck(unsafe { cuModuleUnload(m) }, "unload");
     // SAFETY: the function's module is gone.
-    assert_eq!(unsafe { cuFuncGetAttribute(&mut threads, 0, f) }, CUresult::CUDA_ERROR_INVALID_HANDLE);
+    assert_eq!(
+        unsafe { cuFuncGetAttribute(&mut threads, 0, f) },
+        CUresult::CUDA_ERROR_INVALID_HANDLE
+    );
 }
 
 // ---- the copy kernel ----
@@ -229,7 +308,15 @@ fn copy_kernel() -> CUfunction {
     f
 }
 
-fn launch(f: CUfunction, tiles: u32, threads: u32, descs: CUdeviceptr, tile_table: CUdeviceptr, bases: &Bases, s: CUstream) -> CUresult {
+fn launch(
+    f: CUfunction,
+    tiles: u32,
+    threads: u32,
+    descs: CUdeviceptr,
+    tile_table: CUdeviceptr,
+    bases: &Bases,
+    s: CUstream,
+) -> CUresult {
     let (mut d, mut t, mut first) = (descs, tile_table, 0u64);
     let mut bases = Bases(bases.0);
     let mut params: [*mut c_void; 4] = [
@@ -239,7 +326,21 @@ fn launch(f: CUfunction, tiles: u32, threads: u32, descs: CUdeviceptr, tile_tabl
         (&mut bases as *mut Bases).cast(),
     ];
     // SAFETY: the kernel's four parameters; values are copied at the call.
-    unsafe { cuLaunchKernel(f, tiles, 1, 1, threads, 1, 1, 0, s, params.as_mut_ptr(), std::ptr::null_mut()) }
+    unsafe {
+        cuLaunchKernel(
+            f,
+            tiles,
+            1,
+            1,
+            threads,
+            1,
+            1,
+            0,
+            s,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
 }
 
 /// A strided 2-D copy at odd offsets (byte path) and a contiguous 4 KiB copy (16-byte path).
@@ -267,8 +368,18 @@ fn descriptors() -> (Vec<CopyDesc>, Vec<Tile>) {
     };
     contiguous.count[0] = 1;
     let tiles = vec![
-        Tile { start: 0, bytes: 480, desc: 0, reserved: 0 },
-        Tile { start: 0, bytes: 4096, desc: 1, reserved: 0 },
+        Tile {
+            start: 0,
+            bytes: 480,
+            desc: 0,
+            reserved: 0,
+        },
+        Tile {
+            start: 0,
+            bytes: 4096,
+            desc: 1,
+            reserved: 0,
+        },
     ];
     (vec![strided, contiguous], tiles)
 }
@@ -335,13 +446,24 @@ fn launch_limits_and_contexts_are_checked() {
     bases.0[0] = src_dev;
     bases.0[1] = dst_dev;
     let invalid = CUresult::CUDA_ERROR_INVALID_VALUE;
-    assert_eq!(launch(f, 2, 512, d, t, &bases, s), invalid, "above the launch bound");
-    assert_eq!(launch(f, 2, 2048, d, t, &bases, s), invalid, "above 1024 threads");
+    assert_eq!(
+        launch(f, 2, 512, d, t, &bases, s),
+        invalid,
+        "above the launch bound"
+    );
+    assert_eq!(
+        launch(f, 2, 2048, d, t, &bases, s),
+        invalid,
+        "above 1024 threads"
+    );
     assert_eq!(launch(f, 0, 256, d, t, &bases, s), invalid, "an empty grid");
     // A stream of another context: the module is not loaded there.
     use_device(3);
     let other = stream(1);
-    assert_eq!(launch(f, 2, 256, d, t, &bases, other), CUresult::CUDA_ERROR_INVALID_HANDLE);
+    assert_eq!(
+        launch(f, 2, 256, d, t, &bases, other),
+        CUresult::CUDA_ERROR_INVALID_HANDLE
+    );
 }
 
 #[test]
@@ -358,8 +480,20 @@ fn an_out_of_bounds_descriptor_is_caught_in_the_kernel() {
         sync(s);
         return;
     }
-    let out = run_child("an_out_of_bounds_descriptor_is_caught_in_the_kernel", "oob-kernel", &[]);
-    assert_aborts(&out, &["kernel ncclReshardCopyKernel", "write of 16 bytes", "out of bounds", "cuMemAlloc_v2 (4600 bytes)"]);
+    let out = run_child(
+        "an_out_of_bounds_descriptor_is_caught_in_the_kernel",
+        "oob-kernel",
+        &[],
+    );
+    assert_aborts(
+        &out,
+        &[
+            "kernel ncclReshardCopyKernel",
+            "write of 16 bytes",
+            "out of bounds",
+            "cuMemAlloc_v2 (4600 bytes)",
+        ],
+    );
 }
 
 #[test]
@@ -377,7 +511,11 @@ fn kernels_reach_only_their_own_devices_memory() {
         sync(s);
         return;
     }
-    let out = run_child("kernels_reach_only_their_own_devices_memory", "wrong-device", &[]);
+    let out = run_child(
+        "kernels_reach_only_their_own_devices_memory",
+        "wrong-device",
+        &[],
+    );
     assert_aborts(&out, &["not on device 6", "device 5"]);
 }
 
@@ -392,10 +530,28 @@ fn launching_a_kernel_the_emulator_cannot_run_aborts() {
         let mut x = 0u64;
         let mut params: [*mut c_void; 1] = [(&mut x as *mut u64).cast()];
         // SAFETY: the launch under test aborts before reading parameters.
-        unsafe { cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, std::ptr::null_mut(), params.as_mut_ptr(), std::ptr::null_mut()) };
+        unsafe {
+            cuLaunchKernel(
+                f,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                std::ptr::null_mut(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
         return;
     }
-    let out = run_child("launching_a_kernel_the_emulator_cannot_run_aborts", "other-kernel", &[]);
+    let out = run_child(
+        "launching_a_kernel_the_emulator_cannot_run_aborts",
+        "other-kernel",
+        &[],
+    );
     assert_aborts(&out, &["the emulator runs only ncclReshardCopyKernel"]);
 }
 
@@ -416,7 +572,14 @@ fn nvrtc_cubin(library: &str, arch: &str) -> Vec<u8> {
             assert!(!p.is_null(), "{n}");
             p
         };
-        type Create = unsafe extern "C" fn(*mut Program, *const i8, *const i8, i32, *const *const i8, *const *const i8) -> i32;
+        type Create = unsafe extern "C" fn(
+            *mut Program,
+            *const i8,
+            *const i8,
+            i32,
+            *const *const i8,
+            *const *const i8,
+        ) -> i32;
         type Compile = unsafe extern "C" fn(Program, i32, *const *const i8) -> i32;
         type Size = unsafe extern "C" fn(Program, *mut usize) -> i32;
         type Fill = unsafe extern "C" fn(Program, *mut i8) -> i32;
@@ -426,10 +589,27 @@ fn nvrtc_cubin(library: &str, arch: &str) -> Vec<u8> {
         let fill: Fill = std::mem::transmute(sym("nvrtcGetCUBIN"));
         let source = CString::new(include_str!("../../kernels/copy.cu")).unwrap();
         let mut prog = std::ptr::null_mut();
-        assert_eq!(create(&mut prog, source.as_ptr(), c"copy.cu".as_ptr(), 0, std::ptr::null(), std::ptr::null()), 0);
-        let opts = [CString::new(format!("--gpu-architecture={arch}")).unwrap(), CString::new("-std=c++17").unwrap()];
+        assert_eq!(
+            create(
+                &mut prog,
+                source.as_ptr(),
+                c"copy.cu".as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null()
+            ),
+            0
+        );
+        let opts = [
+            CString::new(format!("--gpu-architecture={arch}")).unwrap(),
+            CString::new("-std=c++17").unwrap(),
+        ];
         let ptrs: Vec<*const i8> = opts.iter().map(|o| o.as_ptr()).collect();
-        assert_eq!(compile(prog, 2, ptrs.as_ptr()), 0, "NVRTC compile for {arch}");
+        assert_eq!(
+            compile(prog, 2, ptrs.as_ptr()),
+            0,
+            "NVRTC compile for {arch}"
+        );
         let mut n = 0;
         assert_eq!(size(prog, &mut n), 0);
         let mut out = vec![0u8; n];
@@ -441,12 +621,20 @@ fn nvrtc_cubin(library: &str, arch: &str) -> Vec<u8> {
 #[test]
 fn nvrtc_cubins_load_on_matching_devices_and_run() {
     let Ok(library) = std::env::var("NCCL_RESHARD_NVRTC_LIBRARY") else {
-        println!("skipped: set NCCL_RESHARD_NVRTC_LIBRARY to an NVRTC library to check NVRTC's cubins");
+        println!(
+            "skipped: set NCCL_RESHARD_NVRTC_LIBRARY to an NVRTC library to check NVRTC's cubins"
+        );
         return;
     };
     let (s, src_dev, dst_dev, src, mut want) = setup(7, 4700);
-    assert_eq!(load(&nvrtc_cubin(&library, "sm_80")).0, CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU);
-    assert_eq!(load(&nvrtc_cubin(&library, "sm_100")).0, CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU);
+    assert_eq!(
+        load(&nvrtc_cubin(&library, "sm_80")).0,
+        CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU
+    );
+    assert_eq!(
+        load(&nvrtc_cubin(&library, "sm_100")).0,
+        CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU
+    );
     let (r, m) = load(&nvrtc_cubin(&library, "sm_90"));
     ck(r, "load NVRTC's sm_90 cubin");
     let (r, f) = function(m, COPY);

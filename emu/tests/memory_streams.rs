@@ -91,7 +91,10 @@ fn device_pointers_fault_on_the_host() {
         return;
     }
     let out = run_child("device_pointers_fault_on_the_host", "deref", &[]);
-    assert!(!out.status.success(), "reading a device pointer on the host must fault");
+    assert!(
+        !out.status.success(),
+        "reading a device pointer on the host must fault"
+    );
 }
 
 #[test]
@@ -107,7 +110,15 @@ fn out_of_bounds_copy_aborts_naming_call_address_and_allocation() {
         "oob",
         &[],
     );
-    assert_aborts(&out, &["cuMemcpyDtoH_v2", "out of bounds", "nearest allocation", "cuMemAlloc_v2 (100 bytes)"]);
+    assert_aborts(
+        &out,
+        &[
+            "cuMemcpyDtoH_v2",
+            "out of bounds",
+            "nearest allocation",
+            "cuMemAlloc_v2 (100 bytes)",
+        ],
+    );
 }
 
 #[test]
@@ -121,8 +132,15 @@ fn off_by_one_past_an_allocation_lands_in_no_allocation() {
         unsafe { cuMemsetD8Async(p + 256, 0, 1, s) };
         return;
     }
-    let out = run_child("off_by_one_past_an_allocation_lands_in_no_allocation", "gap", &[]);
-    assert_aborts(&out, &["cuMemsetD8Async", "no allocation holds this address"]);
+    let out = run_child(
+        "off_by_one_past_an_allocation_lands_in_no_allocation",
+        "gap",
+        &[],
+    );
+    assert_aborts(
+        &out,
+        &["cuMemsetD8Async", "no allocation holds this address"],
+    );
 }
 
 #[test]
@@ -176,9 +194,15 @@ fn allocations_beyond_device_memory_fail() {
         let mut p = 0;
         // SAFETY: writes one pointer.
         unsafe {
-            assert_eq!(cuMemAlloc_v2(&mut p, 2 << 20), CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+            assert_eq!(
+                cuMemAlloc_v2(&mut p, 2 << 20),
+                CUresult::CUDA_ERROR_OUT_OF_MEMORY
+            );
             ck(cuMemAlloc_v2(&mut p, 600 << 10), "first");
-            assert_eq!(cuMemAlloc_v2(&mut p, 600 << 10), CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+            assert_eq!(
+                cuMemAlloc_v2(&mut p, 600 << 10),
+                CUresult::CUDA_ERROR_OUT_OF_MEMORY
+            );
             let (mut free, mut total) = (0, 0);
             ck(cuMemGetInfo_v2(&mut free, &mut total), "info");
             assert_eq!((free, total), ((1 << 20) - (600 << 10), 1 << 20));
@@ -190,7 +214,11 @@ fn allocations_beyond_device_memory_fail() {
         "oom",
         &[("NCCL_RESHARD_EMU_MEMORY_BYTES", "1048576")],
     );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -205,7 +233,10 @@ fn releasing_the_primary_context_reports_leaks() {
     let out = run_child("releasing_the_primary_context_reports_leaks", "leak", &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    assert!(stderr.contains("leak") && stderr.contains("cuMemAlloc_v2 (4096 bytes)"), "{stderr}");
+    assert!(
+        stderr.contains("leak") && stderr.contains("cuMemAlloc_v2 (4096 bytes)"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -237,7 +268,11 @@ fn legacy_stream_waits_for_blocking_streams_only() {
     // SAFETY: inside the allocation (queued on the legacy stream, returns at once).
     ck(unsafe { cuMemsetD8_v2(p, 7, 8) }, "memset on legacy");
     std::thread::sleep(Duration::from_millis(30));
-    assert_eq!(query(legacy), CUresult::CUDA_ERROR_NOT_READY, "legacy work must wait for the blocking stream");
+    assert_eq!(
+        query(legacy),
+        CUresult::CUDA_ERROR_NOT_READY,
+        "legacy work must wait for the blocking stream"
+    );
     gate.open();
     assert!(becomes_idle(legacy));
 
@@ -246,14 +281,20 @@ fn legacy_stream_waits_for_blocking_streams_only() {
     gate.block(nonblocking);
     // SAFETY: as above.
     ck(unsafe { cuMemsetD8_v2(p, 8, 8) }, "memset on legacy");
-    assert!(becomes_idle(legacy), "legacy work must not wait for a non-blocking stream");
+    assert!(
+        becomes_idle(legacy),
+        "legacy work must not wait for a non-blocking stream"
+    );
     gate.open();
 
     // Later work on a blocking stream waits for the legacy stream.
     let gate = Gate::new();
     gate.block(legacy);
     // SAFETY: as above.
-    ck(unsafe { cuMemsetD8Async(p, 9, 8, blocking) }, "memset on blocking");
+    ck(
+        unsafe { cuMemsetD8Async(p, 9, 8, blocking) },
+        "memset on blocking",
+    );
     std::thread::sleep(Duration::from_millis(30));
     assert_eq!(query(blocking), CUresult::CUDA_ERROR_NOT_READY);
     gate.open();
@@ -274,7 +315,11 @@ fn per_thread_default_streams_differ_by_thread() {
     })
     .join()
     .unwrap();
-    assert_eq!(other, CUresult::CUDA_SUCCESS, "another thread's per-thread stream is idle");
+    assert_eq!(
+        other,
+        CUresult::CUDA_SUCCESS,
+        "another thread's per-thread stream is idle"
+    );
     assert_eq!(query(per_thread), CUresult::CUDA_ERROR_NOT_READY);
     gate.open();
     sync(per_thread);
@@ -296,8 +341,19 @@ fn synchronous_pageable_copy_races_with_a_non_blocking_stream() {
         sync(s);
         return;
     }
-    let out = run_child("synchronous_pageable_copy_races_with_a_non_blocking_stream", "pageable", &[]);
-    assert_aborts(&out, &["has not finished writing", "cuMemcpyDtoDAsync_v2", "non-blocking"]);
+    let out = run_child(
+        "synchronous_pageable_copy_races_with_a_non_blocking_stream",
+        "pageable",
+        &[],
+    );
+    assert_aborts(
+        &out,
+        &[
+            "has not finished writing",
+            "cuMemcpyDtoDAsync_v2",
+            "non-blocking",
+        ],
+    );
 }
 
 #[test]
@@ -358,7 +414,11 @@ fn stream_ordered_allocation_lives_between_alloc_and_free() {
         ck(cuDeviceGetDefaultMemPool(&mut pool, 7), "pool");
         let mut threshold = u64::MAX;
         ck(
-            cuMemPoolSetAttribute(pool, Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD as u32, (&mut threshold as *mut u64).cast()),
+            cuMemPoolSetAttribute(
+                pool,
+                Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD as u32,
+                (&mut threshold as *mut u64).cast(),
+            ),
             "threshold",
         );
         ck(cuMemHostAlloc(&mut pinned, 1000, 0), "pinned");
@@ -367,10 +427,15 @@ fn stream_ordered_allocation_lives_between_alloc_and_free() {
         ck(cuMemcpyDtoHAsync_v2(pinned, p, 1000, s), "DtoH to pinned");
         ck(cuMemFreeAsync(p, s), "free async");
         sync(s);
-        assert!(std::slice::from_raw_parts(pinned as *const u8, 1000).iter().all(|&b| b == 5));
+        assert!(std::slice::from_raw_parts(pinned as *const u8, 1000)
+            .iter()
+            .all(|&b| b == 5));
         let get = |a: Attr| {
             let mut v = 0u64;
-            ck(cuMemPoolGetAttribute(pool, a as u32, (&mut v as *mut u64).cast()), "attr");
+            ck(
+                cuMemPoolGetAttribute(pool, a as u32, (&mut v as *mut u64).cast()),
+                "attr",
+            );
             v
         };
         assert_eq!(get(Attr::CU_MEMPOOL_ATTR_USED_MEM_CURRENT), 0);
@@ -400,7 +465,10 @@ fn use_before_stream_ordered_alloc_aborts() {
         return;
     }
     let out = run_child("use_before_stream_ordered_alloc_aborts", "early", &[]);
-    assert_aborts(&out, &["not yet allocated", "cuMemAllocAsync", "cuMemsetD8Async"]);
+    assert_aborts(
+        &out,
+        &["not yet allocated", "cuMemAllocAsync", "cuMemsetD8Async"],
+    );
 }
 
 #[test]
@@ -432,9 +500,18 @@ fn pointer_attributes_know_device_pinned_and_host_memory() {
     let host = [0u8; 8];
     // SAFETY: each call writes one value of the attribute's type.
     unsafe {
-        ck(cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), 9, p + 10), "ordinal");
-        ck(cuPointerGetAttribute((&mut start as *mut u64).cast(), 11, p + 10), "start");
-        ck(cuPointerGetAttribute((&mut size as *mut usize).cast(), 12, p + 10), "size");
+        ck(
+            cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), 9, p + 10),
+            "ordinal",
+        );
+        ck(
+            cuPointerGetAttribute((&mut start as *mut u64).cast(), 11, p + 10),
+            "start",
+        );
+        ck(
+            cuPointerGetAttribute((&mut size as *mut usize).cast(), 12, p + 10),
+            "size",
+        );
         assert_eq!(
             cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), 9, host.as_ptr() as u64),
             CUresult::CUDA_ERROR_INVALID_VALUE,

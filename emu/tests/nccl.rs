@@ -21,7 +21,10 @@ const SUM: i32 = 0;
 fn comms(n: usize) -> Vec<(Comm, CUstream)> {
     let mut c = vec![std::ptr::null_mut(); n];
     // SAFETY: n communicators for devices 0..n.
-    assert_eq!(unsafe { ncclCommInitAll(c.as_mut_ptr(), n as i32, std::ptr::null()) }, 0);
+    assert_eq!(
+        unsafe { ncclCommInitAll(c.as_mut_ptr(), n as i32, std::ptr::null()) },
+        0
+    );
     (0..n)
         .map(|r| {
             use_device(r as i32);
@@ -144,7 +147,10 @@ fn ranks_as_threads_run_rings_and_collectives() {
                     assert_eq!(unsafe { cudaSetDevice(r as i32) }, 0);
                     let mut comm = std::ptr::null_mut();
                     // SAFETY: blocks until all N ranks joined.
-                    assert_eq!(unsafe { ncclCommInitRank(&mut comm, N as i32, id, r as i32) }, 0);
+                    assert_eq!(
+                        unsafe { ncclCommInitRank(&mut comm, N as i32, id, r as i32) },
+                        0
+                    );
                     let mut dev = -1;
                     // SAFETY: writes one int.
                     assert_eq!(unsafe { ncclCommCuDevice(comm, &mut dev) }, 0);
@@ -168,14 +174,30 @@ fn ranks_as_threads_run_rings_and_collectives() {
                     let gathered = alloc(N);
                     // SAFETY: device buffers of this rank; in-place all-reduces.
                     unsafe {
-                        assert_eq!(ncclAllReduce(fbuf as _, fbuf as _, 8, FLOAT32, SUM, comm, s.cast()), 0);
-                        assert_eq!(ncclAllReduce(hbuf as _, hbuf as _, 8, BFLOAT16, SUM, comm, s.cast()), 0);
-                        assert_eq!(ncclAllGather(mine as _, gathered as _, 1, UINT8, comm, s.cast()), 0);
+                        assert_eq!(
+                            ncclAllReduce(fbuf as _, fbuf as _, 8, FLOAT32, SUM, comm, s.cast()),
+                            0
+                        );
+                        assert_eq!(
+                            ncclAllReduce(hbuf as _, hbuf as _, 8, BFLOAT16, SUM, comm, s.cast()),
+                            0
+                        );
+                        assert_eq!(
+                            ncclAllGather(mine as _, gathered as _, 1, UINT8, comm, s.cast()),
+                            0
+                        );
                     }
                     sync(s);
                     let f = download(fbuf, 32);
-                    let floats = f.chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-                    assert_eq!(download(hbuf, 16)[..2], [0x80, 0x40], "bf16 1.0 × 4 ranks = 4.0");
+                    let floats = f
+                        .chunks(4)
+                        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                        .collect();
+                    assert_eq!(
+                        download(hbuf, 16)[..2],
+                        [0x80, 0x40],
+                        "bf16 1.0 × 4 ranks = 4.0"
+                    );
                     // SAFETY: the communicator is idle.
                     assert_eq!(unsafe { ncclCommDestroy(comm) }, 0);
                     (download(theirs, 64), floats, download(gathered, N))
@@ -211,8 +233,19 @@ fn a_truncated_message_aborts_naming_both_ranks() {
         sync(c[1].1);
         return;
     }
-    let out = run_child("a_truncated_message_aborts_naming_both_ranks", "truncated", &[]);
-    assert_aborts(&out, &["message truncated", "rank 0 to rank 1 sends 100 bytes", "receives 96 bytes"]);
+    let out = run_child(
+        "a_truncated_message_aborts_naming_both_ranks",
+        "truncated",
+        &[],
+    );
+    assert_aborts(
+        &out,
+        &[
+            "message truncated",
+            "rank 0 to rank 1 sends 100 bytes",
+            "receives 96 bytes",
+        ],
+    );
 }
 
 #[test]
@@ -247,7 +280,11 @@ fn a_communicator_used_from_two_threads_at_once_aborts() {
             .ok();
         return;
     }
-    let out = run_child("a_communicator_used_from_two_threads_at_once_aborts", "concurrent", &[]);
+    let out = run_child(
+        "a_communicator_used_from_two_threads_at_once_aborts",
+        "concurrent",
+        &[],
+    );
     assert_aborts(&out, &["used concurrently from two threads"]);
 }
 
@@ -266,7 +303,15 @@ fn a_deadlock_is_reported_with_every_pending_operation() {
         "deadlock",
         &[("NCCL_RESHARD_EMU_DEADLOCK_SECONDS", "1")],
     );
-    assert_aborts(&out, &["deadlock", "rank 0: ncclSend", "peer 1, 16 bytes", "active (its stream reached it)"]);
+    assert_aborts(
+        &out,
+        &[
+            "deadlock",
+            "rank 0: ncclSend",
+            "peer 1, 16 bytes",
+            "active (its stream reached it)",
+        ],
+    );
 }
 
 /// An ncclConfig_t header (size, magic, version) with `blocking`.
@@ -311,7 +356,10 @@ fn non_blocking_communicators_must_be_polled() {
     let mut comm = std::ptr::null_mut();
     // SAFETY: a one-rank communicator with a non-blocking config.
     unsafe {
-        assert_eq!(ncclCommInitRankConfig(&mut comm, 1, id, 0, (&mut config as *mut Config).cast()), 7);
+        assert_eq!(
+            ncclCommInitRankConfig(&mut comm, 1, id, 0, (&mut config as *mut Config).cast()),
+            7
+        );
         let mut n = 0;
         assert_eq!(ncclCommCount(comm, &mut n), 4, "unusable while in progress");
         assert!(last_error().contains("before the previous operation returned ncclSuccess"));

@@ -50,7 +50,9 @@ unsafe fn out<T>(ptr: *mut T, value: T) -> Result<(), CudaError> {
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaGetDeviceCount(count: *mut c_int) -> CudaError {
-    rt("cudaGetDeviceCount", || out(count, crate::config::config().devices))
+    rt("cudaGetDeviceCount", || {
+        out(count, crate::config::config().devices)
+    })
 }
 
 #[no_mangle]
@@ -70,7 +72,9 @@ pub unsafe extern "C" fn cudaSetDevice(device: c_int) -> CudaError {
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaGetDevice(device: *mut c_int) -> CudaError {
-    rt("cudaGetDevice", || out(device, cuda(context::current())?.device))
+    rt("cudaGetDevice", || {
+        out(device, cuda(context::current())?.device)
+    })
 }
 
 #[no_mangle]
@@ -84,13 +88,18 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, bytes: usize) -> Cuda
             return out(ptr, std::ptr::null_mut());
         }
         let ctx = cuda(context::current())?;
-        out(ptr, cuda(driver::mem_alloc(&ctx, bytes, "cudaMalloc"))? as *mut c_void)
+        out(
+            ptr,
+            cuda(driver::mem_alloc(&ctx, bytes, "cudaMalloc"))? as *mut c_void,
+        )
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> CudaError {
-    rt("cudaFree", || cuda(driver::mem_free(ptr as u64, "cudaFree", false)))
+    rt("cudaFree", || {
+        cuda(driver::mem_free(ptr as u64, "cudaFree", false))
+    })
 }
 
 #[no_mangle]
@@ -100,18 +109,30 @@ pub unsafe extern "C" fn cudaMallocHost(ptr: *mut *mut c_void, bytes: usize) -> 
             return Err(INVALID_VALUE);
         }
         let ctx = cuda(context::current())?;
-        out(ptr, cuda(driver::host_alloc(&ctx, bytes, "cudaMallocHost"))?)
+        out(
+            ptr,
+            cuda(driver::host_alloc(&ctx, bytes, "cudaMallocHost"))?,
+        )
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaFreeHost(ptr: *mut c_void) -> CudaError {
-    rt("cudaFreeHost", || cuda(driver::mem_free(ptr as u64, "cudaFreeHost", true)))
+    rt("cudaFreeHost", || {
+        cuda(driver::mem_free(ptr as u64, "cudaFreeHost", true))
+    })
 }
 
 /// Endpoints of a cudaMemcpy of `kind` (cudaMemcpyDefault infers them from the table).
-fn endpoints(dst: *mut c_void, src: *const c_void, kind: c_int) -> Result<(Endpoint, Endpoint), CudaError> {
-    let (d, s) = (transfer::classify(dst as u64), transfer::classify(src as u64));
+fn endpoints(
+    dst: *mut c_void,
+    src: *const c_void,
+    kind: c_int,
+) -> Result<(Endpoint, Endpoint), CudaError> {
+    let (d, s) = (
+        transfer::classify(dst as u64),
+        transfer::classify(src as u64),
+    );
     let device = |e: &Endpoint| matches!(e, Endpoint::Device(_));
     let ok = match kind {
         0 => !device(&d) && !device(&s),
@@ -128,7 +149,12 @@ fn endpoints(dst: *mut c_void, src: *const c_void, kind: c_int) -> Result<(Endpo
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaMemcpy(dst: *mut c_void, src: *const c_void, bytes: usize, kind: c_int) -> CudaError {
+pub unsafe extern "C" fn cudaMemcpy(
+    dst: *mut c_void,
+    src: *const c_void,
+    bytes: usize,
+    kind: c_int,
+) -> CudaError {
     rt("cudaMemcpy", || {
         let (d, s) = endpoints(dst, src, kind)?;
         if let (Endpoint::Host(d), Endpoint::Host(s)) = (&d, &s) {
@@ -150,19 +176,37 @@ pub unsafe extern "C" fn cudaMemcpyAsync(
 ) -> CudaError {
     rt("cudaMemcpyAsync", || {
         let (d, s) = endpoints(dst, src, kind)?;
-        cuda(driver::memcpy_async("cudaMemcpyAsync", d, s, bytes as u64, stream.cast()))
+        cuda(driver::memcpy_async(
+            "cudaMemcpyAsync",
+            d,
+            s,
+            bytes as u64,
+            stream.cast(),
+        ))
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaMemset(ptr: *mut c_void, value: c_int, bytes: usize) -> CudaError {
     rt("cudaMemset", || {
-        cuda(driver::memset("cudaMemset", ptr as u64, value as u8 as u32, 1, bytes as u64, None))
+        cuda(driver::memset(
+            "cudaMemset",
+            ptr as u64,
+            value as u8 as u32,
+            1,
+            bytes as u64,
+            None,
+        ))
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaMemsetAsync(ptr: *mut c_void, value: c_int, bytes: usize, stream: *mut c_void) -> CudaError {
+pub unsafe extern "C" fn cudaMemsetAsync(
+    ptr: *mut c_void,
+    value: c_int,
+    bytes: usize,
+    stream: *mut c_void,
+) -> CudaError {
     rt("cudaMemsetAsync", || {
         cuda(driver::memset(
             "cudaMemsetAsync",
@@ -181,7 +225,10 @@ pub unsafe extern "C" fn cudaStreamCreate(ps: *mut *mut c_void) -> CudaError {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaStreamCreateWithFlags(ps: *mut *mut c_void, flags: c_uint) -> CudaError {
+pub unsafe extern "C" fn cudaStreamCreateWithFlags(
+    ps: *mut *mut c_void,
+    flags: c_uint,
+) -> CudaError {
     rt("cudaStreamCreateWithFlags", || {
         if ps.is_null() {
             return Err(INVALID_VALUE);
@@ -197,7 +244,9 @@ pub unsafe extern "C" fn cudaStreamDestroy(s: *mut c_void) -> CudaError {
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaStreamSynchronize(s: *mut c_void) -> CudaError {
-    rt("cudaStreamSynchronize", || cuda(driver::stream_synchronize(s.cast())))
+    rt("cudaStreamSynchronize", || {
+        cuda(driver::stream_synchronize(s.cast()))
+    })
 }
 
 #[no_mangle]
@@ -206,15 +255,21 @@ pub unsafe extern "C" fn cudaStreamQuery(s: *mut c_void) -> CudaError {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaStreamWaitEvent(s: *mut c_void, e: *mut c_void, flags: c_uint) -> CudaError {
+pub unsafe extern "C" fn cudaStreamWaitEvent(
+    s: *mut c_void,
+    e: *mut c_void,
+    flags: c_uint,
+) -> CudaError {
     rt("cudaStreamWaitEvent", || {
-        cuda(errors::err::<()>(driver::cuStreamWaitEvent(s.cast(), e.cast(), flags)).or_else(|e| {
-            if e.0 == CUresult::CUDA_SUCCESS {
-                Ok(())
-            } else {
-                Err(e)
-            }
-        }))
+        cuda(
+            errors::err::<()>(driver::cuStreamWaitEvent(s.cast(), e.cast(), flags)).or_else(|e| {
+                if e.0 == CUresult::CUDA_SUCCESS {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            }),
+        )
     })
 }
 
@@ -232,7 +287,10 @@ pub unsafe extern "C" fn cudaEventCreate(pe: *mut *mut c_void) -> CudaError {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaEventCreateWithFlags(pe: *mut *mut c_void, flags: c_uint) -> CudaError {
+pub unsafe extern "C" fn cudaEventCreateWithFlags(
+    pe: *mut *mut c_void,
+    flags: c_uint,
+) -> CudaError {
     rt("cudaEventCreateWithFlags", || {
         if pe.is_null() {
             return Err(INVALID_VALUE);
@@ -250,7 +308,9 @@ pub unsafe extern "C" fn cudaEventRecord(e: *mut c_void, s: *mut c_void) -> Cuda
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaEventQuery(e: *mut c_void) -> CudaError {
-    rt("cudaEventQuery", || cuda(event::get(e as usize).and_then(|e| event::query(&e))))
+    rt("cudaEventQuery", || {
+        cuda(event::get(e as usize).and_then(|e| event::query(&e)))
+    })
 }
 
 #[no_mangle]
@@ -261,11 +321,16 @@ pub unsafe extern "C" fn cudaEventSynchronize(e: *mut c_void) -> CudaError {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaEventElapsedTime(ms: *mut f32, start: *mut c_void, end: *mut c_void) -> CudaError {
+pub unsafe extern "C" fn cudaEventElapsedTime(
+    ms: *mut f32,
+    start: *mut c_void,
+    end: *mut c_void,
+) -> CudaError {
     rt("cudaEventElapsedTime", || {
-        let t = cuda(event::get(start as usize).and_then(|a| {
-            event::get(end as usize).and_then(|b| event::elapsed(&a, &b))
-        }))?;
+        let t = cuda(
+            event::get(start as usize)
+                .and_then(|a| event::get(end as usize).and_then(|b| event::elapsed(&a, &b))),
+        )?;
         out(ms, t)
     })
 }
@@ -283,7 +348,10 @@ pub unsafe extern "C" fn cudaStreamBeginCapture(s: *mut c_void, mode: c_uint) ->
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaStreamEndCapture(s: *mut c_void, graph: *mut *mut c_void) -> CudaError {
+pub unsafe extern "C" fn cudaStreamEndCapture(
+    s: *mut c_void,
+    graph: *mut *mut c_void,
+) -> CudaError {
     rt("cudaStreamEndCapture", || {
         if graph.is_null() {
             return Err(INVALID_VALUE);
@@ -295,7 +363,11 @@ pub unsafe extern "C" fn cudaStreamEndCapture(s: *mut c_void, graph: *mut *mut c
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaGraphInstantiate(exec: *mut *mut c_void, g: *mut c_void, flags: u64) -> CudaError {
+pub unsafe extern "C" fn cudaGraphInstantiate(
+    exec: *mut *mut c_void,
+    g: *mut c_void,
+    flags: u64,
+) -> CudaError {
     rt("cudaGraphInstantiate", || {
         if flags != 0 {
             return Err(errors::runtime_code(
@@ -310,9 +382,10 @@ pub unsafe extern "C" fn cudaGraphInstantiate(exec: *mut *mut c_void, g: *mut c_
 #[no_mangle]
 pub unsafe extern "C" fn cudaGraphLaunch(exec: *mut c_void, s: *mut c_void) -> CudaError {
     rt("cudaGraphLaunch", || {
-        cuda(graph::get_exec(exec as usize).and_then(|e| {
-            stream::resolve(s as usize).and_then(|s| graph::launch(&e, &s))
-        }))
+        cuda(
+            graph::get_exec(exec as usize)
+                .and_then(|e| stream::resolve(s as usize).and_then(|s| graph::launch(&e, &s))),
+        )
     })
 }
 
@@ -323,7 +396,9 @@ pub unsafe extern "C" fn cudaGraphDestroy(g: *mut c_void) -> CudaError {
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaGraphExecDestroy(exec: *mut c_void) -> CudaError {
-    rt("cudaGraphExecDestroy", || cuda(graph::destroy_exec(exec as usize)))
+    rt("cudaGraphExecDestroy", || {
+        cuda(graph::destroy_exec(exec as usize))
+    })
 }
 
 #[no_mangle]
@@ -387,7 +462,10 @@ pub struct CudaPointerAttributes {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaPointerGetAttributes(attrs: *mut CudaPointerAttributes, ptr: *const c_void) -> CudaError {
+pub unsafe extern "C" fn cudaPointerGetAttributes(
+    attrs: *mut CudaPointerAttributes,
+    ptr: *const c_void,
+) -> CudaError {
     rt("cudaPointerGetAttributes", || {
         if attrs.is_null() {
             return Err(INVALID_VALUE);
@@ -401,7 +479,11 @@ pub unsafe extern "C" fn cudaPointerGetAttributes(attrs: *mut CudaPointerAttribu
                     memory_type: if host { 1 } else { 2 },
                     device,
                     device_pointer: ptr as *mut c_void,
-                    host_pointer: if host { ptr as *mut c_void } else { std::ptr::null_mut() },
+                    host_pointer: if host {
+                        ptr as *mut c_void
+                    } else {
+                        std::ptr::null_mut()
+                    },
                 }
             }
             None if memory::is_device_range(ptr as u64) => return Err(INVALID_VALUE),
@@ -419,7 +501,11 @@ pub unsafe extern "C" fn cudaPointerGetAttributes(attrs: *mut CudaPointerAttribu
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cudaDeviceGetAttribute(value: *mut c_int, attr: c_uint, device: c_int) -> CudaError {
+pub unsafe extern "C" fn cudaDeviceGetAttribute(
+    value: *mut c_int,
+    attr: c_uint,
+    device: c_int,
+) -> CudaError {
     rt("cudaDeviceGetAttribute", || {
         // cudaDeviceAttr values are CUdevice_attribute's.
         out(value, cuda(crate::device::attribute(attr, device))?)

@@ -17,9 +17,9 @@ use crate::pool;
 use crate::stream::{self, Work};
 use crate::transfer::{self, Endpoint};
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdeviceptr, CUevent, CUfunction, CUgraph, CUgraphExec, CUgraphNode,
-    CUhostFn, CUmemoryPool, CUmodule, CUresult, CUstream, CUctxCreateParams, CUmemPoolProps,
-    CUpointer_attribute as PA, CUfunction_attribute as FA,
+    CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUevent, CUfunction,
+    CUfunction_attribute as FA, CUgraph, CUgraphExec, CUgraphNode, CUhostFn, CUmemPoolProps,
+    CUmemoryPool, CUmodule, CUpointer_attribute as PA, CUresult, CUstream,
 };
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::Arc;
@@ -106,8 +106,14 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetAttribute(value: *mut c_int, attrib: c_uint, dev: CUdevice) -> CUresult {
-    cu_init("cuDeviceGetAttribute", || put(value, device::attribute(attrib, dev)?))
+pub unsafe extern "C" fn cuDeviceGetAttribute(
+    value: *mut c_int,
+    attrib: c_uint,
+    dev: CUdevice,
+) -> CUresult {
+    cu_init("cuDeviceGetAttribute", || {
+        put(value, device::attribute(attrib, dev)?)
+    })
 }
 
 #[no_mangle]
@@ -150,7 +156,9 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
-    cu_init("cuDevicePrimaryCtxRelease_v2", || context::release_primary(dev))
+    cu_init("cuDevicePrimaryCtxRelease_v2", || {
+        context::release_primary(dev)
+    })
 }
 
 #[no_mangle]
@@ -159,7 +167,11 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> CUresult {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut c_uint, active: *mut c_int) -> CUresult {
+pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
+    dev: CUdevice,
+    flags: *mut c_uint,
+    active: *mut c_int,
+) -> CUresult {
     cu_init("cuDevicePrimaryCtxGetState", || {
         let (_, on) = context::primary_state(dev)?;
         put(flags, 0)?;
@@ -168,7 +180,11 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut c
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: c_uint, dev: CUdevice) -> CUresult {
+pub unsafe extern "C" fn cuCtxCreate_v2(
+    pctx: *mut CUcontext,
+    flags: c_uint,
+    dev: CUdevice,
+) -> CUresult {
     cu_init("cuCtxCreate_v2", || {
         if pctx.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -189,9 +205,12 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
 ) -> CUresult {
     if !params.is_null() {
         let p = &*params;
-        if !p.execAffinityParams.is_null() || p.numExecAffinityParams != 0 || !p.cigParams.is_null() {
+        if !p.execAffinityParams.is_null() || p.numExecAffinityParams != 0 || !p.cigParams.is_null()
+        {
             return cu("cuCtxCreate_v4", || {
-                Err(not_supported("cuCtxCreate_v4 with execution affinity or CIG parameters"))
+                Err(not_supported(
+                    "cuCtxCreate_v4 with execution affinity or CIG parameters",
+                ))
             });
         }
     }
@@ -258,7 +277,9 @@ pub fn synchronize_context(ctx: &Context) -> CuResult<()> {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
-    cu_init("cuCtxSynchronize", || synchronize_context(&*context::current()?))
+    cu_init("cuCtxSynchronize", || {
+        synchronize_context(&*context::current()?)
+    })
 }
 
 // ---- memory ----
@@ -291,7 +312,10 @@ pub fn mem_free(ptr: u64, api: &str, host: bool) -> CuResult<()> {
         .filter(|a| a.base == ptr && (a.place == Place::Host) == host)
         .ok_or_else(|| {
             let problem = match memory::find(ptr) {
-                Some(a) => format!("not the start of an allocation of that kind; {}", a.describe()),
+                Some(a) => format!(
+                    "not the start of an allocation of that kind; {}",
+                    a.describe()
+                ),
                 None => "no allocation starts here".into(),
             };
             diag::strict(
@@ -344,12 +368,20 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 /// cuMemHostAlloc's body, shared with cudaMallocHost.
 pub fn host_alloc(ctx: &Context, bytes: usize, api: &str) -> CuResult<*mut c_void> {
     capture::check_unsafe_call(api)?;
-    let a = memory::alloc_host(ctx.handle, bytes.max(1) as u64, format!("{api} ({bytes} bytes)"))?;
+    let a = memory::alloc_host(
+        ctx.handle,
+        bytes.max(1) as u64,
+        format!("{api} ({bytes} bytes)"),
+    )?;
     Ok(a.base as *mut c_void)
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, bytes: usize, _flags: c_uint) -> CUresult {
+pub unsafe extern "C" fn cuMemHostAlloc(
+    pp: *mut *mut c_void,
+    bytes: usize,
+    _flags: c_uint,
+) -> CUresult {
     cu_init("cuMemHostAlloc", || {
         if pp.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -366,11 +398,17 @@ pub unsafe extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytes: usize) -
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
-    cu_init("cuMemFreeHost", || mem_free(p as u64, "cuMemFreeHost", true))
+    cu_init("cuMemFreeHost", || {
+        mem_free(p as u64, "cuMemFreeHost", true)
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(pdptr: *mut CUdeviceptr, p: *mut c_void, flags: c_uint) -> CUresult {
+pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(
+    pdptr: *mut CUdeviceptr,
+    p: *mut c_void,
+    flags: c_uint,
+) -> CUresult {
     cu_init("cuMemHostGetDevicePointer_v2", || {
         if flags != 0 {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -383,7 +421,11 @@ pub unsafe extern "C" fn cuMemHostGetDevicePointer_v2(pdptr: *mut CUdeviceptr, p
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attribute: c_uint, ptr: CUdeviceptr) -> CUresult {
+pub unsafe extern "C" fn cuPointerGetAttribute(
+    data: *mut c_void,
+    attribute: c_uint,
+    ptr: CUdeviceptr,
+) -> CUresult {
     cu_init("cuPointerGetAttribute", || {
         if data.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -397,7 +439,10 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attribute: c_u
         if is(PA::CU_POINTER_ATTRIBUTE_CONTEXT) {
             put(data.cast::<CUcontext>(), ctx_handle(&ctx))
         } else if is(PA::CU_POINTER_ATTRIBUTE_MEMORY_TYPE) {
-            put(data.cast::<c_uint>(), if a.place == Place::Host { 1 } else { 2 })
+            put(
+                data.cast::<c_uint>(),
+                if a.place == Place::Host { 1 } else { 2 },
+            )
         } else if is(PA::CU_POINTER_ATTRIBUTE_DEVICE_POINTER) {
             put(data.cast::<CUdeviceptr>(), ptr)
         } else if is(PA::CU_POINTER_ATTRIBUTE_HOST_POINTER) {
@@ -415,7 +460,9 @@ pub unsafe extern "C" fn cuPointerGetAttribute(data: *mut c_void, attribute: c_u
         } else if is(PA::CU_POINTER_ATTRIBUTE_IS_MANAGED) {
             put(data.cast::<c_uint>(), 0)
         } else {
-            Err(not_supported(format_args!("cuPointerGetAttribute(attribute {attribute})")))
+            Err(not_supported(format_args!(
+                "cuPointerGetAttribute(attribute {attribute})"
+            )))
         }
     })
 }
@@ -434,7 +481,12 @@ fn check_endpoint(api: &str, what: &str, e: &Endpoint, bytes: u64) -> CuResult<(
 /// device the call returns once the bytes are staged and the legacy stream has reached the copy;
 /// the device write itself lands later (transfer::PageableWrite). Copies to the host return when
 /// done; device-to-device copies return at once, as CUDA documents.
-pub unsafe fn memcpy_sync(api: &'static str, dst: Endpoint, src: Endpoint, bytes: u64) -> CuResult<()> {
+pub unsafe fn memcpy_sync(
+    api: &'static str,
+    dst: Endpoint,
+    src: Endpoint,
+    bytes: u64,
+) -> CuResult<()> {
     capture::check_unsafe_call(api)?;
     let ctx = context::current()?;
     check_endpoint(api, "dst", &dst, bytes)?;
@@ -464,11 +516,27 @@ pub unsafe fn memcpy_sync(api: &'static str, dst: Endpoint, src: Endpoint, bytes
             started.wait();
         }
         (Endpoint::Device(_), Endpoint::Device(_)) => {
-            legacy.enqueue(Work::Copy(Arc::new(transfer::Copy { api, dst, src, bytes })), Vec::new());
+            legacy.enqueue(
+                Work::Copy(Arc::new(transfer::Copy {
+                    api,
+                    dst,
+                    src,
+                    bytes,
+                })),
+                Vec::new(),
+            );
         }
         _ => {
             legacy
-                .enqueue(Work::Copy(Arc::new(transfer::Copy { api, dst, src, bytes })), Vec::new())
+                .enqueue(
+                    Work::Copy(Arc::new(transfer::Copy {
+                        api,
+                        dst,
+                        src,
+                        bytes,
+                    })),
+                    Vec::new(),
+                )
                 .wait();
         }
     }
@@ -478,7 +546,13 @@ pub unsafe fn memcpy_sync(api: &'static str, dst: Endpoint, src: Endpoint, bytes
 /// An asynchronous copy on `stream`. Pageable source bytes are staged at the call (as the
 /// driver does); a copy into pageable host memory returns only when done (CUDA: it is
 /// synchronous); pinned and device memory are read and written when the stream gets there.
-pub unsafe fn memcpy_async(api: &'static str, dst: Endpoint, src: Endpoint, bytes: u64, stream: CUstream) -> CuResult<()> {
+pub unsafe fn memcpy_async(
+    api: &'static str,
+    dst: Endpoint,
+    src: Endpoint,
+    bytes: u64,
+    stream: CUstream,
+) -> CuResult<()> {
     let s = stream::resolve(stream as usize)?;
     check_endpoint(api, "dst", &dst, bytes)?;
     check_endpoint(api, "src", &src, bytes)?;
@@ -491,7 +565,12 @@ pub unsafe fn memcpy_async(api: &'static str, dst: Endpoint, src: Endpoint, byte
         other => other,
     };
     let to_pageable = matches!(dst, Endpoint::Host(_));
-    let work = Work::Copy(Arc::new(transfer::Copy { api, dst, src, bytes }));
+    let work = Work::Copy(Arc::new(transfer::Copy {
+        api,
+        dst,
+        src,
+        bytes,
+    }));
     if to_pageable && !capturing {
         if s.kind == stream::StreamKind::Legacy {
             capture::check_legacy_use(&s.context)?;
@@ -503,66 +582,155 @@ pub unsafe fn memcpy_async(api: &'static str, dst: Endpoint, src: Endpoint, byte
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyHtoD_v2(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    bytes: usize,
+) -> CUresult {
     cu_init("cuMemcpyHtoD_v2", || {
-        memcpy_sync("cuMemcpyHtoD_v2", Endpoint::Device(dst), transfer::classify(src as u64), bytes as u64)
+        memcpy_sync(
+            "cuMemcpyHtoD_v2",
+            Endpoint::Device(dst),
+            transfer::classify(src as u64),
+            bytes as u64,
+        )
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyDtoH_v2(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    bytes: usize,
+) -> CUresult {
     cu_init("cuMemcpyDtoH_v2", || {
-        memcpy_sync("cuMemcpyDtoH_v2", transfer::classify(dst as u64), Endpoint::Device(src), bytes as u64)
+        memcpy_sync(
+            "cuMemcpyDtoH_v2",
+            transfer::classify(dst as u64),
+            Endpoint::Device(src),
+            bytes as u64,
+        )
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyDtoD_v2(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: usize,
+) -> CUresult {
     cu_init("cuMemcpyDtoD_v2", || {
-        memcpy_sync("cuMemcpyDtoD_v2", Endpoint::Device(dst), Endpoint::Device(src), bytes as u64)
+        memcpy_sync(
+            "cuMemcpyDtoD_v2",
+            Endpoint::Device(dst),
+            Endpoint::Device(src),
+            bytes as u64,
+        )
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize) -> CUresult {
     cu_init("cuMemcpy", || {
-        memcpy_sync("cuMemcpy", transfer::classify(dst), transfer::classify(src), bytes as u64)
+        memcpy_sync(
+            "cuMemcpy",
+            transfer::classify(dst),
+            transfer::classify(src),
+            bytes as u64,
+        )
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, bytes: usize, stream: CUstream) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    bytes: usize,
+    stream: CUstream,
+) -> CUresult {
     cu_init("cuMemcpyHtoDAsync_v2", || {
-        memcpy_async("cuMemcpyHtoDAsync_v2", Endpoint::Device(dst), transfer::classify(src as u64), bytes as u64, stream)
+        memcpy_async(
+            "cuMemcpyHtoDAsync_v2",
+            Endpoint::Device(dst),
+            transfer::classify(src as u64),
+            bytes as u64,
+            stream,
+        )
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, bytes: usize, stream: CUstream) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+) -> CUresult {
     cu_init("cuMemcpyDtoHAsync_v2", || {
-        memcpy_async("cuMemcpyDtoHAsync_v2", transfer::classify(dst as u64), Endpoint::Device(src), bytes as u64, stream)
+        memcpy_async(
+            "cuMemcpyDtoHAsync_v2",
+            transfer::classify(dst as u64),
+            Endpoint::Device(src),
+            bytes as u64,
+            stream,
+        )
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize, stream: CUstream) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+) -> CUresult {
     cu_init("cuMemcpyDtoDAsync_v2", || {
-        memcpy_async("cuMemcpyDtoDAsync_v2", Endpoint::Device(dst), Endpoint::Device(src), bytes as u64, stream)
+        memcpy_async(
+            "cuMemcpyDtoDAsync_v2",
+            Endpoint::Device(dst),
+            Endpoint::Device(src),
+            bytes as u64,
+            stream,
+        )
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemcpyAsync(dst: CUdeviceptr, src: CUdeviceptr, bytes: usize, stream: CUstream) -> CUresult {
+pub unsafe extern "C" fn cuMemcpyAsync(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    bytes: usize,
+    stream: CUstream,
+) -> CUresult {
     cu_init("cuMemcpyAsync", || {
-        memcpy_async("cuMemcpyAsync", transfer::classify(dst), transfer::classify(src), bytes as u64, stream)
+        memcpy_async(
+            "cuMemcpyAsync",
+            transfer::classify(dst),
+            transfer::classify(src),
+            bytes as u64,
+            stream,
+        )
     })
 }
 
 /// A memset; `stream` None is the synchronous form (legacy stream, returns at once as CUDA's
 /// device memsets do).
-pub fn memset(api: &'static str, dst: u64, value: u32, element: u64, count: u64, stream: Option<CUstream>) -> CuResult<()> {
+pub fn memset(
+    api: &'static str,
+    dst: u64,
+    value: u32,
+    element: u64,
+    count: u64,
+    stream: Option<CUstream>,
+) -> CuResult<()> {
     transfer::check_range(api, "dst", dst, element * count)?;
-    let work = Work::Memset(Arc::new(transfer::Memset { api, dst, value, element, count }));
+    let work = Work::Memset(Arc::new(transfer::Memset {
+        api,
+        dst,
+        value,
+        element,
+        count,
+    }));
     match stream {
         Some(s) => stream::submit(&stream::resolve(s as usize)?, work),
         None => {
@@ -577,22 +745,54 @@ pub fn memset(api: &'static str, dst: u64, value: u32, element: u64, count: u64,
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemsetD8_v2(dst: CUdeviceptr, value: u8, count: usize) -> CUresult {
-    cu_init("cuMemsetD8_v2", || memset("cuMemsetD8_v2", dst, value as u32, 1, count as u64, None))
+    cu_init("cuMemsetD8_v2", || {
+        memset("cuMemsetD8_v2", dst, value as u32, 1, count as u64, None)
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemsetD32_v2(dst: CUdeviceptr, value: c_uint, count: usize) -> CUresult {
-    cu_init("cuMemsetD32_v2", || memset("cuMemsetD32_v2", dst, value, 4, count as u64, None))
+    cu_init("cuMemsetD32_v2", || {
+        memset("cuMemsetD32_v2", dst, value, 4, count as u64, None)
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemsetD8Async(dst: CUdeviceptr, value: u8, count: usize, stream: CUstream) -> CUresult {
-    cu_init("cuMemsetD8Async", || memset("cuMemsetD8Async", dst, value as u32, 1, count as u64, Some(stream)))
+pub unsafe extern "C" fn cuMemsetD8Async(
+    dst: CUdeviceptr,
+    value: u8,
+    count: usize,
+    stream: CUstream,
+) -> CUresult {
+    cu_init("cuMemsetD8Async", || {
+        memset(
+            "cuMemsetD8Async",
+            dst,
+            value as u32,
+            1,
+            count as u64,
+            Some(stream),
+        )
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemsetD32Async(dst: CUdeviceptr, value: c_uint, count: usize, stream: CUstream) -> CUresult {
-    cu_init("cuMemsetD32Async", || memset("cuMemsetD32Async", dst, value, 4, count as u64, Some(stream)))
+pub unsafe extern "C" fn cuMemsetD32Async(
+    dst: CUdeviceptr,
+    value: c_uint,
+    count: usize,
+    stream: CUstream,
+) -> CUresult {
+    cu_init("cuMemsetD32Async", || {
+        memset(
+            "cuMemsetD32Async",
+            dst,
+            value,
+            4,
+            count as u64,
+            Some(stream),
+        )
+    })
 }
 
 // ---- streams ----
@@ -603,7 +803,11 @@ pub unsafe extern "C" fn cuStreamCreate(ph: *mut CUstream, flags: c_uint) -> CUr
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuStreamCreateWithPriority(ph: *mut CUstream, flags: c_uint, priority: c_int) -> CUresult {
+pub unsafe extern "C" fn cuStreamCreateWithPriority(
+    ph: *mut CUstream,
+    flags: c_uint,
+    priority: c_int,
+) -> CUresult {
     cu_init("cuStreamCreate", || {
         if ph.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -655,7 +859,9 @@ pub unsafe extern "C" fn cuStreamQuery(h: CUstream) -> CUresult {
 pub unsafe extern "C" fn cuStreamWaitEvent(h: CUstream, ev: CUevent, flags: c_uint) -> CUresult {
     cu_init("cuStreamWaitEvent", || {
         if flags != 0 {
-            return Err(not_supported(format_args!("cuStreamWaitEvent flags {flags:#x}")));
+            return Err(not_supported(format_args!(
+                "cuStreamWaitEvent flags {flags:#x}"
+            )));
         }
         event::wait(h as usize, &event::get(ev as usize)?)
     })
@@ -663,7 +869,9 @@ pub unsafe extern "C" fn cuStreamWaitEvent(h: CUstream, ev: CUevent, flags: c_ui
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamGetFlags(h: CUstream, flags: *mut c_uint) -> CUresult {
-    cu_init("cuStreamGetFlags", || put(flags, stream::resolve(h as usize)?.flags))
+    cu_init("cuStreamGetFlags", || {
+        put(flags, stream::resolve(h as usize)?.flags)
+    })
 }
 
 #[no_mangle]
@@ -674,12 +882,22 @@ pub unsafe extern "C" fn cuStreamGetCtx(h: CUstream, pctx: *mut CUcontext) -> CU
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuLaunchHostFunc(h: CUstream, func: CUhostFn, data: *mut c_void) -> CUresult {
+pub unsafe extern "C" fn cuLaunchHostFunc(
+    h: CUstream,
+    func: CUhostFn,
+    data: *mut c_void,
+) -> CUresult {
     cu_init("cuLaunchHostFunc", || {
         let Some(func) = func else {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         };
-        stream::submit(&stream::resolve(h as usize)?, Work::HostFunc { func, data: data as usize })
+        stream::submit(
+            &stream::resolve(h as usize)?,
+            Work::HostFunc {
+                func,
+                data: data as usize,
+            },
+        )
     })
 }
 
@@ -697,14 +915,22 @@ pub unsafe extern "C" fn cuEventCreate(ph: *mut CUevent, flags: c_uint) -> CUres
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventRecord(ev: CUevent, h: CUstream) -> CUresult {
-    cu_init("cuEventRecord", || event::record(&event::get(ev as usize)?, h as usize))
+    cu_init("cuEventRecord", || {
+        event::record(&event::get(ev as usize)?, h as usize)
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuEventRecordWithFlags(ev: CUevent, h: CUstream, flags: c_uint) -> CUresult {
+pub unsafe extern "C" fn cuEventRecordWithFlags(
+    ev: CUevent,
+    h: CUstream,
+    flags: c_uint,
+) -> CUresult {
     if flags != 0 {
         return cu("cuEventRecordWithFlags", || {
-            Err(not_supported(format_args!("cuEventRecordWithFlags flags {flags:#x}")))
+            Err(not_supported(format_args!(
+                "cuEventRecordWithFlags flags {flags:#x}"
+            )))
         });
     }
     cuEventRecord(ev, h)
@@ -717,16 +943,25 @@ pub unsafe extern "C" fn cuEventQuery(ev: CUevent) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventSynchronize(ev: CUevent) -> CUresult {
-    cu_init("cuEventSynchronize", || event::synchronize(&*event::get(ev as usize)?))
+    cu_init("cuEventSynchronize", || {
+        event::synchronize(&*event::get(ev as usize)?)
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent) -> CUresult {
+pub unsafe extern "C" fn cuEventElapsedTime(
+    ms: *mut f32,
+    start: CUevent,
+    end: CUevent,
+) -> CUresult {
     cu_init("cuEventElapsedTime", || {
         if ms.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        put(ms, event::elapsed(&*event::get(start as usize)?, &*event::get(end as usize)?)?)
+        put(
+            ms,
+            event::elapsed(&*event::get(start as usize)?, &*event::get(end as usize)?)?,
+        )
     })
 }
 
@@ -739,7 +974,9 @@ pub unsafe extern "C" fn cuEventDestroy_v2(ev: CUevent) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamBeginCapture_v2(h: CUstream, mode: c_uint) -> CUresult {
-    cu_init("cuStreamBeginCapture_v2", || capture::begin(&stream::resolve(h as usize)?, mode))
+    cu_init("cuStreamBeginCapture_v2", || {
+        capture::begin(&stream::resolve(h as usize)?, mode)
+    })
 }
 
 /// cuStreamEndCapture's body: a graph handle (NULL when the capture failed).
@@ -775,7 +1012,11 @@ pub unsafe extern "C" fn cuStreamIsCapturing(h: CUstream, status: *mut c_uint) -
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuStreamGetCaptureInfo(h: CUstream, status: *mut c_uint, id: *mut u64) -> CUresult {
+pub unsafe extern "C" fn cuStreamGetCaptureInfo(
+    h: CUstream,
+    status: *mut c_uint,
+    id: *mut u64,
+) -> CUresult {
     cu_init("cuStreamGetCaptureInfo", || {
         let s = stream::resolve(h as usize)?;
         let (st, cid) = capture::status(&s);
@@ -798,7 +1039,9 @@ pub unsafe extern "C" fn cuStreamGetCaptureInfo_v2(
 ) -> CUresult {
     if !graph.is_null() || !deps.is_null() || !ndeps.is_null() {
         return cu("cuStreamGetCaptureInfo_v2", || {
-            Err(not_supported("cuStreamGetCaptureInfo's graph and dependency outputs"))
+            Err(not_supported(
+                "cuStreamGetCaptureInfo's graph and dependency outputs",
+            ))
         });
     }
     cuStreamGetCaptureInfo(h, status, id)
@@ -834,12 +1077,21 @@ pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_uint) ->
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuGraphInstantiateWithFlags(exec: *mut CUgraphExec, g: CUgraph, flags: u64) -> CUresult {
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
+    exec: *mut CUgraphExec,
+    g: CUgraph,
+    flags: u64,
+) -> CUresult {
     cu_init("cuGraphInstantiateWithFlags", || {
         if flags != 0 {
-            return Err(not_supported(format_args!("cuGraphInstantiateWithFlags flags {flags:#x}")));
+            return Err(not_supported(format_args!(
+                "cuGraphInstantiateWithFlags flags {flags:#x}"
+            )));
         }
-        put(exec, graph::instantiate(&*graph::get(g as usize)?).handle as CUgraphExec)
+        put(
+            exec,
+            graph::instantiate(&*graph::get(g as usize)?).handle as CUgraphExec,
+        )
     })
 }
 
@@ -863,7 +1115,10 @@ pub unsafe extern "C" fn cuGraphInstantiate_v2(
 #[no_mangle]
 pub unsafe extern "C" fn cuGraphLaunch(exec: CUgraphExec, h: CUstream) -> CUresult {
     cu_init("cuGraphLaunch", || {
-        graph::launch(&graph::get_exec(exec as usize)?, &stream::resolve(h as usize)?)
+        graph::launch(
+            &graph::get_exec(exec as usize)?,
+            &stream::resolve(h as usize)?,
+        )
     })
 }
 
@@ -878,10 +1133,16 @@ pub unsafe extern "C" fn cuGraphExecDestroy(exec: CUgraphExec) -> CUresult {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuGraphGetNodes(g: CUgraph, nodes: *mut CUgraphNode, count: *mut usize) -> CUresult {
+pub unsafe extern "C" fn cuGraphGetNodes(
+    g: CUgraph,
+    nodes: *mut CUgraphNode,
+    count: *mut usize,
+) -> CUresult {
     cu_init("cuGraphGetNodes", || {
         if !nodes.is_null() {
-            return Err(not_supported("cuGraphGetNodes with a node array (only the count is)"));
+            return Err(not_supported(
+                "cuGraphGetNodes with a node array (only the count is)",
+            ));
         }
         put(count, graph::node_count(&*graph::get(g as usize)?))
     })
@@ -890,43 +1151,66 @@ pub unsafe extern "C" fn cuGraphGetNodes(g: CUgraph, nodes: *mut CUgraphNode, co
 // ---- stream-ordered memory ----
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, bytes: usize, h: CUstream) -> CUresult {
+pub unsafe extern "C" fn cuMemAllocAsync(
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+    h: CUstream,
+) -> CUresult {
     cu_init("cuMemAllocAsync", || {
         if dptr.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
         let s = stream::resolve(h as usize)?;
         let p = pool::default_pool(s.context.device)?;
-        put(dptr, pool::alloc_async(&p, bytes as u64, &s, "cuMemAllocAsync")?)
+        put(
+            dptr,
+            pool::alloc_async(&p, bytes as u64, &s, "cuMemAllocAsync")?,
+        )
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, bytes: usize, p: CUmemoryPool, h: CUstream) -> CUresult {
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+    p: CUmemoryPool,
+    h: CUstream,
+) -> CUresult {
     cu_init("cuMemAllocFromPoolAsync", || {
         if dptr.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
         let s = stream::resolve(h as usize)?;
         let p = pool::get(p as usize)?;
-        put(dptr, pool::alloc_async(&p, bytes as u64, &s, "cuMemAllocFromPoolAsync")?)
+        put(
+            dptr,
+            pool::alloc_async(&p, bytes as u64, &s, "cuMemAllocFromPoolAsync")?,
+        )
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, h: CUstream) -> CUresult {
-    cu_init("cuMemFreeAsync", || pool::free_async(dptr, &stream::resolve(h as usize)?))
+    cu_init("cuMemFreeAsync", || {
+        pool::free_async(dptr, &stream::resolve(h as usize)?)
+    })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(p: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
+pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(
+    p: *mut CUmemoryPool,
+    dev: CUdevice,
+) -> CUresult {
     cu_init("cuDeviceGetDefaultMemPool", || {
         put(p, pool::default_pool(dev)?.handle as CUmemoryPool)
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemPoolCreate(p: *mut CUmemoryPool, props: *const CUmemPoolProps) -> CUresult {
+pub unsafe extern "C" fn cuMemPoolCreate(
+    p: *mut CUmemoryPool,
+    props: *const CUmemPoolProps,
+) -> CUresult {
     cu_init("cuMemPoolCreate", || {
         if p.is_null() || props.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -934,7 +1218,9 @@ pub unsafe extern "C" fn cuMemPoolCreate(p: *mut CUmemoryPool, props: *const CUm
         let props = &*props;
         // Only device-local pinned pools: allocType PINNED (1), location DEVICE (1).
         if props.allocType as u32 != 1 || props.location.type_ as u32 != 1 {
-            return Err(not_supported("cuMemPoolCreate for other than a device-local pinned pool"));
+            return Err(not_supported(
+                "cuMemPoolCreate for other than a device-local pinned pool",
+            ));
         }
         put(p, pool::create(props.location.id)?.handle as CUmemoryPool)
     })
@@ -959,7 +1245,11 @@ fn int_attribute(attr: c_uint) -> bool {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemPoolSetAttribute(p: CUmemoryPool, attr: c_uint, value: *mut c_void) -> CUresult {
+pub unsafe extern "C" fn cuMemPoolSetAttribute(
+    p: CUmemoryPool,
+    attr: c_uint,
+    value: *mut c_void,
+) -> CUresult {
     cu_init("cuMemPoolSetAttribute", || {
         if value.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -974,7 +1264,11 @@ pub unsafe extern "C" fn cuMemPoolSetAttribute(p: CUmemoryPool, attr: c_uint, va
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuMemPoolGetAttribute(p: CUmemoryPool, attr: c_uint, value: *mut c_void) -> CUresult {
+pub unsafe extern "C" fn cuMemPoolGetAttribute(
+    p: CUmemoryPool,
+    attr: c_uint,
+    value: *mut c_void,
+) -> CUresult {
     cu_init("cuMemPoolGetAttribute", || {
         if value.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
@@ -1006,7 +1300,10 @@ pub unsafe extern "C" fn cuModuleLoadData(m: *mut CUmodule, image: *const c_void
                 return err(code);
             }
         };
-        put(m, module::load(ctx.handle, parsed, "cuModuleLoadData")?.handle as CUmodule)
+        put(
+            m,
+            module::load(ctx.handle, parsed, "cuModuleLoadData")?.handle as CUmodule,
+        )
     })
 }
 
@@ -1019,7 +1316,9 @@ pub unsafe extern "C" fn cuModuleLoadDataEx(
     _values: *mut *mut c_void,
 ) -> CUresult {
     if noptions > 0 {
-        diag::report("cuModuleLoadDataEx: JIT options are ignored by the emulator (it runs no JIT)");
+        diag::report(
+            "cuModuleLoadDataEx: JIT options are ignored by the emulator (it runs no JIT)",
+        );
     }
     cuModuleLoadData(m, image)
 }
@@ -1033,18 +1332,29 @@ pub unsafe extern "C" fn cuModuleUnload(m: CUmodule) -> CUresult {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuModuleGetFunction(f: *mut CUfunction, m: CUmodule, name: *const c_char) -> CUresult {
+pub unsafe extern "C" fn cuModuleGetFunction(
+    f: *mut CUfunction,
+    m: CUmodule,
+    name: *const c_char,
+) -> CUresult {
     cu_init("cuModuleGetFunction", || {
         if f.is_null() || name.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
         let name = CStr::from_ptr(name).to_string_lossy();
-        put(f, module::get_function(m as usize, &name)?.handle as CUfunction)
+        put(
+            f,
+            module::get_function(m as usize, &name)?.handle as CUfunction,
+        )
     })
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuFuncGetAttribute(value: *mut c_int, attrib: c_uint, f: CUfunction) -> CUresult {
+pub unsafe extern "C" fn cuFuncGetAttribute(
+    value: *mut c_int,
+    attrib: c_uint,
+    f: CUfunction,
+) -> CUresult {
     cu_init("cuFuncGetAttribute", || {
         let f = module::get_function_handle(f as usize)?;
         let m = module::get_module(f.module)?;
@@ -1061,12 +1371,15 @@ pub unsafe extern "C" fn cuFuncGetAttribute(value: *mut c_int, attrib: c_uint, f
             || is(FA::CU_FUNC_ATTRIBUTE_CACHE_MODE_CA)
         {
             0
-        } else if is(FA::CU_FUNC_ATTRIBUTE_PTX_VERSION) || is(FA::CU_FUNC_ATTRIBUTE_BINARY_VERSION) {
+        } else if is(FA::CU_FUNC_ATTRIBUTE_PTX_VERSION) || is(FA::CU_FUNC_ATTRIBUTE_BINARY_VERSION)
+        {
             binary
         } else if is(FA::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) {
             48 << 10
         } else {
-            return Err(not_supported(format_args!("cuFuncGetAttribute(attribute {attrib})")));
+            return Err(not_supported(format_args!(
+                "cuFuncGetAttribute(attribute {attrib})"
+            )));
         };
         put(value, v)
     })
@@ -1120,7 +1433,12 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if params.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        let launch = kernel::Launch::new(func, [gx, gy, gz], [bx, by, bz], params as *const *const c_void);
+        let launch = kernel::Launch::new(
+            func,
+            [gx, gy, gz],
+            [bx, by, bz],
+            params as *const *const c_void,
+        );
         stream::submit(&s, Work::Kernel(Arc::new(launch)))
     })
 }
@@ -1133,7 +1451,10 @@ pub fn current_sticky() -> Option<CUresult> {
 /// `cuGetExportTable`: NVIDIA's private interfaces between its own libraries. NVRTC looks it up
 /// when a libcuda is loaded in the process and must be told there is none to use.
 #[no_mangle]
-pub unsafe extern "C" fn cuGetExportTable(table: *mut *const c_void, _id: *const c_void) -> CUresult {
+pub unsafe extern "C" fn cuGetExportTable(
+    table: *mut *const c_void,
+    _id: *const c_void,
+) -> CUresult {
     if !table.is_null() {
         *table = std::ptr::null();
     }

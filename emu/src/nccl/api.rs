@@ -303,7 +303,10 @@ fn check_peer(c: &comm::Comm, peer: c_int, what: &str) -> NResult<()> {
     if peer < 0 || peer >= c.nranks {
         return fail(
             INVALID_ARGUMENT,
-            format!("{what} {peer} is out of range for a communicator of {} ranks", c.nranks),
+            format!(
+                "{what} {peer} is out of range for a communicator of {} ranks",
+                c.nranks
+            ),
         );
     }
     Ok(())
@@ -383,7 +386,10 @@ pub unsafe extern "C" fn ncclAllReduce(
             );
         }
         if !(0..=4).contains(&op) {
-            return fail(INVALID_ARGUMENT, format!("invalid reduction operation {op}"));
+            return fail(
+                INVALID_ARGUMENT,
+                format!("invalid reduction operation {op}"),
+            );
         }
         post(
             comm,

@@ -34,10 +34,7 @@ impl Clique {
         let entry = crate::watchdog::blocked_init(waiter);
         let mut members = lock(&self.members);
         while !members.iter().all(Option::is_some) {
-            members = self
-                .joined
-                .wait(members)
-                .unwrap_or_else(|p| p.into_inner());
+            members = self.joined.wait(members).unwrap_or_else(|p| p.into_inner());
         }
         drop(members);
         drop(entry);
@@ -139,9 +136,15 @@ pub fn get(handle: usize) -> NResult<Arc<Comm>> {
     if handle == 0 {
         return fail(INVALID_ARGUMENT, "comm argument is NULL");
     }
-    registry()
-        .get(handle)
-        .map_or_else(|| fail(INVALID_ARGUMENT, format!("invalid communicator {handle:#x}")), Ok)
+    registry().get(handle).map_or_else(
+        || {
+            fail(
+                INVALID_ARGUMENT,
+                format!("invalid communicator {handle:#x}"),
+            )
+        },
+        Ok,
+    )
 }
 
 /// A fresh unique id: a process-unique number and this process's id, so ids never collide.
@@ -179,11 +182,10 @@ pub fn join(
             "the unique id does not come from ncclGetUniqueId of this process",
         );
     }
-    crate::device::check(device)
-        .map_err(|_| super::NcclError {
-            result: INVALID_ARGUMENT,
-            message: format!("invalid device {device}"),
-        })?;
+    crate::device::check(device).map_err(|_| super::NcclError {
+        result: INVALID_ARGUMENT,
+        message: format!("invalid device {device}"),
+    })?;
     let context = crate::context::primary(device).map_err(|_| super::NcclError {
         result: INVALID_ARGUMENT,
         message: format!("invalid device {device}"),

@@ -121,7 +121,12 @@ pub fn end() -> NResult<i32> {
 fn stream_of(p: &Posted) -> NResult<Arc<Stream>> {
     let s = stream::resolve_in(p.stream, &p.comm.context).map_err(|e| super::NcclError {
         result: super::UNHANDLED_CUDA_ERROR,
-        message: format!("{}: invalid stream {:#x} ({:?})", p.kind.name(), p.stream, e.0),
+        message: format!(
+            "{}: invalid stream {:#x} ({:?})",
+            p.kind.name(),
+            p.stream,
+            e.0
+        ),
     })?;
     if s.context.device != p.comm.device {
         let message = format!(
@@ -198,11 +203,15 @@ fn launch(posted: Vec<Posted>, inits: Vec<Arc<Comm>>) -> NResult<i32> {
 fn issue_streams(streams: Vec<(Arc<Stream>, Vec<Posted>)>) -> NResult<()> {
     for (s, list) in streams {
         if let Some(c) = s.capture() {
-            crate::capture::record(&c, &s, Work::NcclCaptured(Arc::new(Template { posted: list })))
-                .map_err(|e| super::NcclError {
-                    result: super::UNHANDLED_CUDA_ERROR,
-                    message: format!("capturing an NCCL group: {:?}", e.0),
-                })?;
+            crate::capture::record(
+                &c,
+                &s,
+                Work::NcclCaptured(Arc::new(Template { posted: list })),
+            )
+            .map_err(|e| super::NcclError {
+                result: super::UNHANDLED_CUDA_ERROR,
+                message: format!("capturing an NCCL group: {:?}", e.0),
+            })?;
             continue;
         }
         let op = Arc::new(StreamOp {

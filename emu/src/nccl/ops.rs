@@ -19,11 +19,38 @@ use std::sync::Arc;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum OpKind {
-    Send { buf: u64, count: u64, dtype: i32, peer: i32 },
-    Recv { buf: u64, count: u64, dtype: i32, peer: i32 },
-    AllReduce { send: u64, recv: u64, count: u64, dtype: i32, op: i32 },
-    Broadcast { send: u64, recv: u64, count: u64, dtype: i32, root: i32 },
-    AllGather { send: u64, recv: u64, count: u64, dtype: i32 },
+    Send {
+        buf: u64,
+        count: u64,
+        dtype: i32,
+        peer: i32,
+    },
+    Recv {
+        buf: u64,
+        count: u64,
+        dtype: i32,
+        peer: i32,
+    },
+    AllReduce {
+        send: u64,
+        recv: u64,
+        count: u64,
+        dtype: i32,
+        op: i32,
+    },
+    Broadcast {
+        send: u64,
+        recv: u64,
+        count: u64,
+        dtype: i32,
+        root: i32,
+    },
+    AllGather {
+        send: u64,
+        recv: u64,
+        count: u64,
+        dtype: i32,
+    },
 }
 
 impl OpKind {
@@ -72,8 +99,12 @@ impl OpKind {
     /// What every rank's call of a collective must agree on.
     fn signature(&self) -> (u8, u64, i32, i32) {
         match *self {
-            OpKind::AllReduce { count, dtype, op, .. } => (0, count, dtype, op),
-            OpKind::Broadcast { count, dtype, root, .. } => (1, count, dtype, root),
+            OpKind::AllReduce {
+                count, dtype, op, ..
+            } => (0, count, dtype, op),
+            OpKind::Broadcast {
+                count, dtype, root, ..
+            } => (1, count, dtype, root),
             OpKind::AllGather { count, dtype, .. } => (2, count, dtype, 0),
             _ => (9, 0, 0, 0),
         }
@@ -303,14 +334,20 @@ fn activate(op: &Arc<Op>) {
 
 fn describe_collective(k: &OpKind) -> String {
     let (_, count, dtype, extra) = k.signature();
-    format!("{}(count {count}, datatype {dtype}, op/root {extra})", k.name())
+    format!(
+        "{}(count {count}, datatype {dtype}, op/root {extra})",
+        k.name()
+    )
 }
 
 fn p2p_parts(k: &OpKind) -> (u64, u64, i32) {
     match *k {
-        OpKind::Send { buf, count, dtype, .. } | OpKind::Recv { buf, count, dtype, .. } => {
-            (buf, count, dtype)
+        OpKind::Send {
+            buf, count, dtype, ..
         }
+        | OpKind::Recv {
+            buf, count, dtype, ..
+        } => (buf, count, dtype),
         _ => (0, 0, 0),
     }
 }
@@ -376,40 +413,58 @@ fn run_collective(ops: &[Arc<Op>]) {
     ops.sort_by_key(|o| o.comm.rank);
     let n = ops.len() as u64;
     match ops[0].kind {
-        OpKind::AllReduce { count, dtype, op, .. } => {
+        OpKind::AllReduce {
+            count, dtype, op, ..
+        } => {
             let len = count * reduce::size_of(dtype).unwrap_or(0);
             if len == 0 {
                 return;
             }
             let mut inputs = Vec::new();
             for o in &ops {
-                let OpKind::AllReduce { send, .. } = o.kind else { return };
-                let Some(p) = buffer(o, send, len, false, "sendbuff") else { return };
+                let OpKind::AllReduce { send, .. } = o.kind else {
+                    return;
+                };
+                let Some(p) = buffer(o, send, len, false, "sendbuff") else {
+                    return;
+                };
                 // SAFETY: `len` bytes at `p` were checked readable.
                 inputs.push(unsafe { std::slice::from_raw_parts(p, len as usize) }.to_vec());
             }
             let refs: Vec<&[u8]> = inputs.iter().map(Vec::as_slice).collect();
             let result = reduce::reduce(dtype, op, &refs);
             for o in &ops {
-                let OpKind::AllReduce { recv, .. } = o.kind else { return };
+                let OpKind::AllReduce { recv, .. } = o.kind else {
+                    return;
+                };
                 if let Some(p) = buffer(o, recv, len, true, "recvbuff") {
                     // SAFETY: checked writable; `result` is `len` bytes.
                     unsafe { std::ptr::copy_nonoverlapping(result.as_ptr(), p, len as usize) };
                 }
             }
         }
-        OpKind::Broadcast { count, dtype, root, .. } => {
+        OpKind::Broadcast {
+            count, dtype, root, ..
+        } => {
             let len = count * reduce::size_of(dtype).unwrap_or(0);
             if len == 0 {
                 return;
             }
-            let Some(r) = ops.iter().find(|o| o.comm.rank == root) else { return };
-            let OpKind::Broadcast { send, .. } = r.kind else { return };
-            let Some(p) = buffer(r, send, len, false, "sendbuff") else { return };
+            let Some(r) = ops.iter().find(|o| o.comm.rank == root) else {
+                return;
+            };
+            let OpKind::Broadcast { send, .. } = r.kind else {
+                return;
+            };
+            let Some(p) = buffer(r, send, len, false, "sendbuff") else {
+                return;
+            };
             // SAFETY: checked readable.
             let data = unsafe { std::slice::from_raw_parts(p, len as usize) }.to_vec();
             for o in &ops {
-                let OpKind::Broadcast { recv, .. } = o.kind else { return };
+                let OpKind::Broadcast { recv, .. } = o.kind else {
+                    return;
+                };
                 if let Some(p) = buffer(o, recv, len, true, "recvbuff") {
                     // SAFETY: checked writable.
                     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, len as usize) };
@@ -423,18 +478,22 @@ fn run_collective(ops: &[Arc<Op>]) {
             }
             let mut gathered = Vec::with_capacity((len * n) as usize);
             for o in &ops {
-                let OpKind::AllGather { send, .. } = o.kind else { return };
-                let Some(p) = buffer(o, send, len, false, "sendbuff") else { return };
+                let OpKind::AllGather { send, .. } = o.kind else {
+                    return;
+                };
+                let Some(p) = buffer(o, send, len, false, "sendbuff") else {
+                    return;
+                };
                 // SAFETY: checked readable.
                 gathered.extend_from_slice(unsafe { std::slice::from_raw_parts(p, len as usize) });
             }
             for o in &ops {
-                let OpKind::AllGather { recv, .. } = o.kind else { return };
+                let OpKind::AllGather { recv, .. } = o.kind else {
+                    return;
+                };
                 if let Some(p) = buffer(o, recv, len * n, true, "recvbuff") {
                     // SAFETY: checked writable for nranks × len bytes.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(gathered.as_ptr(), p, gathered.len())
-                    };
+                    unsafe { std::ptr::copy_nonoverlapping(gathered.as_ptr(), p, gathered.len()) };
                 }
             }
         }

@@ -45,7 +45,9 @@ pub fn f16_to_f32(h: u16) -> f32 {
     match exp {
         0 => sign * (mant as f32) * 2f32.powi(-24),
         31 => f32::from_bits(((h as u32 & 0x8000) << 16) | 0x7f80_0000 | (mant << 13)),
-        _ => f32::from_bits(((h as u32 & 0x8000) << 16) | ((exp as u32 + 112) << 23) | (mant << 13)),
+        _ => {
+            f32::from_bits(((h as u32 & 0x8000) << 16) | ((exp as u32 + 112) << 23) | (mant << 13))
+        }
     }
 }
 
@@ -99,7 +101,9 @@ macro_rules! fold_int {
     ($t:ty, $inputs:expr, $op:expr, $n:expr) => {{
         let size = std::mem::size_of::<$t>();
         let count = $inputs[0].len() / size;
-        let get = |buf: &[u8], i: usize| <$t>::from_le_bytes(buf[i * size..(i + 1) * size].try_into().unwrap());
+        let get = |buf: &[u8], i: usize| {
+            <$t>::from_le_bytes(buf[i * size..(i + 1) * size].try_into().unwrap())
+        };
         let mut out = Vec::with_capacity(count * size);
         for i in 0..count {
             let mut acc = get($inputs[0], i);
@@ -133,8 +137,20 @@ macro_rules! fold_float {
                 acc = match $op {
                     SUM | AVG => acc + v,
                     PROD => acc * v,
-                    MAX => if v > acc || acc.is_nan() { v } else { acc },
-                    _ => if v < acc || acc.is_nan() { v } else { acc },
+                    MAX => {
+                        if v > acc || acc.is_nan() {
+                            v
+                        } else {
+                            acc
+                        }
+                    }
+                    _ => {
+                        if v < acc || acc.is_nan() {
+                            v
+                        } else {
+                            acc
+                        }
+                    }
                 };
             }
             if $op == AVG {
@@ -156,16 +172,42 @@ pub fn reduce(dtype: i32, op: i32, inputs: &[&[u8]]) -> Vec<u8> {
         UINT32 => fold_int!(u32, inputs, op, n),
         INT64 => fold_int!(i64, inputs, op, n),
         UINT64 => fold_int!(u64, inputs, op, n),
-        FLOAT32 => fold_float!(f32, 4, inputs, op, n,
-            |b: &[u8]| f32::from_le_bytes(b.try_into().unwrap()), |v: f32| v.to_le_bytes()),
-        FLOAT64 => fold_float!(f64, 8, inputs, op, n,
-            |b: &[u8]| f64::from_le_bytes(b.try_into().unwrap()), |v: f64| v.to_le_bytes()),
-        FLOAT16 => fold_float!(f32, 2, inputs, op, n,
+        FLOAT32 => fold_float!(
+            f32,
+            4,
+            inputs,
+            op,
+            n,
+            |b: &[u8]| f32::from_le_bytes(b.try_into().unwrap()),
+            |v: f32| v.to_le_bytes()
+        ),
+        FLOAT64 => fold_float!(
+            f64,
+            8,
+            inputs,
+            op,
+            n,
+            |b: &[u8]| f64::from_le_bytes(b.try_into().unwrap()),
+            |v: f64| v.to_le_bytes()
+        ),
+        FLOAT16 => fold_float!(
+            f32,
+            2,
+            inputs,
+            op,
+            n,
             |b: &[u8]| f16_to_f32(u16::from_le_bytes([b[0], b[1]])),
-            |v: f32| f32_to_f16(v).to_le_bytes()),
-        _ => fold_float!(f32, 2, inputs, op, n,
+            |v: f32| f32_to_f16(v).to_le_bytes()
+        ),
+        _ => fold_float!(
+            f32,
+            2,
+            inputs,
+            op,
+            n,
             |b: &[u8]| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])),
-            |v: f32| f32_to_bf16(v).to_le_bytes()),
+            |v: f32| f32_to_bf16(v).to_le_bytes()
+        ),
     }
 }
 
@@ -175,7 +217,12 @@ mod tests {
 
     #[test]
     fn half_conversions_round_to_nearest_even() {
-        for (f, h) in [(1.0f32, 0x3c00u16), (-2.0, 0xc000), (65504.0, 0x7bff), (0.0, 0)] {
+        for (f, h) in [
+            (1.0f32, 0x3c00u16),
+            (-2.0, 0xc000),
+            (65504.0, 0x7bff),
+            (0.0, 0),
+        ] {
             assert_eq!(f32_to_f16(f), h);
             assert_eq!(f16_to_f32(h), f);
         }
@@ -206,6 +253,9 @@ mod tests {
         assert_eq!(reduce(INT32, AVG, &[&a, &b]), (-1i32).to_le_bytes());
         let x = f32_to_bf16(1.5).to_le_bytes();
         let y = f32_to_bf16(2.25).to_le_bytes();
-        assert_eq!(reduce(BFLOAT16, PROD, &[&x, &y]), f32_to_bf16(3.375).to_le_bytes());
+        assert_eq!(
+            reduce(BFLOAT16, PROD, &[&x, &y]),
+            f32_to_bf16(3.375).to_le_bytes()
+        );
     }
 }
