@@ -566,3 +566,43 @@ fn the_runtime_shares_the_driver_state() {
         assert_eq!(cudaFree(p), 0);
     }
 }
+
+#[test]
+fn created_contexts_own_their_streams_and_calls_need_a_context() {
+    use_device(1);
+    let none = std::thread::spawn(|| {
+        let mut p = 0;
+        // SAFETY: no context is current on this new thread.
+        unsafe { cuMemAlloc_v2(&mut p, 16) }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(none, CUresult::CUDA_ERROR_INVALID_CONTEXT);
+    // SAFETY: context and stream handles from the emulator.
+    unsafe {
+        let (mut primary, mut ctx, mut owner) = (
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        ck(cuCtxGetCurrent(&mut primary), "current");
+        ck(cuCtxCreate_v2(&mut ctx, 0, 1), "create");
+        assert_ne!(ctx, primary);
+        let s = stream(1);
+        ck(cuStreamGetCtx(s, &mut owner), "stream context");
+        assert_eq!(owner, ctx);
+        ck(
+            cuStreamGetCtx(std::ptr::null_mut(), &mut owner),
+            "legacy stream context",
+        );
+        assert_eq!(owner, ctx, "the NULL stream is the current context's");
+        ck(cuCtxDestroy_v2(ctx), "destroy");
+        assert_eq!(
+            query(s),
+            CUresult::CUDA_ERROR_INVALID_HANDLE,
+            "its streams went with it"
+        );
+        ck(cuCtxGetCurrent(&mut owner), "current");
+        assert_eq!(owner, primary);
+    }
+}

@@ -419,3 +419,38 @@ fn captured_nccl_groups_are_issued_anew_at_every_launch() {
         assert_eq!(read(1, dst, 64), [round; 64]);
     }
 }
+
+#[test]
+fn one_thread_initializes_every_rank_inside_a_group() {
+    const N: usize = 3;
+    let mut id = NcclUniqueId { internal: [0; 128] };
+    let mut comms = [std::ptr::null_mut(); N];
+    // SAFETY: every rank's init inside one group, each with its device current.
+    unsafe {
+        assert_eq!(ncclGetUniqueId(&mut id), 0);
+        assert_eq!(ncclGroupStart(), 0);
+        for (r, comm) in comms.iter_mut().enumerate() {
+            assert_eq!(cudaSetDevice(r as i32), 0);
+            assert_eq!(ncclCommInitRank(comm, N as i32, id, r as i32), 0);
+        }
+        assert_eq!(ncclGroupEnd(), 0);
+    }
+    let ranks: Vec<(Comm, CUstream, CUdeviceptr, CUdeviceptr)> = (0..N)
+        .map(|r| {
+            let mine = on_device(r as i32, &[r as u8 + 1; 8]);
+            let theirs = on_device(r as i32, &[0; 8]);
+            (comms[r], stream(1), mine, theirs)
+        })
+        .collect();
+    group(|| {
+        for (r, &(comm, s, mine, theirs)) in ranks.iter().enumerate() {
+            assert_eq!(send(mine, 8, ((r + 1) % N) as i32, (comm, s)), 0);
+            assert_eq!(recv(theirs, 8, ((r + N - 1) % N) as i32, (comm, s)), 0);
+        }
+    });
+    for (r, &(_, s, _, theirs)) in ranks.iter().enumerate() {
+        use_device(r as i32);
+        sync(s);
+        assert_eq!(read(r as i32, theirs, 8), [((r + N - 1) % N) as u8 + 1; 8]);
+    }
+}

@@ -10,7 +10,6 @@ use crate::diag;
 use crate::errors::{self, CuError, CuResult};
 use crate::transfer::{self, Endpoint};
 use crate::{event, graph, memory, stream};
-use cudarc::driver::sys::CUresult;
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
@@ -21,23 +20,28 @@ thread_local! {
 }
 
 const INVALID_VALUE: CudaError = 1;
-const INVALID_DEVICE_POINTER: CudaError = 17;
 const INVALID_MEMCPY_DIRECTION: CudaError = 21;
 
 /// Runs a runtime export on the runtime's context.
 fn rt(name: &str, body: impl FnOnce() -> Result<(), CudaError>) -> CudaError {
     diag::boundary(name, || {
-        let result = context::runtime_context()
-            .map_err(|e| errors::runtime_code(e.0) as CudaError)
-            .and_then(|_| body());
-        match result {
-            Ok(()) => 0,
-            Err(code) => {
-                LAST.set(code);
-                code
-            }
-        }
+        record(
+            context::runtime_context()
+                .map_err(|e| errors::runtime_code(e.0) as CudaError)
+                .and_then(|_| body()),
+        )
     })
+}
+
+/// Keeps a failure as the thread's last error.
+fn record(r: Result<(), CudaError>) -> CudaError {
+    match r {
+        Ok(()) => 0,
+        Err(code) => {
+            LAST.set(code);
+            code
+        }
+    }
 }
 
 fn cuda<T>(r: CuResult<T>) -> Result<T, CudaError> {
@@ -48,10 +52,12 @@ unsafe fn out<T>(ptr: *mut T, value: T) -> Result<(), CudaError> {
     cuda(put(ptr, value))
 }
 
+/// Like cudart, neither call creates a context.
 #[no_mangle]
 pub unsafe extern "C" fn cudaGetDeviceCount(count: *mut c_int) -> CudaError {
-    rt("cudaGetDeviceCount", || {
-        out(count, crate::config::config().devices)
+    diag::boundary("cudaGetDeviceCount", || {
+        context::init();
+        record(out(count, crate::config::config().devices))
     })
 }
 
@@ -59,21 +65,15 @@ pub unsafe extern "C" fn cudaGetDeviceCount(count: *mut c_int) -> CudaError {
 pub unsafe extern "C" fn cudaSetDevice(device: c_int) -> CudaError {
     diag::boundary("cudaSetDevice", || {
         context::init();
-        match context::runtime_set_device(device) {
-            Ok(()) => 0,
-            Err(e) => {
-                let code = errors::runtime_code(e.0) as CudaError;
-                LAST.set(code);
-                code
-            }
-        }
+        record(cuda(context::runtime_set_device(device)))
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaGetDevice(device: *mut c_int) -> CudaError {
-    rt("cudaGetDevice", || {
-        out(device, cuda(context::current())?.device)
+    diag::boundary("cudaGetDevice", || {
+        let d = context::current().map_or_else(|_| context::runtime_device(), |c| c.device);
+        record(out(device, d))
     })
 }
 
@@ -261,15 +261,12 @@ pub unsafe extern "C" fn cudaStreamWaitEvent(
     flags: c_uint,
 ) -> CudaError {
     rt("cudaStreamWaitEvent", || {
-        cuda(
-            errors::err::<()>(driver::cuStreamWaitEvent(s.cast(), e.cast(), flags)).or_else(|e| {
-                if e.0 == CUresult::CUDA_SUCCESS {
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            }),
-        )
+        if flags != 0 {
+            return Err(errors::runtime_code(
+                errors::not_supported(format_args!("cudaStreamWaitEvent flags {flags:#x}")).0,
+            ) as CudaError);
+        }
+        cuda(event::get(e as usize).and_then(|e| event::wait(s as usize, &e)))
     })
 }
 
@@ -511,6 +508,3 @@ pub unsafe extern "C" fn cudaDeviceGetAttribute(
         out(value, cuda(crate::device::attribute(attr, device))?)
     })
 }
-
-#[allow(dead_code)]
-const _: CudaError = INVALID_DEVICE_POINTER;

@@ -476,11 +476,15 @@ fn check_endpoint(api: &str, what: &str, e: &Endpoint, bytes: u64) -> CuResult<(
     }
 }
 
+fn is_pinned(addr: u64) -> bool {
+    memory::find(addr).is_some_and(|a| a.place == Place::Host)
+}
+
 /// A synchronous copy (cuMemcpy*, cudaMemcpy): queued on the current context's legacy stream,
 /// so it is ordered after the blocking streams' earlier work. From pageable host memory to the
 /// device the call returns once the bytes are staged and the legacy stream has reached the copy;
-/// the device write itself lands later (transfer::PageableWrite). Copies to the host return when
-/// done; device-to-device copies return at once, as CUDA documents.
+/// the device write itself lands later (transfer::PageableWrite). Copies to or from host memory
+/// return when done; device-to-device copies return at once, as CUDA documents.
 pub unsafe fn memcpy_sync(
     api: &'static str,
     dst: Endpoint,
@@ -515,7 +519,7 @@ pub unsafe fn memcpy_sync(
             );
             started.wait();
         }
-        (Endpoint::Device(_), Endpoint::Device(_)) => {
+        (Endpoint::Device(d), Endpoint::Device(s)) if !is_pinned(*d) && !is_pinned(*s) => {
             legacy.enqueue(
                 Work::Copy(Arc::new(transfer::Copy {
                     api,
