@@ -454,3 +454,30 @@ fn one_thread_initializes_every_rank_inside_a_group() {
         assert_eq!(read(r as i32, theirs, 8), [((r + N - 1) % N) as u8 + 1; 8]);
     }
 }
+
+#[test]
+fn an_init_whose_ranks_never_all_join_is_reported() {
+    if child().as_deref() == Some("init-deadlock") {
+        let mut id = NcclUniqueId { internal: [0; 128] };
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: rank 0 of 2 joins alone and waits.
+        unsafe {
+            assert_eq!(ncclGetUniqueId(&mut id), 0);
+            ncclCommInitRank(&mut comm, 2, id, 0);
+        }
+        return;
+    }
+    let out = run_child(
+        "an_init_whose_ranks_never_all_join_is_reported",
+        "init-deadlock",
+        &[("NCCL_RESHARD_EMU_DEADLOCK_SECONDS", "1")],
+    );
+    assert_aborts(
+        &out,
+        &[
+            "deadlock",
+            "ncclCommInit of rank 0",
+            "waiting for rank(s) [1] to join",
+        ],
+    );
+}

@@ -358,13 +358,7 @@ fn buffer(op: &Op, addr: u64, len: u64, write: bool, what: &str) -> Option<*mut 
     match memory::translate(addr, len, Some(op.comm.device)) {
         Ok(p) => Some(p),
         Err(f) => {
-            let who = format!(
-                "{} ({what}) of rank {} on {}, stream {}",
-                op.kind.name(),
-                op.comm.rank,
-                op.comm.describe(),
-                op.stream
-            );
+            let who = format!("{} ({what} of rank {})", op.describe(), op.comm.rank);
             diag::strict(f.describe(&who, addr, len, write), ());
             op.comm.set_async(super::INVALID_ARGUMENT);
             None
