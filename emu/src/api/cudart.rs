@@ -400,12 +400,12 @@ pub unsafe extern "C" fn cudaGraphExecDestroy(exec: *mut c_void) -> CudaError {
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaGetErrorString(error: c_int) -> *const c_char {
-    errors::runtime_text(error as u32)
+    diag::boundary("cudaGetErrorString", || errors::runtime_text(error as u32))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaGetErrorName(error: c_int) -> *const c_char {
-    errors::runtime_name(error as u32)
+    diag::boundary("cudaGetErrorName", || errors::runtime_name(error as u32))
 }
 
 /// A sticky error of the current context outlives cudaGetLastError, as on a GPU.
@@ -415,38 +415,44 @@ fn sticky() -> CudaError {
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaGetLastError() -> CudaError {
-    let last = LAST.replace(0);
-    if last != 0 {
-        last
-    } else {
-        sticky()
-    }
+    diag::boundary("cudaGetLastError", || {
+        let last = LAST.replace(0);
+        if last != 0 {
+            last
+        } else {
+            sticky()
+        }
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaPeekAtLastError() -> CudaError {
-    match LAST.get() {
+    diag::boundary("cudaPeekAtLastError", || match LAST.get() {
         0 => sticky(),
         e => e,
-    }
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaDriverGetVersion(version: *mut c_int) -> CudaError {
-    if version.is_null() {
-        return INVALID_VALUE;
-    }
-    *version = crate::config::config().driver_version;
-    0
+    diag::boundary("cudaDriverGetVersion", || {
+        if version.is_null() {
+            return INVALID_VALUE;
+        }
+        *version = crate::config::config().driver_version;
+        0
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cudaRuntimeGetVersion(version: *mut c_int) -> CudaError {
-    if version.is_null() {
-        return INVALID_VALUE;
-    }
-    *version = 12090;
-    0
+    diag::boundary("cudaRuntimeGetVersion", || {
+        if version.is_null() {
+            return INVALID_VALUE;
+        }
+        *version = 12090;
+        0
+    })
 }
 
 /// `struct cudaPointerAttributes` (driver_types.h).

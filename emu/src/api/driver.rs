@@ -203,18 +203,22 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
     flags: c_uint,
     dev: CUdevice,
 ) -> CUresult {
-    if !params.is_null() {
-        let p = &*params;
-        if !p.execAffinityParams.is_null() || p.numExecAffinityParams != 0 || !p.cigParams.is_null()
-        {
-            return cu("cuCtxCreate_v4", || {
-                Err(not_supported(
-                    "cuCtxCreate_v4 with execution affinity or CIG parameters",
-                ))
-            });
+    diag::boundary("cuCtxCreate_v4", || {
+        if !params.is_null() {
+            let p = &*params;
+            if !p.execAffinityParams.is_null()
+                || p.numExecAffinityParams != 0
+                || !p.cigParams.is_null()
+            {
+                return cu("cuCtxCreate_v4", || {
+                    Err(not_supported(
+                        "cuCtxCreate_v4 with execution affinity or CIG parameters",
+                    ))
+                });
+            }
         }
-    }
-    cuCtxCreate_v2(pctx, flags, dev)
+        cuCtxCreate_v2(pctx, flags, dev)
+    })
 }
 
 #[no_mangle]
@@ -930,14 +934,16 @@ pub unsafe extern "C" fn cuEventRecordWithFlags(
     h: CUstream,
     flags: c_uint,
 ) -> CUresult {
-    if flags != 0 {
-        return cu("cuEventRecordWithFlags", || {
-            Err(not_supported(format_args!(
-                "cuEventRecordWithFlags flags {flags:#x}"
-            )))
-        });
-    }
-    cuEventRecord(ev, h)
+    diag::boundary("cuEventRecordWithFlags", || {
+        if flags != 0 {
+            return cu("cuEventRecordWithFlags", || {
+                Err(not_supported(format_args!(
+                    "cuEventRecordWithFlags flags {flags:#x}"
+                )))
+            });
+        }
+        cuEventRecord(ev, h)
+    })
 }
 
 #[no_mangle]
@@ -1041,14 +1047,16 @@ pub unsafe extern "C" fn cuStreamGetCaptureInfo_v2(
     deps: *mut *const CUgraphNode,
     ndeps: *mut usize,
 ) -> CUresult {
-    if !graph.is_null() || !deps.is_null() || !ndeps.is_null() {
-        return cu("cuStreamGetCaptureInfo_v2", || {
-            Err(not_supported(
-                "cuStreamGetCaptureInfo's graph and dependency outputs",
-            ))
-        });
-    }
-    cuStreamGetCaptureInfo(h, status, id)
+    diag::boundary("cuStreamGetCaptureInfo_v2", || {
+        if !graph.is_null() || !deps.is_null() || !ndeps.is_null() {
+            return cu("cuStreamGetCaptureInfo_v2", || {
+                Err(not_supported(
+                    "cuStreamGetCaptureInfo's graph and dependency outputs",
+                ))
+            });
+        }
+        cuStreamGetCaptureInfo(h, status, id)
+    })
 }
 
 #[no_mangle]
@@ -1061,12 +1069,14 @@ pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3(
     edges: *mut *const c_void,
     ndeps: *mut usize,
 ) -> CUresult {
-    if !edges.is_null() {
-        return cu("cuStreamGetCaptureInfo_v3", || {
-            Err(not_supported("cuStreamGetCaptureInfo's edge data output"))
-        });
-    }
-    cuStreamGetCaptureInfo_v2(h, status, id, graph, deps, ndeps)
+    diag::boundary("cuStreamGetCaptureInfo_v3", || {
+        if !edges.is_null() {
+            return cu("cuStreamGetCaptureInfo_v3", || {
+                Err(not_supported("cuStreamGetCaptureInfo's edge data output"))
+            });
+        }
+        cuStreamGetCaptureInfo_v2(h, status, id, graph, deps, ndeps)
+    })
 }
 
 #[no_mangle]
@@ -1107,13 +1117,15 @@ pub unsafe extern "C" fn cuGraphInstantiate_v2(
     log: *mut c_char,
     log_size: usize,
 ) -> CUresult {
-    if !error_node.is_null() {
-        *error_node = std::ptr::null_mut();
-    }
-    if !log.is_null() && log_size > 0 {
-        *log = 0;
-    }
-    cuGraphInstantiateWithFlags(exec, g, 0)
+    diag::boundary("cuGraphInstantiate_v2", || {
+        if !error_node.is_null() {
+            *error_node = std::ptr::null_mut();
+        }
+        if !log.is_null() && log_size > 0 {
+            *log = 0;
+        }
+        cuGraphInstantiateWithFlags(exec, g, 0)
+    })
 }
 
 #[no_mangle]
@@ -1319,12 +1331,14 @@ pub unsafe extern "C" fn cuModuleLoadDataEx(
     _options: *mut c_uint,
     _values: *mut *mut c_void,
 ) -> CUresult {
-    if noptions > 0 {
-        diag::report(
-            "cuModuleLoadDataEx: JIT options are ignored by the emulator (it runs no JIT)",
-        );
-    }
-    cuModuleLoadData(m, image)
+    diag::boundary("cuModuleLoadDataEx", || {
+        if noptions > 0 {
+            diag::report(
+                "cuModuleLoadDataEx: JIT options are ignored by the emulator (it runs no JIT)",
+            );
+        }
+        cuModuleLoadData(m, image)
+    })
 }
 
 #[no_mangle]
@@ -1459,8 +1473,10 @@ pub unsafe extern "C" fn cuGetExportTable(
     table: *mut *const c_void,
     _id: *const c_void,
 ) -> CUresult {
-    if !table.is_null() {
-        *table = std::ptr::null();
-    }
-    CUresult::CUDA_ERROR_NOT_SUPPORTED
+    diag::boundary("cuGetExportTable", || {
+        if !table.is_null() {
+            *table = std::ptr::null();
+        }
+        CUresult::CUDA_ERROR_NOT_SUPPORTED
+    })
 }

@@ -265,12 +265,14 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(comm: NcclComm, result: *mut c_in
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetErrorString(result: c_int) -> *const c_char {
-    super::error_string(result).as_ptr()
+    diag::boundary("ncclGetErrorString", || {
+        super::error_string(result).as_ptr()
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetLastError(_comm: NcclComm) -> *const c_char {
-    super::last_error()
+    diag::boundary("ncclGetLastError", super::last_error)
 }
 
 #[no_mangle]
