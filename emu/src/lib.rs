@@ -7,9 +7,10 @@
 //! aborts the process with a report instead of silently passing.
 //!
 //! What it models and what it does not is in emu/README.md. Layout: the emulated machine
-//! (`memory`, `context`, `stream`, `event`, `capture`, `graph`, `pool`, `module`, `kernel`,
-//! `nccl`, `watchdog`) and the C entry points over it (`api::driver`, `api::cudart`,
-//! `nccl::api`), which only convert arguments and results.
+//! (`device`, `memory`, `context`, `stream`, `transfer`, `event`, `capture`, `graph`, `pool`,
+//! `module`, `kernel`, `nccl`, `watchdog`), its plumbing (`config`, `diag` for reports and the
+//! panic boundary, `errors`, `handles`, `completion`), and the C entry points over it
+//! (`api::driver`, `api::cudart`, `nccl::api`), which only convert arguments and results.
 //!
 //! Every export is `unsafe extern "C"` with the C signature of the function it emulates; its
 //! safety contract is the one CUDA's and NCCL's documentation states for that function.
