@@ -1,6 +1,6 @@
 //! Kernel launches: `kernels/copy.cu` compiled for the host (build.rs, shim/), run block by
 //! block and thread by thread on the launching stream's worker, every global access checked by
-//! [`access`] against the allocation table and the stream's device.
+//! the access hook (`access`) against the allocation table and the stream's device.
 
 use crate::diag;
 use crate::handles::lock;
