@@ -46,6 +46,17 @@ extern "C" size_t ncclReshardEmuCopyKernelParams(size_t* sizes, size_t* aligns, 
   return n;
 }
 
+// The block and thread the calling host thread is running (for fault reports): blockIdx x, y,
+// z, then threadIdx x, y, z.
+extern "C" void ncclReshardEmuCopyKernelPosition(unsigned* out) {
+  out[0] = blockIdx.x;
+  out[1] = blockIdx.y;
+  out[2] = blockIdx.z;
+  out[3] = threadIdx.x;
+  out[4] = threadIdx.y;
+  out[5] = threadIdx.z;
+}
+
 // Runs every block of the grid and every thread of each block, in order. `params[i]` points at
 // the value of parameter i. `block_done` is called after each block (progress for the watchdog).
 // Returns 0, or 1 when `access` refused an access (the kernel stopped there).

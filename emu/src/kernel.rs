@@ -17,6 +17,7 @@ type AccessFn = extern "C" fn(u64, usize, c_int) -> *mut c_void;
 
 extern "C" {
     fn ncclReshardEmuCopyKernelParams(sizes: *mut usize, aligns: *mut usize, max: usize) -> usize;
+    fn ncclReshardEmuCopyKernelPosition(out: *mut u32);
     fn ncclReshardEmuCopyKernelRun(
         params: *const *const c_void,
         grid: *const u32,
@@ -128,7 +129,19 @@ extern "C" fn access(addr: u64, bytes: usize, write: c_int) -> *mut c_void {
         match memory::translate(addr, bytes as u64, Some(DEVICE.get())) {
             Ok(p) => p.cast(),
             Err(fault) => {
-                let who = WHO.with(|w| w.borrow().clone());
+                let mut at = [0u32; 6];
+                // SAFETY: writes six unsigned ints, read from this thread's kernel state.
+                unsafe { ncclReshardEmuCopyKernelPosition(at.as_mut_ptr()) };
+                let who = format!(
+                    "{}, block ({}, {}, {}) thread ({}, {}, {})",
+                    WHO.with(|w| w.borrow().clone()),
+                    at[0],
+                    at[1],
+                    at[2],
+                    at[3],
+                    at[4],
+                    at[5]
+                );
                 diag::strict(fault.describe(&who, addr, bytes as u64, write != 0), ());
                 std::ptr::null_mut()
             }

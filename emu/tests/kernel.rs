@@ -489,10 +489,49 @@ fn an_out_of_bounds_descriptor_is_caught_in_the_kernel() {
         &out,
         &[
             "kernel ncclReshardCopyKernel",
+            "block (1, 0, 0) thread (",
             "write of 16 bytes",
             "out of bounds",
             "cuMemAlloc_v2 (4600 bytes)",
         ],
+    );
+}
+
+#[test]
+fn in_return_mode_a_kernel_fault_becomes_a_sticky_illegal_address() {
+    if child().as_deref() == Some("sticky") {
+        let (s, src_dev, dst_dev, _, _) = setup(4, 4600);
+        let f = copy_kernel();
+        let (descs, tiles) = descriptors();
+        let (d, t) = upload_tables(&descs, &tiles, s);
+        let mut bases = Bases([0; 384]);
+        bases.0[0] = src_dev;
+        bases.0[1] = dst_dev;
+        ck(launch(f, 2, 256, d, t, &bases, s), "launch");
+        // SAFETY: the stream and context of this test.
+        unsafe {
+            assert_eq!(cuStreamSynchronize(s), CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+            assert_eq!(
+                cuCtxSynchronize(),
+                CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+                "sticky"
+            );
+            assert_eq!(cudaGetLastError(), 700);
+            assert_eq!(cudaPeekAtLastError(), 700, "sticky errors stay");
+        }
+        println!("child done");
+        return;
+    }
+    let out = run_child(
+        "in_return_mode_a_kernel_fault_becomes_a_sticky_illegal_address",
+        "sticky",
+        &[("NCCL_RESHARD_EMU_ON_ERROR", "return")],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("ERROR: kernel ncclReshardCopyKernel"),
+        "{stderr}"
     );
 }
 
