@@ -1,0 +1,184 @@
+//! Kernel launches: `kernels/copy.cu` compiled for the host (build.rs, shim/), run block by
+//! block and thread by thread on the launching stream's worker, every global access checked by
+//! the access hook (`access`) against the allocation table and the stream's device.
+
+use crate::diag;
+use crate::handles::lock;
+use crate::memory;
+use crate::module::Function;
+use crate::stream::Exec;
+use cudarc::driver::sys::CUresult;
+use std::cell::{Cell, RefCell};
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+type AccessFn = extern "C" fn(u64, usize, c_int) -> *mut c_void;
+
+extern "C" {
+    fn ncclReshardEmuCopyKernelParams(sizes: *mut usize, aligns: *mut usize, max: usize) -> usize;
+    fn ncclReshardEmuCopyKernelPosition(out: *mut u32);
+    fn ncclReshardEmuCopyKernelRun(
+        params: *const *const c_void,
+        grid: *const u32,
+        block: *const u32,
+        access: AccessFn,
+        block_done: extern "C" fn(),
+    ) -> c_int;
+}
+
+/// The copy kernel's parameters, as the C++ compiler lays them out (deduced from the kernel's
+/// own signature in shim/copy_kernel.cpp).
+pub struct ParamLayout {
+    pub sizes: Vec<usize>,
+    /// Bytes of the parameter buffer, each parameter at its alignment (the cubin's
+    /// EIATTR_CBANK_PARAM_SIZE must equal it).
+    pub total: usize,
+}
+
+pub fn param_layout() -> &'static ParamLayout {
+    static LAYOUT: OnceLock<ParamLayout> = OnceLock::new();
+    LAYOUT.get_or_init(|| {
+        let mut sizes = [0usize; 32];
+        let mut aligns = [0usize; 32];
+        // SAFETY: the arrays hold 32 entries; the function fills at most `max` of them.
+        let n =
+            unsafe { ncclReshardEmuCopyKernelParams(sizes.as_mut_ptr(), aligns.as_mut_ptr(), 32) };
+        let mut total = 0usize;
+        for i in 0..n {
+            total = total.next_multiple_of(aligns[i]) + sizes[i];
+        }
+        ParamLayout {
+            sizes: sizes[..n].to_vec(),
+            total,
+        }
+    })
+}
+
+/// One launch, with its parameter values copied at enqueue time.
+pub struct Launch {
+    pub id: u64,
+    pub function: Arc<Function>,
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    /// One buffer per parameter (16-byte aligned storage).
+    pub params: Vec<Vec<u128>>,
+}
+
+static NEXT_LAUNCH: AtomicU64 = AtomicU64::new(1);
+
+impl Launch {
+    /// Copies the parameter values `params[i]` points at.
+    ///
+    /// # Safety
+    /// `params` must hold one readable pointer per kernel parameter, each to a value of that
+    /// parameter's type (cuLaunchKernel's contract).
+    pub unsafe fn new(
+        function: Arc<Function>,
+        grid: [u32; 3],
+        block: [u32; 3],
+        params: *const *const c_void,
+    ) -> Launch {
+        let values = param_layout()
+            .sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &size)| {
+                let mut buffer = vec![0u128; size.div_ceil(16)];
+                // SAFETY: the caller's contract: params[i] points at `size` readable bytes.
+                std::ptr::copy_nonoverlapping(
+                    (*params.add(i)).cast::<u8>(),
+                    buffer.as_mut_ptr().cast::<u8>(),
+                    size,
+                );
+                buffer
+            })
+            .collect();
+        Launch {
+            id: NEXT_LAUNCH.fetch_add(1, Ordering::Relaxed),
+            function,
+            grid,
+            block,
+            params: values,
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "kernel {} (launch #{}, grid ({}, {}, {}), block ({}, {}, {}))",
+            self.function.info.name,
+            self.id,
+            self.grid[0],
+            self.grid[1],
+            self.grid[2],
+            self.block[0],
+            self.block[1],
+            self.block[2]
+        )
+    }
+}
+
+thread_local! {
+    static DEVICE: Cell<i32> = const { Cell::new(-1) };
+    static WHO: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// The kernel's access hook (NCCL_RESHARD_READ/WRITE in shim/cuda_host.h).
+extern "C" fn access(addr: u64, bytes: usize, write: c_int) -> *mut c_void {
+    diag::boundary("kernel access", || {
+        match memory::translate(addr, bytes as u64, Some(DEVICE.get())) {
+            Ok(p) => p.cast(),
+            Err(fault) => {
+                let mut at = [0u32; 6];
+                // SAFETY: writes six unsigned ints, read from this thread's kernel state.
+                unsafe { ncclReshardEmuCopyKernelPosition(at.as_mut_ptr()) };
+                let who = format!(
+                    "{}, block ({}, {}, {}) thread ({}, {}, {})",
+                    WHO.with(|w| w.borrow().clone()),
+                    at[0],
+                    at[1],
+                    at[2],
+                    at[3],
+                    at[4],
+                    at[5]
+                );
+                diag::strict(fault.describe(&who, addr, bytes as u64, write != 0), ());
+                std::ptr::null_mut()
+            }
+        }
+    })
+}
+
+extern "C" fn block_done() {
+    crate::completion::progress();
+}
+
+/// Runs a launch on the stream's worker thread.
+pub fn run(launch: &Launch, exec: &Exec<'_>) {
+    if launch.function.info.name != crate::module::RUNNABLE {
+        diag::fatal(format_args!(
+            "{} on {}: the emulator runs only {}",
+            launch.describe(),
+            exec.stream.name(),
+            crate::module::RUNNABLE
+        ));
+    }
+    DEVICE.set(exec.device());
+    WHO.with(|w| *w.borrow_mut() = format!("{} on {}", launch.describe(), exec.stream.name()));
+    let params: Vec<*const c_void> = launch.params.iter().map(|p| p.as_ptr().cast()).collect();
+    // SAFETY: `params` holds one value per kernel parameter with the kernel's layout (copied at
+    // launch from the caller's values); grid and block hold three entries each; every memory
+    // access the kernel makes goes through `access`.
+    let faulted = unsafe {
+        ncclReshardEmuCopyKernelRun(
+            params.as_ptr(),
+            launch.grid.as_ptr(),
+            launch.block.as_ptr(),
+            access,
+            block_done,
+        )
+    };
+    if faulted != 0 {
+        *lock(&exec.stream.context.sticky) = Some(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+    }
+}
