@@ -895,15 +895,16 @@ fn graph_capture_replays_the_reshard_including_a_first_call_on_a_fresh_stream() 
             let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
             let data = prepare(&rank.device, &tensors, rank.r);
             let executor = data.executor(planner.rank_program(rank.r).unwrap(), mode);
+            // Ranks are threads of one process here, so captures are thread-local: in global
+            // mode another rank's allocation would (rightly) invalidate this rank's capture. A
+            // job runs one process per GPU, where torch's global mode is fine.
+            let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
             // Never run: a capture is refused cleanly and stays valid.
             let capture = Device::new(rank.r as usize);
             // SAFETY: capture on our own stream; graph objects destroyed below.
             unsafe {
                 ck(
-                    sys::cuStreamBeginCapture_v2(
-                        capture.stream,
-                        sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
-                    ),
+                    sys::cuStreamBeginCapture_v2(capture.stream, mode),
                     "begin capture",
                 );
                 let err = executor
@@ -926,10 +927,7 @@ fn graph_capture_replays_the_reshard_including_a_first_call_on_a_fresh_stream() 
             // SAFETY: as above.
             unsafe {
                 ck(
-                    sys::cuStreamBeginCapture_v2(
-                        fresh.stream,
-                        sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
-                    ),
+                    sys::cuStreamBeginCapture_v2(fresh.stream, mode),
                     "begin capture",
                 );
                 executor
