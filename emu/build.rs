@@ -18,6 +18,8 @@ fn main() {
         .flag_if_supported("-Wno-maybe-uninitialized")
         .warnings_into_errors(true)
         .compile("ncclreshard_emu_copy_kernel");
-    // The shims in target/emu/lib name this file in their DT_NEEDED.
-    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libncclreshard_emu.so");
+    // The shims in target/emu/lib name this in their DT_NEEDED; scripts/build-emulator.sh copies
+    // the library to that name, which none of cargo's own outputs has (cargo puts
+    // target/*/deps on LD_LIBRARY_PATH when it runs tests).
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libncclreshard-emu-runtime.so");
 }

@@ -876,6 +876,89 @@ fn staged_and_multi_round_plans_inside_a_group_are_refused_on_every_rank() {
     println!("gpu: {n} rank(s): staged and multi-round plans inside a group refused on every rank before any NCCL operation; outside it byte-exact");
 }
 
+/// The emulator's fault injection (`ncclreshardEmuFailLaunch`, emu/README.md), found through
+/// the NCCL library (the emulator's shim depends on it); absent on a GPU.
+fn fail_launch() -> Option<unsafe extern "C" fn(c_int, c_int) -> c_int> {
+    nccl();
+    let path = std::env::var("NCCL_RESHARD_NCCL_LIBRARY").unwrap_or_else(|_| "libnccl.so.2".into());
+    let path = CString::new(path).unwrap();
+    let name = CString::new("ncclreshardEmuFailLaunch").unwrap();
+    // SAFETY: a handle of the library `nccl()` loaded, and a lookup in it and its dependencies;
+    // the emulator's symbol has this C signature.
+    unsafe {
+        let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        let p = if handle.is_null() {
+            std::ptr::null_mut()
+        } else {
+            libc::dlsym(handle, name.as_ptr())
+        };
+        (!p.is_null()).then(|| {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int, c_int) -> c_int>(p)
+        })
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL: scripts/gpu-check.sh, scripts/emulated-gpu-tests.sh"]
+fn a_launch_failing_mid_call_still_posts_every_group_so_no_peer_waits() {
+    // Defect: a failure after the call's first NCCL group (a launch in round >= 1) returned at
+    // once, leaving the peers blocked in NCCL waiting for the later rounds' messages.
+    let Some(fail) = fail_launch() else {
+        println!("gpu: mid-call launch failure skipped: needs the emulator's fault injection");
+        return;
+    };
+    let n = world();
+    let (tensors, via_self) = all_to_all(n as u32, 256);
+    let config = Config {
+        mode: Mode::Auto,
+        rounds: 3,
+        split_min_bytes: 1024,
+        local_via_messages: via_self,
+        ..Default::default()
+    };
+    with_ranks(n, true, |rank| {
+        let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
+        let program = planner.rank_program(rank.r).unwrap();
+        let rounds = program.rounds().len();
+        let data = prepare(&rank.device, &tensors, rank.r);
+        let executor = data.executor(program, Mode::Auto);
+        let stream = rank.device.stream.cast();
+        executor
+            .execute(&data.buffers(), rank.comm, stream)
+            .unwrap_or_else(|e| panic!("warm-up: {e}"));
+        rank.device.sync();
+        if rank.r == 0 {
+            // The first launch of the next call: its local copies or unpacks, before the
+            // groups of the later rounds.
+            assert!(
+                rounds >= 2,
+                "rank 0 should run several rounds, runs {rounds}"
+            );
+            // SAFETY: the emulator's control, with its C signature.
+            assert_eq!(unsafe { fail(0, 1) }, 0);
+        }
+        let result = executor.execute(&data.buffers(), rank.comm, stream);
+        if rank.r == 0 {
+            let err = result.expect_err("the armed launch fails");
+            assert_eq!(err.kind, ErrorKind::Cuda, "{err}");
+            assert!(err.message.contains("cuLaunchKernel"), "{err}");
+        } else {
+            result.unwrap_or_else(|e| panic!("rank {}: {e}", rank.r));
+        }
+        // Every rank's stream completes: no message was left unmatched.
+        rank.device.sync();
+        // The communicators are still in step: the next call is byte-exact everywhere.
+        let fresh = prepare(&rank.device, &tensors, rank.r);
+        executor
+            .execute(&fresh.buffers(), rank.comm, stream)
+            .unwrap_or_else(|e| panic!("rank {}: after the failure: {e}", rank.r));
+        fresh.verify(&rank.device, &tensors, rank.r);
+        data.free(&rank.device);
+        fresh.free(&rank.device);
+    });
+    println!("gpu: {n} rank(s): a launch failing on rank 0 mid-call returns its error there while every group is still posted; no rank waits, the next call is byte-exact");
+}
+
 #[test]
 #[ignore = "needs CUDA and NCCL: scripts/gpu-check.sh, scripts/emulated-gpu-tests.sh"]
 fn graph_capture_replays_the_reshard_including_a_first_call_on_a_fresh_stream() {

@@ -1451,6 +1451,9 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if params.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
+        if crate::faults::launch_fails(s.context.device) {
+            return err(CUresult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES);
+        }
         let launch = kernel::Launch::new(
             func,
             [gx, gy, gz],
