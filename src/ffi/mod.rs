@@ -200,12 +200,25 @@ pub unsafe extern "C" fn ncclReshardPlanGetInfo(
     })
 }
 
-/// This rank's transfers as data, so other transports (NIXL, RDMA writes, …) can run the plan.
+/// This rank's part of the plan as data, complete enough for another transport (NIXL, RDMA
+/// writes, host copies, …) to run it instead of `ncclReshard`: every byte the rank sends,
+/// receives or copies locally, once, as strided byte copies with their rounds (see
+/// `ncclReshardTransfer_t` for the geometry, the execution rule and how sends match receives).
+/// Running every rank's transfers under that rule leaves exactly what `ncclReshard` leaves in
+/// the destination views, and touches no other byte of them.
+///
+/// Transfers are listed by round, ascending; within a round in canonical block order (tensor,
+/// then the block's position), the pieces of a block by `blockOffset`. Their bytes add up, kind
+/// by kind, to `bytesSent`, `bytesReceived` and `bytesCopied` of `ncclReshardPlanGetInfo`, and
+/// per peer and round to what `ncclReshard` sends and receives (its messages pack several
+/// transfers together or send one as it is; they are not listed).
 ///
 /// With `transfers` NULL, only `*count` is set to the number of transfers. Otherwise
 /// `transfers` holds `capacity` structs whose first has `size` set (use
-/// `NCCL_RESHARD_TRANSFER_INITIALIZER`); all transfers are written and `*count` set, or, when
-/// `capacity` is too small, nothing is written and `ncclInvalidArgument` is returned.
+/// `NCCL_RESHARD_TRANSFER_INITIALIZER`; every struct is taken to have that size, so a caller
+/// built against an older header gets the fields it knows); all transfers are written and
+/// `*count` set, or, when `capacity` is too small, nothing is written and
+/// `ncclInvalidArgument` is returned. The plan is immutable: every call returns the same list.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
     plan: ncclReshardPlan_t,
@@ -218,7 +231,7 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
         if count.is_null() {
             return Err(Error::invalid_argument("count is NULL"));
         }
-        let entries = plan.transfers();
+        let entries = plan.transfers()?;
         let total = c_int::try_from(entries.len()).map_err(|_| {
             Error::invalid_usage("the plan has more transfers than an int can count")
         })?;
