@@ -235,7 +235,8 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
         let total = c_int::try_from(entries.len()).map_err(|_| {
             Error::invalid_usage("the plan has more transfers than an int can count")
         })?;
-        if !transfers.is_null() {
+        // With nothing to write, `transfers` may be an empty array: it is not read.
+        if !transfers.is_null() && total > 0 {
             if capacity < total {
                 return Err(Error::invalid_argument(format!(
                     "capacity is {capacity} but the plan has {total} transfers; call with transfers = NULL to get the count"
