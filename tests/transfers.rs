@@ -523,9 +523,9 @@ fn check_boxes(specs: &[TensorSpec], exports: &[RankExport], ranks: &[u32], memo
             .expect("a planned rank")
     };
     for e in exports {
-        // Per block (kind, peer, tensor, box): (offset, bytes) of its parts.
-        let mut blocks: BTreeMap<(c_int, c_int, c_int, Vec<i64>), Vec<(u64, u64, u64)>> =
-            BTreeMap::new();
+        // Per block (kind, peer, tensor, box): (offset, bytes, block bytes) of its parts.
+        type Parts = BTreeMap<(c_int, c_int, c_int, Vec<i64>), Vec<(u64, u64, u64)>>;
+        let mut blocks = Parts::new();
         for t in &e.transfers {
             let ndim = t.ndim as usize;
             let spec = &specs[t.tensor as usize];

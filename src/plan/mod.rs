@@ -305,9 +305,10 @@ impl Planner {
     /// (`ncclReshardPlanGetTransfers`). Local copies come first, in block order, then each
     /// pair's parts (pairs ascending) by round, in the order its messages are formed from.
     pub fn block_parts(&self, blocks: &[Block]) -> Vec<BlockPart> {
+        type PairBlocks<'b> = BTreeMap<(u32, u32), Vec<(usize, Option<u32>, &'b Copy)>>;
         let mut parts = Vec::new();
         // Per (sender, receiver): (block index, fixed round, copy) in canonical order.
-        let mut pairs: BTreeMap<(u32, u32), Vec<(usize, Option<u32>, &Copy)>> = BTreeMap::new();
+        let mut pairs: PairBlocks<'_> = BTreeMap::new();
         for (i, block) in blocks.iter().enumerate() {
             if block.from == block.to && !self.config.local_via_messages {
                 parts.push(BlockPart {
