@@ -21,7 +21,7 @@ use ncclreshard::layout::row_major_strides;
 use ncclreshard::{
     Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
 };
-use oracle::strategies::{layout_on, mesh, stride_recipe};
+use oracle::strategies::{layout_on, mesh, tensor_on};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::os::raw::c_int;
@@ -589,6 +589,22 @@ fn check_boxes(specs: &[TensorSpec], exports: &[RankExport], ranks: &[u32], memo
     }
 }
 
+/// Every rank's initial memory and its plan read back through the C ABI.
+fn export_all(
+    specs: &[TensorSpec],
+    config: &Config,
+    ranks: &[u32],
+) -> (Vec<Memory>, Vec<RankExport>) {
+    let memory: Vec<Memory> = ranks.iter().map(|&r| initial_memory(specs, r)).collect();
+    let mut descriptors = Descriptors::new(specs, config);
+    let exports = ranks
+        .iter()
+        .zip(&memory)
+        .map(|(&r, m)| export_rank(&mut descriptors, m, r))
+        .collect();
+    (memory, exports)
+}
+
 /// Everything a case checks; returns the exports for case-specific assertions.
 fn check_export(specs: &[TensorSpec], config: &Config) -> Vec<RankExport> {
     let planner = Planner::new(specs.to_vec(), config.clone()).expect("a valid plan");
@@ -610,13 +626,7 @@ fn check_export(specs: &[TensorSpec], config: &Config) -> Vec<RankExport> {
         Err(e) => panic!("{e}"),
     };
     let ranks = planner.ranks();
-    let before: Vec<Memory> = ranks.iter().map(|&r| initial_memory(specs, r)).collect();
-    let mut descriptors = Descriptors::new(specs, config);
-    let exports: Vec<RankExport> = ranks
-        .iter()
-        .zip(&before)
-        .map(|(&r, m)| export_rank(&mut descriptors, m, r))
-        .collect();
+    let (before, exports) = export_all(specs, config, &ranks);
     for (e, p) in exports.iter().zip(&programs) {
         check_against_program(e, p);
     }
@@ -639,16 +649,10 @@ fn check_export(specs: &[TensorSpec], config: &Config) -> Vec<RankExport> {
 
 /// True when running the steps latest round first leaves some destination wrong.
 fn breaks_against_the_rule(specs: &[TensorSpec], config: &Config) -> bool {
-    let planner = Planner::new(specs.to_vec(), config.clone()).unwrap();
-    let ranks = planner.ranks();
-    let before: Vec<Memory> = ranks.iter().map(|&r| initial_memory(specs, r)).collect();
-    let mut descriptors = Descriptors::new(specs, config);
-    let exports: Vec<RankExport> = ranks
-        .iter()
-        .zip(&before)
-        .map(|(&r, m)| export_rank(&mut descriptors, m, r))
-        .collect();
-    let mut memory = before;
+    let ranks = Planner::new(specs.to_vec(), config.clone())
+        .unwrap()
+        .ranks();
+    let (mut memory, exports) = export_all(specs, config, &ranks);
     execute(&steps(&exports), &mut memory, Order::LatestRoundFirst);
     wrong_view(specs, &ranks, &memory).is_some()
 }
@@ -929,28 +933,12 @@ fn tensor() -> impl Strategy<Value = TensorSpec> {
     )
         .prop_flat_map(|(shape, dtype, src_mesh, dst_mesh)| {
             let ndim = shape.len();
-            (
-                Just(shape),
-                Just(dtype),
-                layout_on(src_mesh, ndim),
-                layout_on(dst_mesh, ndim),
-                prop::option::weighted(0.25, stride_recipe()),
-                prop::option::weighted(0.35, stride_recipe()),
-            )
-        })
-        .prop_map(|(shape, dtype, mut src, mut dst, src_recipe, dst_recipe)| {
-            if let Some(r) = src_recipe {
-                src.strides = Some(r.strides(&oracle::max_local_shape(&shape, &src)));
-            }
-            if let Some(r) = dst_recipe {
-                dst.strides = Some(r.strides(&oracle::max_local_shape(&shape, &dst)));
-            }
-            TensorSpec {
+            tensor_on(
                 shape,
                 dtype,
-                src,
-                dst,
-            }
+                layout_on(src_mesh, ndim),
+                layout_on(dst_mesh, ndim),
+            )
         })
 }
 

@@ -501,6 +501,17 @@ static void stagedCase(void) {
   runCase("staged, 3 rounds, colocated, strided views", 3, tensors, &config, 4, 0, 1);
 }
 
+/* Auto mode with a topology (relays on by default) and `rounds` rounds of chunks of at least
+ * `splitMinBytes`. */
+static ncclReshardConfig_t relayConfig(int ranksPerNode, int rounds, size_t splitMinBytes) {
+  ncclReshardConfig_t config = NCCL_RESHARD_CONFIG_INITIALIZER;
+  config.mode = ncclReshardModeAuto;
+  config.ranksPerNode = ranksPerNode;
+  config.rounds = rounds;
+  config.splitMinBytes = splitMinBytes;
+  return config;
+}
+
 /* Auto, relayed: TP2 on ranks 0-1 -> TP2 x DP4 on ranks 8-15 with 4 ranks per node, so each
  * destination node holds two replicas of each shard: data crosses to one of them and is
  * forwarded to the other in the next round. The second weight lands in half of a fused view. */
@@ -515,11 +526,7 @@ static void relayedCase(void) {
   ncclReshardTensor_t tensors[2];
   tensors[0] = tensor2(96, 64, ncclBfloat16, &tp2, &infer);
   tensors[1] = tensor2(96, 64, ncclBfloat16, &tp2, &inferFused);
-  ncclReshardConfig_t config = NCCL_RESHARD_CONFIG_INITIALIZER;
-  config.mode = ncclReshardModeAuto;
-  config.ranksPerNode = 4;
-  config.rounds = 3;
-  config.splitMinBytes = 64;
+  ncclReshardConfig_t config = relayConfig(4, 3, 64);
   runCase("auto, relayed, TP2 -> TP2xDP4, 4 per node, 3 rounds", 2, tensors, &config, 16, 1, 1);
 }
 
@@ -533,11 +540,7 @@ static void relayedFusedCase(void) {
   dp8.strides = fused;
   ncclReshardTensor_t tensors[1];
   tensors[0] = tensor2(40, 24, ncclFloat32, &tp1, &dp8);
-  ncclReshardConfig_t config = NCCL_RESHARD_CONFIG_INITIALIZER;
-  config.mode = ncclReshardModeAuto;
-  config.ranksPerNode = 8;
-  config.rounds = 4;
-  config.splitMinBytes = 32;
+  ncclReshardConfig_t config = relayConfig(8, 4, 32);
   runCase("auto, relayed, TP1 -> DP8 fused view, 4 rounds", 1, tensors, &config, 16, 1, 1);
 }
 
