@@ -252,9 +252,10 @@ typedef struct {
  * it carries.
  *
  * **The copy.** `chunkBytes` contiguous bytes at every point of a `copyNdim`-dim grid
- * (`count[k]` points along axis k, outermost first), read at `srcOffset` + Σ i[k]·`srcStride[k]`
- * of the sender's `srcView` of `tensor` and written at `dstOffset` + Σ i[k]·`dstStride[k]` of
- * the receiver's destination view of `tensor`; `bytes` is the total. Offsets and strides are in
+ * (`count[k]` points along axis k, outermost first): grid point `i` is read at
+ * `srcOffset + Σ i[k]·srcStride[k]` of the sender's `srcView` of `tensor` and written at
+ * `dstOffset + Σ i[k]·dstStride[k]` of the receiver's destination view of `tensor`; `bytes`
+ * is the total. Offsets and strides are in
  * bytes, relative to the views (in a single-buffer `ncclReshard` call a view starts at the
  * buffer plus the tensor's `srcOffset` or `dstOffset`: the sender's `dstOffset` when `srcView`
  * is `ncclReshardViewDestination`). A transport needs nothing else to move the data, and the
@@ -418,7 +419,7 @@ ncclResult_t ncclReshardPlanGetInfo(ncclReshardPlan_t plan, ncclReshardPlanInfo_
  * receives or copies locally, once, as strided byte copies with their rounds (see
  * `ncclReshardTransfer_t` for the geometry, the execution rule and how sends match receives).
  * Running every rank's transfers under that rule leaves exactly what `ncclReshard` leaves in
- * the destination views, and touches no other byte of them.
+ * the destination views and writes no byte outside them.
  *
  * Transfers are listed by round, ascending; within a round in canonical block order (tensor,
  * then the block's position), the pieces of a block by `blockOffset`. Their bytes add up, kind

@@ -205,7 +205,7 @@ pub unsafe extern "C" fn ncclReshardPlanGetInfo(
 /// receives or copies locally, once, as strided byte copies with their rounds (see
 /// `ncclReshardTransfer_t` for the geometry, the execution rule and how sends match receives).
 /// Running every rank's transfers under that rule leaves exactly what `ncclReshard` leaves in
-/// the destination views, and touches no other byte of them.
+/// the destination views and writes no byte outside them.
 ///
 /// Transfers are listed by round, ascending; within a round in canonical block order (tensor,
 /// then the block's position), the pieces of a block by `blockOffset`. Their bytes add up, kind

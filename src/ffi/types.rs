@@ -190,9 +190,10 @@ pub struct ncclReshardPlanInfo_t {
 /// it carries.
 ///
 /// **The copy.** `chunkBytes` contiguous bytes at every point of a `copyNdim`-dim grid
-/// (`count[k]` points along axis k, outermost first), read at `srcOffset` + Σ i[k]·`srcStride[k]`
-/// of the sender's `srcView` of `tensor` and written at `dstOffset` + Σ i[k]·`dstStride[k]` of
-/// the receiver's destination view of `tensor`; `bytes` is the total. Offsets and strides are in
+/// (`count[k]` points along axis k, outermost first): grid point `i` is read at
+/// `srcOffset + Σ i[k]·srcStride[k]` of the sender's `srcView` of `tensor` and written at
+/// `dstOffset + Σ i[k]·dstStride[k]` of the receiver's destination view of `tensor`; `bytes`
+/// is the total. Offsets and strides are in
 /// bytes, relative to the views (in a single-buffer `ncclReshard` call a view starts at the
 /// buffer plus the tensor's `srcOffset` or `dstOffset`: the sender's `dstOffset` when `srcView`
 /// is `ncclReshardViewDestination`). A transport needs nothing else to move the data, and the

@@ -27,7 +27,9 @@ const CUT_ALIGN: u64 = 4096;
 pub struct BlockPart {
     /// Index of the block in the rank's block list ([`Planner::rank_blocks`](super::Planner::rank_blocks)).
     pub block: usize,
-    /// The round the part moves in (the same on both ends of the pair); local copies: 0.
+    /// The round the part moves in (the same on both ends of the pair); local copies: 0
+    /// (unless [`Config::local_via_messages`](super::Config::local_via_messages) sends them as
+    /// messages to the rank itself, spread over rounds like any pair's).
     pub round: u32,
     /// Bytes of the block's copy before this part, in its dense order.
     pub offset: u64,
