@@ -291,7 +291,8 @@ typedef struct {
  * `round`, `srcView`, `blockOffset` and `blockBytes` were added in 0.2: a caller whose struct
  * is the older size gets the other fields only. Its copies are still exact, and without
  * forwards (groupable mode, no topology, or `config.relay` = 0) every transfer reads the source
- * view and the order of transfers does not matter for the data.
+ * view and the order of transfers does not matter for the data; for a plan with forwards
+ * `ncclReshardPlanGetTransfers` refuses such a struct.
  */
 typedef struct {
   size_t size;
@@ -432,7 +433,9 @@ ncclResult_t ncclReshardPlanGetInfo(ncclReshardPlan_t plan, ncclReshardPlanInfo_
  * `NCCL_RESHARD_TRANSFER_INITIALIZER`; every struct is taken to have that size, so a caller
  * built against an older header gets the fields it knows); all transfers are written and
  * `*count` set, or, when `capacity` is too small, nothing is written and
- * `ncclInvalidArgument` is returned. The plan is immutable: every call returns the same list.
+ * `ncclInvalidArgument` is returned. A struct without `srcView` (before 0.2) cannot tell a
+ * forward from a send: for a plan with forwards nothing is written and `ncclInvalidUsage` is
+ * returned. The plan is immutable: every call returns the same list.
  */
 ncclResult_t ncclReshardPlanGetTransfers(ncclReshardPlan_t plan,
                                          ncclReshardTransfer_t *transfers,

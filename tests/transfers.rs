@@ -833,47 +833,64 @@ fn groupable_and_staged_plans_with_strided_views() {
     }
 }
 
-#[test]
-fn an_older_callers_smaller_structs_get_the_fields_they_know() {
+/// Rank 8's plan of `tp2_to_tp2_dp4` under `config` and its transfers as the current struct.
+fn rank_8_plan(config: &Config) -> (ncclReshardPlan_t, Vec<ncclReshardTransfer_t>) {
     let spec = tp2_to_tp2_dp4();
-    let config = relayed(3);
-    let mut descriptors = Descriptors::new(std::slice::from_ref(&spec), &config);
+    let mut descriptors = Descriptors::new(std::slice::from_ref(&spec), config);
     let memory = initial_memory(std::slice::from_ref(&spec), 8);
     let full = export_rank(&mut descriptors, &memory, 8);
-    let n = full.transfers.len();
-    assert!(n > 1);
     let mut plan: ncclReshardPlan_t = std::ptr::null_mut();
-    // SAFETY: valid descriptors; the plan is destroyed below.
-    unsafe {
-        assert_eq!(
-            ncclReshardPlanCreate(
-                &mut plan,
-                1,
-                descriptors.tensors.as_ptr(),
-                8,
-                &descriptors.config
-            ),
-            0
-        );
-    }
-    // n structs of the 0.1 size, then one spare slot that must stay untouched.
-    let slot = OLD_SIZE;
+    // SAFETY: valid descriptors (the offsets export_rank set for rank 8); the caller destroys
+    // the plan.
+    let created = unsafe {
+        ncclReshardPlanCreate(
+            &mut plan,
+            1,
+            descriptors.tensors.as_ptr(),
+            8,
+            &descriptors.config,
+        )
+    };
+    assert_eq!(created, 0, "{}", last_error());
+    (plan, full.transfers)
+}
+
+/// Asks for `n` transfers into structs of `slot` bytes; returns the result, the bytes of the
+/// n slots and of one spare slot after them.
+fn fill_old_structs(plan: ncclReshardPlan_t, n: usize, slot: usize) -> (c_int, Vec<u8>) {
     let mut words = vec![0xeeee_eeee_eeee_eeeeu64; ((n + 1) * slot).div_ceil(8)];
     let bytes = words.as_mut_ptr().cast::<u8>();
-    // SAFETY: `words` spans (n + 1) slots; the size field is written unaligned-safe (slots are
-    // 8-byte multiples, so it is aligned anyway).
+    // SAFETY: `words` spans n + 1 slots; slots are 8-byte multiples, so this is aligned.
     unsafe { std::ptr::write_unaligned(bytes.cast::<usize>(), slot) };
     let mut written: c_int = -1;
     // SAFETY: the array holds n structs of `slot` bytes each, as its first one says.
     let got = unsafe { ncclReshardPlanGetTransfers(plan, bytes.cast(), n as c_int, &mut written) };
+    if got == 0 {
+        assert_eq!(written as usize, n);
+    }
+    // SAFETY: plain bytes of `words`.
+    let all = unsafe { std::slice::from_raw_parts(bytes, (n + 1) * slot) }.to_vec();
+    (got, all)
+}
+
+#[test]
+fn an_older_callers_smaller_structs_get_the_fields_they_know() {
+    // Rounds without relays: a 0.1 struct describes every transfer (all read source views).
+    let (plan, full) = rank_8_plan(&Config {
+        relay: false,
+        ..relayed(3)
+    });
+    let n = full.len();
+    assert!(n > 1 && full.iter().any(|t| t.round > 0));
+    let slot = OLD_SIZE;
+    let (got, bytes) = fill_old_structs(plan, n, slot);
     assert_eq!(got, 0, "{}", last_error());
-    assert_eq!(written as usize, n);
-    for (i, want) in full.transfers.iter().enumerate() {
+    for (i, want) in full.iter().enumerate() {
         let mut old = ncclReshardTransfer_t::default();
-        // SAFETY: slot i holds `slot` readable bytes; `old` is larger.
+        // SAFETY: slot i holds `slot` bytes; `old` is larger.
         unsafe {
             std::ptr::copy_nonoverlapping(
-                bytes.add(i * slot),
+                bytes[i * slot..].as_ptr(),
                 (&mut old as *mut ncclReshardTransfer_t).cast::<u8>(),
                 slot,
             )
@@ -903,18 +920,29 @@ fn an_older_callers_smaller_structs_get_the_fields_they_know() {
             "past the old size: not written"
         );
     }
-    // SAFETY: the spare slot lies inside `words`.
-    let spare = unsafe { std::slice::from_raw_parts(bytes.add(n * slot), slot) };
     assert!(
-        spare.iter().all(|&b| b == 0xee),
+        bytes[n * slot..].iter().all(|&b| b == 0xee),
         "wrote past the caller's structs"
     );
     // Smaller than the 0.1 struct: refused, nothing written.
-    // SAFETY: as above.
-    unsafe { std::ptr::write_unaligned(bytes.cast::<usize>(), slot - 8) };
-    let got = unsafe { ncclReshardPlanGetTransfers(plan, bytes.cast(), n as c_int, &mut written) };
+    let (got, bytes) = fill_old_structs(plan, n, slot - 8);
     assert_eq!(got, 4);
     assert!(last_error().contains(&format!("transfers[0].size is {}", slot - 8)));
+    assert!(bytes[8..].iter().all(|&b| b == 0xee));
+    // SAFETY: the plan is no longer used.
+    unsafe { assert_eq!(ncclReshardPlanDestroy(plan), 0) };
+
+    // With forwards the old struct cannot say which view a send reads: refused, not misread.
+    let (plan, full) = rank_8_plan(&relayed(3));
+    assert!(full.iter().any(|t| t.srcView == FROM_DESTINATION));
+    let (got, bytes) = fill_old_structs(plan, full.len(), slot);
+    assert_eq!(got, 5, "ncclInvalidUsage");
+    assert!(
+        last_error().contains("forwards relayed data"),
+        "{}",
+        last_error()
+    );
+    assert!(bytes[8..].iter().all(|&b| b == 0xee), "nothing written");
     // SAFETY: the plan is no longer used.
     unsafe { assert_eq!(ncclReshardPlanDestroy(plan), 0) };
 }

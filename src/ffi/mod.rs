@@ -218,7 +218,9 @@ pub unsafe extern "C" fn ncclReshardPlanGetInfo(
 /// `NCCL_RESHARD_TRANSFER_INITIALIZER`; every struct is taken to have that size, so a caller
 /// built against an older header gets the fields it knows); all transfers are written and
 /// `*count` set, or, when `capacity` is too small, nothing is written and
-/// `ncclInvalidArgument` is returned. The plan is immutable: every call returns the same list.
+/// `ncclInvalidArgument` is returned. A struct without `srcView` (before 0.2) cannot tell a
+/// forward from a send: for a plan with forwards nothing is written and `ncclInvalidUsage` is
+/// returned. The plan is immutable: every call returns the same list.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
     plan: ncclReshardPlan_t,
@@ -251,6 +253,18 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
                     "transfers[0]",
                 )
             }?;
+            // A forward read as an ordinary send would read the wrong view: refuse rather than
+            // hand an older caller a list it cannot run.
+            let forwards = entries
+                .iter()
+                .any(|t| t.srcView == ncclReshardView_t::ncclReshardViewDestination as c_int);
+            if first.size < convert::TRANSFER_SRC_VIEW_SIZE && forwards {
+                return Err(Error::invalid_usage(format!(
+                    "transfers[0].size is {} (a struct from before 0.2, without srcView) but this plan forwards relayed data (transfers that read the sender's destination view); build against the current header (size {}) or plan with config.relay = 0",
+                    first.size,
+                    std::mem::size_of::<ncclReshardTransfer_t>()
+                )));
+            }
             for (i, entry) in entries.iter().enumerate() {
                 // SAFETY: the caller's array holds `capacity` ≥ total structs of `first.size`
                 // bytes each.

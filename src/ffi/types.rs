@@ -229,7 +229,8 @@ pub struct ncclReshardPlanInfo_t {
 /// `round`, `srcView`, `blockOffset` and `blockBytes` were added in 0.2: a caller whose struct
 /// is the older size gets the other fields only. Its copies are still exact, and without
 /// forwards (groupable mode, no topology, or `config.relay` = 0) every transfer reads the source
-/// view and the order of transfers does not matter for the data.
+/// view and the order of transfers does not matter for the data; for a plan with forwards
+/// `ncclReshardPlanGetTransfers` refuses such a struct.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ncclReshardTransfer_t {
