@@ -23,7 +23,7 @@
 #define NCCL_RESHARD_TENSOR_INITIALIZER { sizeof(ncclReshardTensor_t), NCCL_RESHARD_VERSION_CODE, 0, {0}, ncclFloat32, NULL, NULL, 0, 0, NULL }
 #define NCCL_RESHARD_CONFIG_INITIALIZER { sizeof(ncclReshardConfig_t), NCCL_RESHARD_CONFIG_MAGIC, NCCL_RESHARD_VERSION_CODE, ncclReshardModeAuto, 0, NULL, 0, 0, 0, 0, 1 }
 #define NCCL_RESHARD_PLAN_INFO_INITIALIZER { sizeof(ncclReshardPlanInfo_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
-#define NCCL_RESHARD_TRANSFER_INITIALIZER { sizeof(ncclReshardTransfer_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, {0}, {0}, 0, 0, 0, 0, {0}, {0}, {0}, 0 }
+#define NCCL_RESHARD_TRANSFER_INITIALIZER { sizeof(ncclReshardTransfer_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, {0}, {0}, 0, 0, 0, 0, {0}, {0}, {0}, 0, 0, ncclReshardViewSource, 0, 0 }
 
 
 /**
@@ -71,18 +71,33 @@ typedef enum {
  */
 typedef enum {
   /**
-   * This rank sends the block to `peer`.
+   * This rank sends the transfer's bytes to `peer`.
    */
   ncclReshardTransferSend = 0,
   /**
-   * This rank receives the block from `peer`.
+   * This rank receives the transfer's bytes from `peer`.
    */
   ncclReshardTransferRecv = 1,
   /**
-   * This rank holds the block on both sides and copies it locally (`peer` is itself).
+   * This rank holds the data on both sides and copies it locally (`peer` is itself).
    */
   ncclReshardTransferLocal = 2,
 } ncclReshardTransferKind_t;
+
+/**
+ * Which of the sender's views of a tensor a transfer reads (`ncclReshardTransfer_t.srcView`).
+ */
+typedef enum {
+  /**
+   * The sender's source view (`sendbuff` + the tensor's `srcOffset` in `ncclReshard`).
+   */
+  ncclReshardViewSource = 0,
+  /**
+   * The sender's destination view (`recvbuff` + the tensor's `dstOffset`): the sender
+   * forwards bytes it received in an earlier round (a relay).
+   */
+  ncclReshardViewDestination = 1,
+} ncclReshardView_t;
 
 /**
  * An opaque reshard plan: created once per rank by `ncclReshardPlanCreate`, immutable after,
@@ -232,16 +247,52 @@ typedef struct {
 } ncclReshardPlanInfo_t;
 
 /**
- * One block of data the plan's rank sends, receives or copies locally
- * (`ncclReshardPlanGetTransfers`): a box of the global tensor and the strided copy that moves
- * it from the sender's source view to the receiver's destination view.
+ * One transfer of the plan's rank (`ncclReshardPlanGetTransfers`): a strided byte copy from a
+ * view of the sender to the receiver's destination view, the round it runs in, and which data
+ * it carries.
  *
- * The box is `globalStart[d] .. globalStart[d] + globalCount[d]` for d < `ndim`. The copy is
- * `chunkBytes` contiguous bytes at every point of a `copyNdim`-dim grid (`count`, byte strides
- * `srcStride` on the sender and `dstStride` on the receiver, outermost first), starting at
- * `srcOffset` in the sender's source view of `tensor` and `dstOffset` in the receiver's
- * destination view; `bytes` is the total. Offsets are relative to the views (add the
- * tensor's `srcOffset`/`dstOffset` for positions in single-buffer calls).
+ * **The copy.** `chunkBytes` contiguous bytes at every point of a `copyNdim`-dim grid
+ * (`count[k]` points along axis k, outermost first): grid point `i` is read at
+ * `srcOffset + Σ i[k]·srcStride[k]` of the sender's `srcView` of `tensor` and written at
+ * `dstOffset + Σ i[k]·dstStride[k]` of the receiver's destination view of `tensor`; `bytes`
+ * is the total. Offsets and strides are in
+ * bytes, relative to the views (in a single-buffer `ncclReshard` call a view starts at the
+ * buffer plus the tensor's `srcOffset` or `dstOffset`: the sender's `dstOffset` when `srcView`
+ * is `ncclReshardViewDestination`). A transport needs nothing else to move the data, and the
+ * grid's chunks in row-major order are the transfer's bytes in order.
+ *
+ * **The data.** The plan moves *blocks*: boxes of the global tensor, `globalStart[d] ..
+ * globalStart[d] + globalCount[d]` for d < `ndim`, contiguous per dim in both ranks' views. A
+ * block's `blockBytes` bytes are its elements in row-major order of the box (element i is
+ * bytes `i·elemSize .. (i+1)·elemSize`). A transfer moves bytes `blockOffset .. blockOffset +
+ * bytes` of its block. A block travels whole (`blockOffset` 0, `bytes` = `blockBytes`) unless
+ * the plan's rounds cut it: staged and auto plans of several rounds cut each peer pair's data
+ * into per-round chunks at byte positions, so one block may be several transfers, in one or
+ * several rounds, whose byte ranges tile it. Such a piece need not be a box of the tensor nor
+ * hold whole elements; `globalStart`/`globalCount` always describe the whole block.
+ *
+ * **Execution rule.** A transfer of round r may start once every receive of rounds < r on this
+ * rank has completed; nothing else orders transfers: the sends, receives and local copies of
+ * one round may run in any order or concurrently (a transport whose sends wait for the
+ * matching receive must post a round's receives before waiting on its sends, as NCCL does in
+ * one group). Local copies have round 0 and read the source view. A send with `srcView` =
+ * `ncclReshardViewDestination` forwards bytes this rank received in an earlier round (relays:
+ * staged and auto plans with a topology and `config.relay` = 1); the rule is what makes them
+ * present. Every
+ * destination byte is written by exactly one transfer, and the only bytes one transfer reads
+ * that another writes are those a forward reads, written by a receive of an earlier round on
+ * the forwarding rank: the rule is all the ordering a transport must respect.
+ *
+ * **Matching.** A send from rank A to rank B and B's receive from A carry the same round and
+ * the same fields except `kind` and `peer`; among one pair's transfers of one round, A's sends
+ * to B and B's receives from A come in the same order. Every round's sends and receives match
+ * one to one across the plans of all ranks.
+ *
+ * `round`, `srcView`, `blockOffset` and `blockBytes` were added in 0.2: a caller whose struct
+ * is the older size gets the other fields only. Its copies are still exact, and without
+ * forwards (groupable mode, no topology, or `config.relay` = 0) every transfer reads the source
+ * view and the order of transfers does not matter for the data; for a plan with forwards
+ * `ncclReshardPlanGetTransfers` refuses such a struct.
  */
 typedef struct {
   size_t size;
@@ -250,6 +301,9 @@ typedef struct {
    * An `ncclReshardTransferKind_t`.
    */
   int kind;
+  /**
+   * The other rank (this rank for a local copy).
+   */
   int peer;
   int tensor;
   int ndim;
@@ -263,6 +317,22 @@ typedef struct {
   int64_t srcStride[NCCL_RESHARD_MAX_DIMS];
   int64_t dstStride[NCCL_RESHARD_MAX_DIMS];
   uint64_t bytes;
+  /**
+   * The round (see the execution rule), equal on both ends of a send and its receive.
+   */
+  int round;
+  /**
+   * An `ncclReshardView_t`: the sender's view `srcOffset` and `srcStride` address.
+   */
+  int srcView;
+  /**
+   * Where the transfer's bytes sit in its block's bytes.
+   */
+  uint64_t blockOffset;
+  /**
+   * The whole block's bytes (all transfers of the block together).
+   */
+  uint64_t blockBytes;
 } ncclReshardTransfer_t;
 
 #ifdef __cplusplus
@@ -345,12 +415,27 @@ ncclResult_t ncclReshardMulti(const void *const *sendbuffs,
 ncclResult_t ncclReshardPlanGetInfo(ncclReshardPlan_t plan, ncclReshardPlanInfo_t *info);
 
 /**
- * This rank's transfers as data, so other transports (NIXL, RDMA writes, …) can run the plan.
+ * This rank's part of the plan as data, complete enough for another transport (NIXL, RDMA
+ * writes, host copies, …) to run it instead of `ncclReshard`: every byte the rank sends,
+ * receives or copies locally, once, as strided byte copies with their rounds (see
+ * `ncclReshardTransfer_t` for the geometry, the execution rule and how sends match receives).
+ * Running every rank's transfers under that rule leaves exactly what `ncclReshard` leaves in
+ * the destination views and writes no byte outside them.
+ *
+ * Transfers are listed by round, ascending; within a round in canonical block order (tensor,
+ * then the block's position), the pieces of a block by `blockOffset`. Their bytes add up, kind
+ * by kind, to `bytesSent`, `bytesReceived` and `bytesCopied` of `ncclReshardPlanGetInfo`, and
+ * per peer and round to what `ncclReshard` sends and receives (its messages pack several
+ * transfers together or send one as it is; they are not listed).
  *
  * With `transfers` NULL, only `*count` is set to the number of transfers. Otherwise
  * `transfers` holds `capacity` structs whose first has `size` set (use
- * `NCCL_RESHARD_TRANSFER_INITIALIZER`); all transfers are written and `*count` set, or, when
- * `capacity` is too small, nothing is written and `ncclInvalidArgument` is returned.
+ * `NCCL_RESHARD_TRANSFER_INITIALIZER`; every struct is taken to have that size, so a caller
+ * built against an older header gets the fields it knows); all transfers are written and
+ * `*count` set, or, when `capacity` is too small, nothing is written and
+ * `ncclInvalidArgument` is returned. A struct without `srcView` (before 0.2) cannot tell a
+ * forward from a send: for a plan with forwards nothing is written and `ncclInvalidUsage` is
+ * returned. The plan is immutable: every call returns the same list.
  */
 ncclResult_t ncclReshardPlanGetTransfers(ncclReshardPlan_t plan,
                                          ncclReshardTransfer_t *transfers,

@@ -26,7 +26,7 @@ fn trailer() -> String {
 #define NCCL_RESHARD_TENSOR_INITIALIZER {{ sizeof(ncclReshardTensor_t), NCCL_RESHARD_VERSION_CODE, 0, {{0}}, ncclFloat32, NULL, NULL, 0, 0, NULL }}
 #define NCCL_RESHARD_CONFIG_INITIALIZER {{ sizeof(ncclReshardConfig_t), NCCL_RESHARD_CONFIG_MAGIC, NCCL_RESHARD_VERSION_CODE, ncclReshardModeAuto, 0, NULL, 0, 0, 0, 0, 1 }}
 #define NCCL_RESHARD_PLAN_INFO_INITIALIZER {{ sizeof(ncclReshardPlanInfo_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }}
-#define NCCL_RESHARD_TRANSFER_INITIALIZER {{ sizeof(ncclReshardTransfer_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, {{0}}, {{0}}, 0, 0, 0, 0, {{0}}, {{0}}, {{0}}, 0 }}
+#define NCCL_RESHARD_TRANSFER_INITIALIZER {{ sizeof(ncclReshardTransfer_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, {{0}}, {{0}}, 0, 0, 0, 0, {{0}}, {{0}}, {{0}}, 0, 0, ncclReshardViewSource, 0, 0 }}
 "#
     )
 }

@@ -9,7 +9,7 @@ use ncclreshard::plan::{Buffer, ExecMode, GROUPABLE_MAX_MESSAGES_PER_RANK};
 use ncclreshard::{
     Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
 };
-use oracle::strategies::{layout_on, mesh, stride_recipe};
+use oracle::strategies::{layout_on, mesh, tensor_on};
 use proptest::prelude::*;
 
 /// Bytes past the end of every destination view: a program writing beyond the view's extent
@@ -356,32 +356,14 @@ fn dst_mesh(src: Mesh) -> BoxedStrategy<Mesh> {
 }
 
 fn tensor() -> impl Strategy<Value = TensorSpec> {
-    (e2e_shape(), dtype(), mesh(3, 4, 16, 4))
-        .prop_flat_map(|(shape, dtype, src_mesh)| {
-            let ndim = shape.len();
-            (
-                Just(shape),
-                Just(dtype),
-                layout_on(src_mesh.clone(), ndim),
-                dst_mesh(src_mesh).prop_flat_map(move |m| layout_on(m, ndim)),
-                prop::option::weighted(0.25, stride_recipe()),
-                prop::option::weighted(0.35, stride_recipe()),
-            )
-        })
-        .prop_map(|(shape, dtype, mut src, mut dst, src_recipe, dst_recipe)| {
-            if let Some(r) = src_recipe {
-                src.strides = Some(r.strides(&oracle::max_local_shape(&shape, &src)));
-            }
-            if let Some(r) = dst_recipe {
-                dst.strides = Some(r.strides(&oracle::max_local_shape(&shape, &dst)));
-            }
-            TensorSpec {
-                shape,
-                dtype,
-                src,
-                dst,
-            }
-        })
+    (e2e_shape(), dtype(), mesh(3, 4, 16, 4)).prop_flat_map(|(shape, dtype, src_mesh)| {
+        let ndim = shape.len();
+        let src = layout_on(src_mesh.clone(), ndim);
+        let dst = dst_mesh(src_mesh)
+            .prop_flat_map(move |m| layout_on(m, ndim))
+            .boxed();
+        tensor_on(shape, dtype, src, dst)
+    })
 }
 
 fn mode() -> impl Strategy<Value = Mode> {

@@ -679,13 +679,15 @@ fn plan_queries(
         return;
     }
     let real = size_of::<ncclReshardTransfer_t>();
+    // The 0.1 struct (before `round`) is the smallest a caller may pass.
+    let oldest = std::mem::offset_of!(ncclReshardTransfer_t, round);
     let mut size = input.struct_size(real);
-    if (real..=MAX_STRUCT_SIZE).contains(&size) && total * size > 64 << 20 {
+    if (oldest..=MAX_STRUCT_SIZE).contains(&size) && total * size > 64 << 20 {
         size = real;
     }
     // An acceptable size is the array's stride; any other is refused before anything is
     // written, so the array needs room for real-sized elements only.
-    let stride = if (real..=MAX_STRUCT_SIZE).contains(&size) {
+    let stride = if (oldest..=MAX_STRUCT_SIZE).contains(&size) {
         size
     } else {
         real
@@ -704,8 +706,11 @@ fn plan_queries(
     if !returned("ncclReshardPlanGetTransfers(fill)", result) {
         assert!(array == before, "a failing GetTransfers wrote transfers");
         assert_eq!(filled, -7, "a failing GetTransfers wrote *count");
+        // A struct without srcView is refused for a plan with forwards (relays).
+        let without_views = size < std::mem::offset_of!(ncclReshardTransfer_t, srcView) + 4
+            && last_error().contains("forwards relayed data");
         assert!(
-            short || stride != size || size < real,
+            short || stride != size || size < oldest || without_views,
             "GetTransfers refused a large enough array: {}",
             last_error()
         );
@@ -750,7 +755,23 @@ fn check_transfer(t: &ncclReshardTransfer_t, d: &Descriptors) {
     let boxed = t.globalCount[..ndim]
         .iter()
         .try_fold(elem, |acc, &n| acc.checked_mul(n as u64));
-    assert_eq!(boxed, Some(t.bytes), "bytes is not the box's size: {t:?}");
+    assert_eq!(
+        boxed,
+        Some(t.blockBytes),
+        "blockBytes is not the box's size: {t:?}"
+    );
+    assert!(
+        t.bytes > 0
+            && t.blockOffset
+                .checked_add(t.bytes)
+                .is_some_and(|end| end <= t.blockBytes),
+        "the transfer's bytes are not inside its block: {t:?}"
+    );
+    match (t.kind, t.srcView) {
+        (2, 0) => assert_eq!(t.round, 0, "a local copy after round 0: {t:?}"),
+        (0 | 1, 0 | 1) => assert!(t.round >= 0, "round {}", t.round),
+        (kind, view) => panic!("a transfer of kind {kind} reads view {view}"),
+    }
     for dim in 0..ndim {
         let end = t.globalStart[dim].checked_add(t.globalCount[dim]);
         assert!(

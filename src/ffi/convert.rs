@@ -15,7 +15,11 @@ pub(crate) const TENSOR_MIN_SIZE: usize = std::mem::size_of::<ncclReshardTensor_
 pub(crate) const CONFIG_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardConfig_t, rounds);
 /// The plan info's size in 0.1, before `rounds`.
 pub(crate) const INFO_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardPlanInfo_t, rounds);
-pub(crate) const TRANSFER_MIN_SIZE: usize = std::mem::size_of::<ncclReshardTransfer_t>();
+/// The transfer's size in 0.1, before `round`, `srcView`, `blockOffset` and `blockBytes`.
+pub(crate) const TRANSFER_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardTransfer_t, round);
+/// The smallest transfer struct that holds `srcView` (which a plan with forwards needs).
+pub(crate) const TRANSFER_SRC_VIEW_SIZE: usize =
+    std::mem::offset_of!(ncclReshardTransfer_t, srcView) + std::mem::size_of::<c_int>();
 
 /// A converted tensor and this rank's view offsets in the single-buffer call.
 pub(crate) struct TensorInput {

@@ -200,12 +200,27 @@ pub unsafe extern "C" fn ncclReshardPlanGetInfo(
     })
 }
 
-/// This rank's transfers as data, so other transports (NIXL, RDMA writes, …) can run the plan.
+/// This rank's part of the plan as data, complete enough for another transport (NIXL, RDMA
+/// writes, host copies, …) to run it instead of `ncclReshard`: every byte the rank sends,
+/// receives or copies locally, once, as strided byte copies with their rounds (see
+/// `ncclReshardTransfer_t` for the geometry, the execution rule and how sends match receives).
+/// Running every rank's transfers under that rule leaves exactly what `ncclReshard` leaves in
+/// the destination views and writes no byte outside them.
+///
+/// Transfers are listed by round, ascending; within a round in canonical block order (tensor,
+/// then the block's position), the pieces of a block by `blockOffset`. Their bytes add up, kind
+/// by kind, to `bytesSent`, `bytesReceived` and `bytesCopied` of `ncclReshardPlanGetInfo`, and
+/// per peer and round to what `ncclReshard` sends and receives (its messages pack several
+/// transfers together or send one as it is; they are not listed).
 ///
 /// With `transfers` NULL, only `*count` is set to the number of transfers. Otherwise
 /// `transfers` holds `capacity` structs whose first has `size` set (use
-/// `NCCL_RESHARD_TRANSFER_INITIALIZER`); all transfers are written and `*count` set, or, when
-/// `capacity` is too small, nothing is written and `ncclInvalidArgument` is returned.
+/// `NCCL_RESHARD_TRANSFER_INITIALIZER`; every struct is taken to have that size, so a caller
+/// built against an older header gets the fields it knows); all transfers are written and
+/// `*count` set, or, when `capacity` is too small, nothing is written and
+/// `ncclInvalidArgument` is returned. A struct without `srcView` (before 0.2) cannot tell a
+/// forward from a send: for a plan with forwards nothing is written and `ncclInvalidUsage` is
+/// returned. The plan is immutable: every call returns the same list.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
     plan: ncclReshardPlan_t,
@@ -218,11 +233,12 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
         if count.is_null() {
             return Err(Error::invalid_argument("count is NULL"));
         }
-        let entries = plan.transfers();
+        let entries = plan.transfers()?;
         let total = c_int::try_from(entries.len()).map_err(|_| {
             Error::invalid_usage("the plan has more transfers than an int can count")
         })?;
-        if !transfers.is_null() {
+        // With nothing to write, `transfers` may be an empty array: it is not read.
+        if !transfers.is_null() && total > 0 {
             if capacity < total {
                 return Err(Error::invalid_argument(format!(
                     "capacity is {capacity} but the plan has {total} transfers; call with transfers = NULL to get the count"
@@ -237,6 +253,18 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
                     "transfers[0]",
                 )
             }?;
+            // A forward read as an ordinary send would read the wrong view: refuse rather than
+            // hand an older caller a list it cannot run.
+            let forwards = entries
+                .iter()
+                .any(|t| t.srcView == ncclReshardView_t::ncclReshardViewDestination as c_int);
+            if first.size < convert::TRANSFER_SRC_VIEW_SIZE && forwards {
+                return Err(Error::invalid_usage(format!(
+                    "transfers[0].size is {} (a struct from before 0.2, without srcView) but this plan forwards relayed data (transfers that read the sender's destination view); build against the current header (size {}) or plan with config.relay = 0",
+                    first.size,
+                    std::mem::size_of::<ncclReshardTransfer_t>()
+                )));
+            }
             for (i, entry) in entries.iter().enumerate() {
                 // SAFETY: the caller's array holds `capacity` ≥ total structs of `first.size`
                 // bytes each.

@@ -1,5 +1,6 @@
-//! The object behind `ncclReshardPlan_t`: the rank's program, its blocks and its view
-//! geometry, computed once at creation and immutable after (shareable across threads).
+//! The object behind `ncclReshardPlan_t`: the rank's program, its blocks and their per-round
+//! parts (the exported transfers) and its view geometry, computed once at creation and
+//! immutable after (shareable across threads).
 
 use super::boundary::array;
 use super::convert::{self, TensorInput};
@@ -8,7 +9,7 @@ use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::cuda::{CallBuffers, CudaExecutor};
 use crate::layout::{IndexRuns, TensorSpec};
-use crate::plan::{Block, Config, Mode, Planner, RankProgram};
+use crate::plan::{Block, BlockPart, Buffer, Config, Mode, Planner, RankProgram};
 use std::os::raw::c_int;
 use std::sync::Arc;
 
@@ -40,6 +41,9 @@ pub(crate) struct PlanObject {
     planner: Planner,
     program: Arc<RankProgram>,
     blocks: Vec<Block>,
+    /// The blocks' per-round parts the program was formed from, in export order: by round,
+    /// then block, then offset in the block.
+    parts: Vec<BlockPart>,
     views: Vec<Views>,
     names: Vec<Option<String>>,
     executor: CudaExecutor,
@@ -123,7 +127,9 @@ impl PlanObject {
             .collect();
         check_disjoint(dst_ranges, "recvbuff", "dstOffset")?;
         let blocks = planner.rank_blocks(rank)?;
-        let program = Arc::new(planner.program_from_blocks(rank, &blocks)?);
+        let mut parts = planner.block_parts(&blocks);
+        let program = Arc::new(planner.program_from_parts(rank, &blocks, &parts)?);
+        parts.sort_by_key(|p| (p.round, p.block, p.offset));
         // Checked here, not per call: a call refused on one rank after its peers posted their
         // messages would leave them waiting.
         let limit = staging_limit(max_staging_bytes);
@@ -160,6 +166,7 @@ impl PlanObject {
             planner,
             program,
             blocks,
+            parts,
             views,
             names,
             executor,
@@ -312,16 +319,28 @@ impl PlanObject {
         }
     }
 
-    pub fn transfers(&self) -> Vec<ncclReshardTransfer_t> {
-        self.blocks
+    /// One transfer per part, in export order (see `ncclReshardTransfer_t`).
+    pub fn transfers(&self) -> Result<Vec<ncclReshardTransfer_t>> {
+        self.parts
             .iter()
-            .map(|b| {
+            .map(|part| {
+                let b = &self.blocks[part.block];
                 let (kind, peer) = if b.from == b.to {
                     (ncclReshardTransferKind_t::ncclReshardTransferLocal, b.to)
                 } else if b.from == self.rank {
                     (ncclReshardTransferKind_t::ncclReshardTransferSend, b.to)
                 } else {
                     (ncclReshardTransferKind_t::ncclReshardTransferRecv, b.from)
+                };
+                let src_view = match part.copy.src.buffer {
+                    Buffer::Src => ncclReshardView_t::ncclReshardViewSource,
+                    Buffer::Dst => ncclReshardView_t::ncclReshardViewDestination,
+                    Buffer::Staging => {
+                        return Err(Error::internal(format!(
+                            "block {} of rank {} reads the staging arena",
+                            part.block, self.rank
+                        )))
+                    }
                 };
                 let mut t = ncclReshardTransfer_t {
                     size: std::mem::size_of::<ncclReshardTransfer_t>(),
@@ -330,23 +349,27 @@ impl PlanObject {
                     peer: peer as c_int,
                     tensor: b.tensor as c_int,
                     ndim: b.start.len() as c_int,
-                    srcOffset: b.copy.src.offset,
-                    dstOffset: b.copy.dst.offset,
-                    chunkBytes: b.copy.chunk_bytes,
-                    copyNdim: b.copy.dims.len() as c_int,
-                    bytes: b.copy.bytes(),
+                    srcOffset: part.copy.src.offset,
+                    dstOffset: part.copy.dst.offset,
+                    chunkBytes: part.copy.chunk_bytes,
+                    copyNdim: part.copy.dims.len() as c_int,
+                    bytes: part.copy.bytes(),
+                    round: part.round as c_int,
+                    srcView: src_view as c_int,
+                    blockOffset: part.offset,
+                    blockBytes: b.copy.bytes(),
                     ..Default::default()
                 };
                 for (d, (&s, &c)) in b.start.iter().zip(&b.count).enumerate() {
                     t.globalStart[d] = s as i64;
                     t.globalCount[d] = c as i64;
                 }
-                for (d, dim) in b.copy.dims.iter().enumerate() {
+                for (d, dim) in part.copy.dims.iter().enumerate() {
                     t.count[d] = dim.count as i64;
                     t.srcStride[d] = dim.src_stride as i64;
                     t.dstStride[d] = dim.dst_stride as i64;
                 }
-                t
+                Ok(t)
             })
             .collect()
     }

@@ -48,12 +48,23 @@ pub enum ncclReshardMode_t {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ncclReshardTransferKind_t {
-    /// This rank sends the block to `peer`.
+    /// This rank sends the transfer's bytes to `peer`.
     ncclReshardTransferSend = 0,
-    /// This rank receives the block from `peer`.
+    /// This rank receives the transfer's bytes from `peer`.
     ncclReshardTransferRecv = 1,
-    /// This rank holds the block on both sides and copies it locally (`peer` is itself).
+    /// This rank holds the data on both sides and copies it locally (`peer` is itself).
     ncclReshardTransferLocal = 2,
+}
+
+/// Which of the sender's views of a tensor a transfer reads (`ncclReshardTransfer_t.srcView`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ncclReshardView_t {
+    /// The sender's source view (`sendbuff` + the tensor's `srcOffset` in `ncclReshard`).
+    ncclReshardViewSource = 0,
+    /// The sender's destination view (`recvbuff` + the tensor's `dstOffset`): the sender
+    /// forwards bytes it received in an earlier round (a relay).
+    ncclReshardViewDestination = 1,
 }
 
 /// One placement: `kind` is an `ncclReshardPlacementKind_t`; `dim` is the tensor dim for
@@ -174,16 +185,52 @@ pub struct ncclReshardPlanInfo_t {
     pub rounds: c_int,
 }
 
-/// One block of data the plan's rank sends, receives or copies locally
-/// (`ncclReshardPlanGetTransfers`): a box of the global tensor and the strided copy that moves
-/// it from the sender's source view to the receiver's destination view.
+/// One transfer of the plan's rank (`ncclReshardPlanGetTransfers`): a strided byte copy from a
+/// view of the sender to the receiver's destination view, the round it runs in, and which data
+/// it carries.
 ///
-/// The box is `globalStart[d] .. globalStart[d] + globalCount[d]` for d < `ndim`. The copy is
-/// `chunkBytes` contiguous bytes at every point of a `copyNdim`-dim grid (`count`, byte strides
-/// `srcStride` on the sender and `dstStride` on the receiver, outermost first), starting at
-/// `srcOffset` in the sender's source view of `tensor` and `dstOffset` in the receiver's
-/// destination view; `bytes` is the total. Offsets are relative to the views (add the
-/// tensor's `srcOffset`/`dstOffset` for positions in single-buffer calls).
+/// **The copy.** `chunkBytes` contiguous bytes at every point of a `copyNdim`-dim grid
+/// (`count[k]` points along axis k, outermost first): grid point `i` is read at
+/// `srcOffset + Σ i[k]·srcStride[k]` of the sender's `srcView` of `tensor` and written at
+/// `dstOffset + Σ i[k]·dstStride[k]` of the receiver's destination view of `tensor`; `bytes`
+/// is the total. Offsets and strides are in
+/// bytes, relative to the views (in a single-buffer `ncclReshard` call a view starts at the
+/// buffer plus the tensor's `srcOffset` or `dstOffset`: the sender's `dstOffset` when `srcView`
+/// is `ncclReshardViewDestination`). A transport needs nothing else to move the data, and the
+/// grid's chunks in row-major order are the transfer's bytes in order.
+///
+/// **The data.** The plan moves *blocks*: boxes of the global tensor, `globalStart[d] ..
+/// globalStart[d] + globalCount[d]` for d < `ndim`, contiguous per dim in both ranks' views. A
+/// block's `blockBytes` bytes are its elements in row-major order of the box (element i is
+/// bytes `i·elemSize .. (i+1)·elemSize`). A transfer moves bytes `blockOffset .. blockOffset +
+/// bytes` of its block. A block travels whole (`blockOffset` 0, `bytes` = `blockBytes`) unless
+/// the plan's rounds cut it: staged and auto plans of several rounds cut each peer pair's data
+/// into per-round chunks at byte positions, so one block may be several transfers, in one or
+/// several rounds, whose byte ranges tile it. Such a piece need not be a box of the tensor nor
+/// hold whole elements; `globalStart`/`globalCount` always describe the whole block.
+///
+/// **Execution rule.** A transfer of round r may start once every receive of rounds < r on this
+/// rank has completed; nothing else orders transfers: the sends, receives and local copies of
+/// one round may run in any order or concurrently (a transport whose sends wait for the
+/// matching receive must post a round's receives before waiting on its sends, as NCCL does in
+/// one group). Local copies have round 0 and read the source view. A send with `srcView` =
+/// `ncclReshardViewDestination` forwards bytes this rank received in an earlier round (relays:
+/// staged and auto plans with a topology and `config.relay` = 1); the rule is what makes them
+/// present. Every
+/// destination byte is written by exactly one transfer, and the only bytes one transfer reads
+/// that another writes are those a forward reads, written by a receive of an earlier round on
+/// the forwarding rank: the rule is all the ordering a transport must respect.
+///
+/// **Matching.** A send from rank A to rank B and B's receive from A carry the same round and
+/// the same fields except `kind` and `peer`; among one pair's transfers of one round, A's sends
+/// to B and B's receives from A come in the same order. Every round's sends and receives match
+/// one to one across the plans of all ranks.
+///
+/// `round`, `srcView`, `blockOffset` and `blockBytes` were added in 0.2: a caller whose struct
+/// is the older size gets the other fields only. Its copies are still exact, and without
+/// forwards (groupable mode, no topology, or `config.relay` = 0) every transfer reads the source
+/// view and the order of transfers does not matter for the data; for a plan with forwards
+/// `ncclReshardPlanGetTransfers` refuses such a struct.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ncclReshardTransfer_t {
@@ -191,6 +238,7 @@ pub struct ncclReshardTransfer_t {
     pub version: c_uint,
     /// An `ncclReshardTransferKind_t`.
     pub kind: c_int,
+    /// The other rank (this rank for a local copy).
     pub peer: c_int,
     pub tensor: c_int,
     pub ndim: c_int,
@@ -204,4 +252,12 @@ pub struct ncclReshardTransfer_t {
     pub srcStride: [i64; NCCL_RESHARD_MAX_DIMS],
     pub dstStride: [i64; NCCL_RESHARD_MAX_DIMS],
     pub bytes: u64,
+    /// The round (see the execution rule), equal on both ends of a send and its receive.
+    pub round: c_int,
+    /// An `ncclReshardView_t`: the sender's view `srcOffset` and `srcStride` address.
+    pub srcView: c_int,
+    /// Where the transfer's bytes sit in its block's bytes.
+    pub blockOffset: u64,
+    /// The whole block's bytes (all transfers of the block together).
+    pub blockBytes: u64,
 }

@@ -277,7 +277,7 @@ impl Emitter {
         &mut self,
         end: End,
         pair: (u32, u32),
-        copies: &[Copy],
+        copies: &[&Copy],
         mode: Mode,
         coalesce: bool,
     ) -> Result<()> {
@@ -285,7 +285,7 @@ impl Emitter {
             End::Sender => pair.1,
             End::Receiver => pair.0,
         };
-        let copies: Vec<&Copy> = copies.iter().filter(|c| c.bytes() > 0).collect();
+        let copies: Vec<&Copy> = copies.iter().copied().filter(|c| c.bytes() > 0).collect();
         if copies.is_empty() {
             return Ok(());
         }

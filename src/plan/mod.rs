@@ -21,6 +21,7 @@ pub use config::{
 };
 pub use messages::{Block, STAGING_ALIGN};
 pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan};
+pub use rounds::BlockPart;
 
 use crate::error::{Error, Result};
 use crate::layout::{next_index, DType, DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
@@ -293,43 +294,91 @@ impl Planner {
 
     /// Forms `rank`'s program from its blocks (as [`Planner::rank_blocks`] returns them).
     pub fn program_from_blocks(&self, rank: u32, blocks: &[Block]) -> Result<RankProgram> {
+        self.program_from_parts(rank, blocks, &self.block_parts(blocks))
+    }
+
+    /// Cuts a rank's blocks (as [`Planner::rank_blocks`] returns them) into the parts each
+    /// round moves: local copies whole in round 0; each (sender, receiver) pair's blocks spread
+    /// over the rounds by one function of the pair that both ends run, so a part has the same
+    /// round, offset and copy on both ends. The one source of rounds for the rank's program
+    /// ([`Planner::program_from_parts`]) and for the exported transfer list
+    /// (`ncclReshardPlanGetTransfers`). Local copies come first, in block order, then each
+    /// pair's parts (pairs ascending) by round, in the order its messages are formed from.
+    pub fn block_parts(&self, blocks: &[Block]) -> Vec<BlockPart> {
+        type PairBlocks<'b> = BTreeMap<(u32, u32), Vec<(usize, Option<u32>, &'b Copy)>>;
+        let mut parts = Vec::new();
+        // Per (sender, receiver): (block index, fixed round, copy) in canonical order.
+        let mut pairs: PairBlocks<'_> = BTreeMap::new();
+        for (i, block) in blocks.iter().enumerate() {
+            if block.from == block.to && !self.config.local_via_messages {
+                parts.push(BlockPart {
+                    block: i,
+                    round: 0,
+                    offset: 0,
+                    copy: block.copy.clone(),
+                });
+            } else {
+                pairs.entry((block.from, block.to)).or_default().push((
+                    i,
+                    block.round,
+                    &block.copy,
+                ));
+            }
+        }
+        for (pair, list) in pairs {
+            parts.extend(rounds::spread(
+                pair,
+                &list,
+                self.rounds,
+                self.config.split_min_bytes,
+            ));
+        }
+        parts
+    }
+
+    /// Forms `rank`'s program from its blocks and their parts (as [`Planner::block_parts`]
+    /// returns them for those blocks).
+    pub fn program_from_parts(
+        &self,
+        rank: u32,
+        blocks: &[Block],
+        parts: &[BlockPart],
+    ) -> Result<RankProgram> {
         let mut program = RankProgram {
             rank,
             fingerprint: self.fingerprint,
             ..Default::default()
         };
-        // Per peer, per direction: (round, copy) in canonical order.
-        type PairCopies = BTreeMap<u32, Vec<(Option<u32>, Copy)>>;
-        let mut outgoing: PairCopies = BTreeMap::new();
-        let mut incoming: PairCopies = BTreeMap::new();
-        for block in blocks {
-            let item = (block.round, block.copy.clone());
+        // Per (round, peer), per direction: the parts' copies, in the order the pair's parts
+        // come (one function both ends ran).
+        let mut sends: BTreeMap<(u32, u32), Vec<&Copy>> = BTreeMap::new();
+        let mut recvs: BTreeMap<(u32, u32), Vec<&Copy>> = BTreeMap::new();
+        for part in parts {
+            let block = blocks.get(part.block).ok_or_else(|| {
+                Error::internal(format!(
+                    "a part names block {} of {}",
+                    part.block,
+                    blocks.len()
+                ))
+            })?;
             if block.from == block.to && !self.config.local_via_messages {
-                program.local_copies.push(block.copy.clone());
-            } else if block.from == block.to {
-                outgoing.entry(rank).or_default().push(item.clone());
-                incoming.entry(rank).or_default().push(item);
-            } else if block.to == rank {
-                incoming.entry(block.from).or_default().push(item);
-            } else {
-                outgoing.entry(block.to).or_default().push(item);
+                program.local_copies.push(part.copy.clone());
+                continue;
+            }
+            // A message to itself (local_via_messages) is both.
+            if block.from == rank {
+                sends
+                    .entry((part.round, block.to))
+                    .or_default()
+                    .push(&part.copy);
+            }
+            if block.to == rank {
+                recvs
+                    .entry((part.round, block.from))
+                    .or_default()
+                    .push(&part.copy);
             }
         }
-        // Per (round, peer): the copies of that round, cut by one function both ends run.
-        let by_round = |pairs: PairCopies, sending: bool| {
-            let mut out: BTreeMap<(u32, u32), Vec<Copy>> = BTreeMap::new();
-            for (peer, copies) in pairs {
-                let pair = if sending { (rank, peer) } else { (peer, rank) };
-                for (round, part) in
-                    rounds::spread(pair, copies, self.rounds, self.config.split_min_bytes)
-                {
-                    out.entry((round, peer)).or_default().extend(part);
-                }
-            }
-            out
-        };
-        let sends = by_round(outgoing, true);
-        let recvs = by_round(incoming, false);
         let mut round_ids: Vec<u32> = sends.keys().chain(recvs.keys()).map(|k| k.0).collect();
         round_ids.dedup();
         round_ids.sort_unstable();

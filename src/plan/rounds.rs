@@ -1,10 +1,12 @@
 //! Spreading one pair's data over the plan's rounds.
 //!
-//! Both ends of a pair hold the same copies in the same order, so one function of the pair
-//! and its copies gives both the same rounds. Copies whose round the unit fixed (relays) keep
+//! Both ends of a pair hold the same blocks in the same order, so one function of the pair
+//! and its blocks gives both the same rounds. Blocks whose round the unit fixed (relays) keep
 //! it; the rest form one byte stream cut into up to `rounds` nearly equal chunks (at least
 //! `min_bytes` each, boundaries on 4 KiB when the chunks are that large), one per round,
 //! starting at a round that rotates with the pair so small pairs do not all land in round 0.
+//! A block cut by a chunk boundary moves in several rounds, as the pieces [`Copy::slice`]
+//! gives: the [`BlockPart`]s that both the programs and the exported transfer list are made of.
 
 use super::config::mix;
 use super::program::Copy;
@@ -12,25 +14,56 @@ use super::program::Copy;
 /// Chunk boundaries fall on multiples of this many bytes of the pair's stream.
 const CUT_ALIGN: u64 = 4096;
 
-/// The pair's copies by round, rounds ascending; copies keep their order within a round.
+/// The part of a [`Block`](super::Block) that moves in one round: a strided copy of bytes
+/// `offset .. offset + copy.bytes()` of the block's copy, counted in that copy's dense order
+/// (which is the row-major element order of the block's box, `elem_size` bytes per element).
+/// A block no round boundary cuts is one part with `offset` 0 and the block's own copy; a cut
+/// one is several parts, which need not be boxes of the tensor nor hold whole elements.
+///
+/// Parts are what a rank's [`RankProgram`](super::RankProgram) forms its messages from
+/// ([`Planner::program_from_parts`](super::Planner::program_from_parts)) and what
+/// `ncclReshardPlanGetTransfers` exports, one `ncclReshardTransfer_t` each.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockPart {
+    /// Index of the block in the rank's block list ([`Planner::rank_blocks`](super::Planner::rank_blocks)).
+    pub block: usize,
+    /// The round the part moves in (the same on both ends of the pair); local copies: 0
+    /// (unless [`Config::local_via_messages`](super::Config::local_via_messages) sends them as
+    /// messages to the rank itself, spread over rounds like any pair's).
+    pub round: u32,
+    /// Bytes of the block's copy before this part, in its dense order.
+    pub offset: u64,
+    /// The part itself: the block's copy sliced to `offset .. offset + copy.bytes()`.
+    pub copy: Copy,
+}
+
+/// One pair's blocks by round: `blocks` lists (block index, fixed round, copy) in canonical
+/// order; the parts come out by round, ascending, and within a round the fixed blocks first,
+/// then the stream's pieces in stream order.
 pub(crate) fn spread(
     pair: (u32, u32),
-    copies: Vec<(Option<u32>, Copy)>,
+    blocks: &[(usize, Option<u32>, &Copy)],
     rounds: u32,
     min_bytes: u64,
-) -> Vec<(u32, Vec<Copy>)> {
-    let mut fixed: Vec<(u32, Vec<Copy>)> = Vec::new();
-    let mut free: Vec<Copy> = Vec::new();
-    for (round, copy) in copies {
+) -> Vec<BlockPart> {
+    let whole = |block: usize, round: u32, copy: &Copy| BlockPart {
+        block,
+        round,
+        offset: 0,
+        copy: copy.clone(),
+    };
+    let mut fixed: Vec<(u32, Vec<BlockPart>)> = Vec::new();
+    let mut free: Vec<(usize, &Copy)> = Vec::new();
+    for &(block, round, copy) in blocks {
         match round {
             Some(r) => match fixed.iter_mut().find(|(f, _)| *f == r) {
-                Some((_, list)) => list.push(copy),
-                None => fixed.push((r, vec![copy])),
+                Some((_, list)) => list.push(whole(block, r, copy)),
+                None => fixed.push((r, vec![whole(block, r, copy)])),
             },
-            None => free.push(copy),
+            None => free.push((block, copy)),
         }
     }
-    let total: u64 = free.iter().map(Copy::bytes).sum();
+    let total: u64 = free.iter().map(|(_, c)| c.bytes()).sum();
     let rounds = u64::from(rounds.max(1));
     let chunks = (total / min_bytes.max(1)).clamp(1, rounds);
     let align = if total / chunks >= 16 * CUT_ALIGN {
@@ -53,9 +86,9 @@ pub(crate) fn spread(
     let mut out = fixed;
     if total > 0 {
         let mut chunk = 0u64;
-        let mut lists: Vec<Vec<Copy>> = vec![Vec::new(); chunks as usize];
+        let mut lists: Vec<Vec<BlockPart>> = vec![Vec::new(); chunks as usize];
         let mut at = 0u64;
-        for copy in &free {
+        for &(block, copy) in &free {
             let (start, end) = (at, at + copy.bytes());
             at = end;
             let mut pos = start;
@@ -64,10 +97,22 @@ pub(crate) fn spread(
                     chunk += 1;
                 }
                 let cut = boundary(chunk + 1).min(end);
+                let round = round_of(chunk);
+                let list = &mut lists[chunk as usize];
                 if pos == start && cut == end {
-                    lists[chunk as usize].push(copy.clone());
+                    list.push(whole(block, round, copy));
                 } else {
-                    lists[chunk as usize].extend(copy.slice(pos - start, cut - start));
+                    let mut offset = pos - start;
+                    for piece in copy.slice(pos - start, cut - start) {
+                        let bytes = piece.bytes();
+                        list.push(BlockPart {
+                            block,
+                            round,
+                            offset,
+                            copy: piece,
+                        });
+                        offset += bytes;
+                    }
                 }
                 pos = cut;
             }
@@ -84,7 +129,7 @@ pub(crate) fn spread(
         }
     }
     out.sort_by_key(|(r, _)| *r);
-    out
+    out.into_iter().flat_map(|(_, list)| list).collect()
 }
 
 #[cfg(test)]
@@ -120,19 +165,82 @@ mod tests {
         )
     }
 
+    /// (source, destination) byte address of every byte of `copy`, in its dense order.
+    fn dense_addresses(copy: &Copy) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let mut index = vec![0u64; copy.dims.len()];
+        if copy.bytes() == 0 {
+            return out;
+        }
+        loop {
+            let (mut s, mut d) = (copy.src.offset, copy.dst.offset);
+            for (dim, &i) in copy.dims.iter().zip(&index) {
+                s += i * dim.src_stride;
+                d += i * dim.dst_stride;
+            }
+            out.extend((0..copy.chunk_bytes).map(|b| (s + b, d + b)));
+            if !crate::layout::next_index(&mut index, |k| copy.dims[k].count) {
+                return out;
+            }
+        }
+    }
+
+    fn bytes_by_round(parts: &[BlockPart]) -> Vec<(u32, u64)> {
+        let mut out: Vec<(u32, u64)> = Vec::new();
+        for p in parts {
+            match out.last_mut() {
+                Some((r, bytes)) if *r == p.round => *bytes += p.copy.bytes(),
+                _ => out.push((p.round, p.copy.bytes())),
+            }
+        }
+        out
+    }
+
     #[test]
     fn a_large_pair_is_cut_evenly_and_every_byte_stays() {
         let c = copy(3000, 4096, 5000);
-        let parts = spread((1, 2), vec![(None, c.clone())], 4, 1 << 20);
-        assert_eq!(parts.len(), 4);
-        let sizes: Vec<u64> = parts
-            .iter()
-            .map(|(_, l)| l.iter().map(Copy::bytes).sum())
-            .collect();
-        assert_eq!(sizes.iter().sum::<u64>(), c.bytes());
+        let parts = spread((1, 2), &[(0, None, &c)], 4, 1 << 20);
+        let sizes = bytes_by_round(&parts);
+        assert_eq!(sizes.len(), 4, "{sizes:?}");
+        assert!(sizes.windows(2).all(|w| w[0].0 < w[1].0), "rounds ascend");
+        assert_eq!(sizes.iter().map(|s| s.1).sum::<u64>(), c.bytes());
         assert!(sizes
             .iter()
-            .all(|&s| s.abs_diff(c.bytes() / 4) <= CUT_ALIGN));
+            .all(|&(_, s)| s.abs_diff(c.bytes() / 4) <= CUT_ALIGN));
+    }
+
+    #[test]
+    fn parts_are_the_bytes_their_offsets_name() {
+        // Two blocks in one stream, cut anywhere (1-byte minimum chunks): each part moves
+        // exactly the bytes at its offset of its block's dense order, and the parts of a block
+        // cover it once.
+        let blocks = [copy(7, 13, 11), copy(5, 9, 20)];
+        for rounds in 1..7 {
+            let parts = spread(
+                (0, 1),
+                &[(4, None, &blocks[0]), (9, None, &blocks[1])],
+                rounds,
+                1,
+            );
+            for (index, block) in [(4, &blocks[0]), (9, &blocks[1])] {
+                let whole = dense_addresses(block);
+                let mut mine: Vec<&BlockPart> = parts.iter().filter(|p| p.block == index).collect();
+                mine.sort_by_key(|p| p.offset);
+                let mut covered = 0;
+                for p in mine {
+                    assert_eq!(p.offset, covered, "rounds {rounds}: parts are consecutive");
+                    let got = dense_addresses(&p.copy);
+                    let at = p.offset as usize;
+                    assert_eq!(
+                        got,
+                        whole[at..at + got.len()],
+                        "rounds {rounds}, part {p:?}"
+                    );
+                    covered += p.copy.bytes();
+                }
+                assert_eq!(covered, block.bytes());
+            }
+        }
     }
 
     #[test]
@@ -140,16 +248,15 @@ mod tests {
         let small = copy(100, 10, 100);
         let parts = spread(
             (3, 4),
-            vec![(None, small.clone()), (Some(2), small.clone())],
+            &[(0, None, &small), (1, Some(2), &small)],
             8,
             1 << 20,
         );
-        let free_rounds: Vec<u32> = parts.iter().map(|(r, _)| *r).collect();
-        assert!(free_rounds.contains(&2));
+        assert_eq!(parts.len(), 2, "{parts:?}");
+        assert!(parts.iter().all(|p| p.offset == 0 && p.copy == small));
         assert_eq!(
-            parts.iter().map(|(_, l)| l.len()).sum::<usize>(),
-            2,
-            "{parts:?}"
+            parts.iter().find(|p| p.block == 1).map(|p| p.round),
+            Some(2)
         );
     }
 
@@ -157,9 +264,9 @@ mod tests {
     fn tiny_chunks_cut_anywhere() {
         let c = copy(7, 13, 11);
         for rounds in 1..9 {
-            let parts = spread((0, 1), vec![(None, c.clone())], rounds, 1);
-            assert_eq!(parts.len(), rounds as usize);
-            let bytes: u64 = parts.iter().flat_map(|(_, l)| l).map(Copy::bytes).sum();
+            let parts = spread((0, 1), &[(0, None, &c)], rounds, 1);
+            assert_eq!(bytes_by_round(&parts).len(), rounds as usize);
+            let bytes: u64 = parts.iter().map(|p| p.copy.bytes()).sum();
             assert_eq!(bytes, c.bytes());
         }
     }

@@ -136,8 +136,33 @@ static void test_plan_lifecycle(void) {
       CHECK(transfers[i].globalCount[0] == 64 && transfers[i].globalCount[1] == 16);
       CHECK(transfers[i].kind == (rank < 2 ? ncclReshardTransferSend : ncclReshardTransferRecv));
       CHECK(transfers[i].peer == (rank < 2 ? 2 : (int)transfers[i].globalStart[1] / 16));
+      /* Groupable: one round, every block whole, read from the source view. */
+      CHECK(transfers[i].round == 0);
+      CHECK(transfers[i].srcView == ncclReshardViewSource);
+      CHECK(transfers[i].blockOffset == 0 && transfers[i].blockBytes == transfers[i].bytes);
       bytes += transfers[i].bytes;
     }
+    /* A caller built against the 0.1 header (no round, srcView, blockOffset, blockBytes) gets
+     * structs of its own size, nothing past them. */
+    const size_t oldSize = offsetof(ncclReshardTransfer_t, round);
+    union {
+      ncclReshardTransfer_t aligned;
+      unsigned char bytes[4 * sizeof(ncclReshardTransfer_t)];
+    } oldArray;
+    unsigned char* old = oldArray.bytes;
+    memset(old, 0xee, sizeof oldArray.bytes);
+    memcpy(old, &oldSize, sizeof oldSize);
+    written = -1;
+    OK(ncclReshardPlanGetTransfers(plan, &oldArray.aligned, 4, &written));
+    CHECK(written == count);
+    for (int i = 0; i < written; i++) {
+      ncclReshardTransfer_t t;
+      memset(&t, 0, sizeof t);
+      memcpy(&t, old + (size_t)i * oldSize, oldSize);
+      CHECK(t.size == oldSize && t.bytes == transfers[i].bytes && t.peer == transfers[i].peer);
+      CHECK(t.srcOffset == transfers[i].srcOffset && t.dstOffset == transfers[i].dstOffset);
+    }
+    CHECK(old[(size_t)written * oldSize] == 0xee);
     CHECK(bytes == (rank < 2 ? 64 * 16 * 2 : 64 * 32 * 2));
     if (rank == 2) {
       int small = -1;

@@ -231,7 +231,7 @@ pub fn sentinel_byte(rank: u32, tensor: usize, side: u8, offset: usize) -> u8 {
 
 /// Random layouts for property tests. Generation only; nothing here decides what is correct.
 pub mod strategies {
-    use ncclreshard::{Layout, Mesh, Placement};
+    use ncclreshard::{DType, Layout, Mesh, Placement, TensorSpec};
     use proptest::prelude::*;
 
     /// Replicate, Shard(d) or StridedShard(d, 1..=4) for a tensor of `ndim` dims.
@@ -319,6 +319,37 @@ pub mod strategies {
             prop::collection::vec(0u64..=3, 9),
         )
             .prop_map(|(order, pads)| StrideRecipe { order, pads })
+            .boxed()
+    }
+
+    /// A tensor of `shape` and `dtype` with layouts from `src` and `dst`, each view strided by a
+    /// random recipe now and then (source 25 %, destination 35 % of the time) or dense.
+    pub fn tensor_on(
+        shape: Vec<u64>,
+        dtype: DType,
+        src: BoxedStrategy<Layout>,
+        dst: BoxedStrategy<Layout>,
+    ) -> BoxedStrategy<TensorSpec> {
+        (
+            src,
+            dst,
+            prop::option::weighted(0.25, stride_recipe()),
+            prop::option::weighted(0.35, stride_recipe()),
+        )
+            .prop_map(move |(mut src, mut dst, src_recipe, dst_recipe)| {
+                if let Some(r) = src_recipe {
+                    src.strides = Some(r.strides(&super::max_local_shape(&shape, &src)));
+                }
+                if let Some(r) = dst_recipe {
+                    dst.strides = Some(r.strides(&super::max_local_shape(&shape, &dst)));
+                }
+                TensorSpec {
+                    shape: shape.clone(),
+                    dtype,
+                    src,
+                    dst,
+                }
+            })
             .boxed()
     }
 
