@@ -12,18 +12,100 @@
 #include <stdint.h>
 #include <nccl.h>
 
+/** An NCCL_RESHARD_VERSION_CODE from its parts (like NCCL_VERSION). */
+#define NCCL_RESHARD_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))
+
 /** Library version this header belongs to (see ncclReshardGetVersion). */
 #define NCCL_RESHARD_MAJOR 0
-#define NCCL_RESHARD_MINOR 2
+#define NCCL_RESHARD_MINOR 3
 #define NCCL_RESHARD_PATCH 0
-#define NCCL_RESHARD_VERSION_CODE (NCCL_RESHARD_MAJOR * 10000 + NCCL_RESHARD_MINOR * 100 + NCCL_RESHARD_PATCH)
+#define NCCL_RESHARD_VERSION_CODE NCCL_RESHARD_VERSION(NCCL_RESHARD_MAJOR, NCCL_RESHARD_MINOR, NCCL_RESHARD_PATCH)
 
-/** Initialisers: every versioned struct must start from one, so size/version/magic are set. */
-#define NCCL_RESHARD_LAYOUT_INITIALIZER { sizeof(ncclReshardLayout_t), NCCL_RESHARD_VERSION_CODE, 0, {0}, NULL, 0, {{0, 0, 0}}, NULL }
-#define NCCL_RESHARD_TENSOR_INITIALIZER { sizeof(ncclReshardTensor_t), NCCL_RESHARD_VERSION_CODE, 0, {0}, ncclFloat32, NULL, NULL, 0, 0, NULL }
-#define NCCL_RESHARD_CONFIG_INITIALIZER { sizeof(ncclReshardConfig_t), NCCL_RESHARD_CONFIG_MAGIC, NCCL_RESHARD_VERSION_CODE, ncclReshardModeAuto, 0, NULL, 0, 0, 0, 0, 1 }
-#define NCCL_RESHARD_PLAN_INFO_INITIALIZER { sizeof(ncclReshardPlanInfo_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
-#define NCCL_RESHARD_TRANSFER_INITIALIZER { sizeof(ncclReshardTransfer_t), NCCL_RESHARD_VERSION_CODE, 0, 0, 0, 0, {0}, {0}, 0, 0, 0, 0, {0}, {0}, {0}, 0, 0, ncclReshardViewSource, 0, 0 }
+/** Identifies an initialised ncclReshardConfig_t ("RESH"). */
+#define NCCL_RESHARD_CONFIG_MAGIC 0x52455348
+
+/** An int field left unset (like NCCL_CONFIG_UNDEF_INT): the library resolves it to its
+ *  default, or refuses a field that has none. */
+#define NCCL_RESHARD_UNDEF_INT (-2147483647 - 1)
+
+/** Initialisers: start every struct from one, so that size, version and magic are set and
+ *  tunables are left to the library's defaults. */
+#define NCCL_RESHARD_LAYOUT_INITIALIZER { \
+  sizeof(ncclReshardLayout_t),  /* size                                    */ \
+  NCCL_RESHARD_VERSION_CODE,    /* version                                 */ \
+  0,                            /* meshNdim: set it (1 to 8)               */ \
+  {0},                          /* meshShape                               */ \
+  NULL,                         /* ranks: NULL = contiguous from firstRank */ \
+  0,                            /* firstRank                               */ \
+  {{0, 0, 0}},                  /* placements: Replicate                   */ \
+  NULL                          /* strides: NULL = dense row-major         */ \
+}
+#define NCCL_RESHARD_TENSOR_INITIALIZER { \
+  sizeof(ncclReshardTensor_t),             /* size                       */ \
+  NCCL_RESHARD_VERSION_CODE,               /* version                    */ \
+  0,                                       /* ndim                       */ \
+  {0},                                     /* shape                      */ \
+  (ncclDataType_t)NCCL_RESHARD_UNDEF_INT,  /* dtype: set it (no default) */ \
+  NULL,                                    /* src: set it                */ \
+  NULL,                                    /* dst: set it                */ \
+  0,                                       /* srcOffset                  */ \
+  0,                                       /* dstOffset                  */ \
+  NULL                                     /* name: optional             */ \
+}
+#define NCCL_RESHARD_CONFIG_INITIALIZER { \
+  sizeof(ncclReshardConfig_t),  /* size                                                    */ \
+  NCCL_RESHARD_CONFIG_MAGIC,    /* magic                                                   */ \
+  NCCL_RESHARD_VERSION_CODE,    /* version                                                 */ \
+  NCCL_RESHARD_UNDEF_INT,       /* mode: the library's default (auto)                      */ \
+  NCCL_RESHARD_UNDEF_INT,       /* ranksPerNode: unknown topology                          */ \
+  NULL,                         /* nodeOfRank: none                                        */ \
+  0,                            /* nodeOfRankCount                                         */ \
+  0,                            /* splitMinBytes: the library's default (1 MiB)            */ \
+  0,                            /* maxStagingBytes: NCCL_RESHARD_STAGING_BYTES, else 8 GiB */ \
+  NCCL_RESHARD_UNDEF_INT,       /* rounds: chosen from the tensors                         */ \
+  NCCL_RESHARD_UNDEF_INT        /* relay: on                                               */ \
+}
+#define NCCL_RESHARD_PLAN_INFO_INITIALIZER { \
+  sizeof(ncclReshardPlanInfo_t),  /* size                                */ \
+  NCCL_RESHARD_VERSION_CODE,      /* version: the library writes its own */ \
+  0,                              /* rank                                */ \
+  0,                              /* ntensors                            */ \
+  0,                              /* mode                                */ \
+  0,                              /* groupable                           */ \
+  0,                              /* peers                               */ \
+  0,                              /* messagesSent                        */ \
+  0,                              /* messagesReceived                    */ \
+  0,                              /* bytesSent                           */ \
+  0,                              /* bytesReceived                       */ \
+  0,                              /* bytesCopied                         */ \
+  0,                              /* stagingBytes                        */ \
+  0,                              /* fingerprint                         */ \
+  0,                              /* sendBytes                           */ \
+  0,                              /* recvBytes                           */ \
+  0                               /* rounds                              */ \
+}
+#define NCCL_RESHARD_TRANSFER_INITIALIZER { \
+  sizeof(ncclReshardTransfer_t),  /* size                                */ \
+  NCCL_RESHARD_VERSION_CODE,      /* version: the library writes its own */ \
+  0,                              /* kind                                */ \
+  0,                              /* peer                                */ \
+  0,                              /* tensor                              */ \
+  0,                              /* ndim                                */ \
+  {0},                            /* globalStart                         */ \
+  {0},                            /* globalCount                         */ \
+  0,                              /* srcOffset                           */ \
+  0,                              /* dstOffset                           */ \
+  0,                              /* chunkBytes                          */ \
+  0,                              /* copyNdim                            */ \
+  {0},                            /* count                               */ \
+  {0},                            /* srcStride                           */ \
+  {0},                            /* dstStride                           */ \
+  0,                              /* bytes                               */ \
+  0,                              /* round                               */ \
+  ncclReshardViewSource,          /* srcView                             */ \
+  0,                              /* blockOffset                         */ \
+  0                               /* blockBytes                          */ \
+}
 
 
 /**
@@ -38,11 +120,6 @@
 #define NCCL_RESHARD_MAX_DIMS 8
 
 /**
- * Identifies an initialised `ncclReshardConfig_t` (NCCL's configs carry a magic the same way).
- */
-#define NCCL_RESHARD_CONFIG_MAGIC 1380275016
-
-/**
  * How a tensor is placed along one mesh axis (torch `Replicate`, `Shard`, `_StridedShard`).
  */
 typedef enum {
@@ -52,7 +129,7 @@ typedef enum {
 } ncclReshardPlacementKind_t;
 
 /**
- * How messages are formed (see docs/executor.md): auto (the default: coalesced and staged per
+ * How messages are formed: auto (the default: coalesced and staged per
  * peer pair where that saves messages, sent as they are otherwise), staged (one packed message
  * per peer pair), or groupable (every message sent from the source view and received into the
  * destination view as it is: no staging, one round, so a call may sit inside
@@ -164,20 +241,22 @@ typedef struct {
 } ncclReshardTensor_t;
 
 /**
- * Plan options; pass NULL for defaults. Every rank must pass the same values.
+ * Plan options; pass NULL for defaults, or start from `NCCL_RESHARD_CONFIG_INITIALIZER` and set
+ * what you need. Every rank must pass the same values. Fields left at `NCCL_RESHARD_UNDEF_INT`
+ * (or 0 for the byte sizes) get the library's defaults.
  *
- * `mode` is an `ncclReshardMode_t` (default `ncclReshardModeAuto`). The topology (for preferring same-node senders) is
- * `ranksPerNode` (rank r on node r / ranksPerNode; 0 = unknown) or, when `nodeOfRank` is not
- * NULL, the node id of each of `nodeOfRankCount` ranks. `splitMinBytes` is the smallest part a
- * replicated overlap is split into across senders (0 = 1 MiB). `maxStagingBytes` bounds the
- * staging one call of the plan needs on this rank, checked at plan creation (0 =
- * `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB); staging comes from a stream-ordered pool for each
- * call and goes back at its end.
- * `rounds` (staged and auto modes) cuts the data into that many rounds that reuse one staging
- * arena (0 = chosen from the tensors' sizes, about 4 GiB per rank and round). `relay` (staged
- * and auto modes, topology known): 1 (default) sends data that several replicas on one node
- * need across the network once and forwards it over NVLink; 0 sends it to each replica.
- * Both were added in 0.2: a struct from an older header (smaller `size`) gets the defaults.
+ * `mode` is an `ncclReshardMode_t` (default `ncclReshardModeAuto`). The topology (for
+ * preferring same-node senders) is `ranksPerNode` (rank r on node r / ranksPerNode; 0 or unset
+ * = unknown) or, when `nodeOfRank` is not NULL, the node id of each of `nodeOfRankCount` ranks.
+ * `splitMinBytes` is the smallest part a replicated overlap is split into across senders
+ * (0 = 1 MiB). `maxStagingBytes` bounds the staging one call of the plan needs on this rank,
+ * checked at plan creation (0 = `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB); staging comes from
+ * a stream-ordered pool for each call and goes back at its end. `rounds` (staged and auto
+ * modes) cuts the data into that many rounds (0 or unset = chosen from the tensors' sizes,
+ * about 4 GiB per rank and round). `relay` (staged and auto modes, topology known): 1 (the
+ * default) sends data that several replicas on one node need across the network once and
+ * forwards it over NVLink; 0 sends it to each replica. `rounds` and `relay` were added in 0.2:
+ * a struct from an older header (smaller `size`) gets the defaults.
  */
 typedef struct {
   size_t size;
@@ -348,8 +427,13 @@ extern "C" {
  * plan. `config` may be NULL for defaults. The descriptors (and the arrays they point to) are
  * read during the call only.
  *
- * On success `*plan` receives a new plan; on error `*plan` is left untouched and
- * `ncclInvalidArgument` names the bad field in `ncclReshardGetLastError()`.
+ * On success `*plan` receives a new plan; on error `*plan` is left untouched.
+ *
+ * Thread-safe; host-only (no CUDA or NCCL call), so it may be called anywhere, also during a
+ * CUDA graph capture and inside an NCCL group. Errors: `ncclInvalidArgument` (a field, named
+ * with its value, e.g. `tensors[2].src->placements[1].dim is 3…`), `ncclInvalidUsage` (a plan
+ * the limits refuse: staging over `maxStagingBytes`, groupable mode past its message cap),
+ * `ncclInternalError` (a bug).
  */
 ncclResult_t ncclReshardPlanCreate(ncclReshardPlan_t *plan,
                                    int ntensors,
@@ -360,6 +444,9 @@ ncclResult_t ncclReshardPlanCreate(ncclReshardPlan_t *plan,
 /**
  * Destroys a plan. NULL is a no-op. The plan must not be in use by any call, and work it
  * enqueued must have completed, before it is destroyed.
+ *
+ * Frees the plan's device memory when it ran on a GPU, so not during a CUDA graph capture of
+ * that device (CUDA forbids freeing there). Errors: none but `ncclInternalError`.
  */
 ncclResult_t ncclReshardPlanDestroy(ncclReshardPlan_t plan);
 
@@ -389,6 +476,15 @@ ncclResult_t ncclReshardPlanDestroy(ncclReshardPlan_t plan);
  * Thread safety: a plan may be used by several threads at once, on different streams and
  * communicators (one communicator must not be used by two threads at once, as NCCL requires).
  * `stream` must belong to the primary context of the communicator's device.
+ *
+ * Errors, all before the call's first NCCL operation unless said: `ncclInvalidArgument` (a
+ * NULL or overlapping buffer, a buffer or stream on another device or context),
+ * `ncclInvalidUsage` (the communicator's rank or size does not fit the plan, a plan not made in
+ * groupable mode inside a group, a first call during capture, `NCCL_RESHARD_CHECK=1` finding a
+ * peer that planned differently), `ncclSystemError` (CUDA driver, NVRTC or NCCL not found),
+ * `ncclUnhandledCudaError` and NCCL's own codes with the underlying text; a CUDA or NCCL
+ * failure after the first NCCL operation is returned after the call has still posted all its
+ * NCCL groups, so that no peer waits forever.
  */
 ncclResult_t ncclReshard(const void *sendbuff,
                          void *recvbuff,
@@ -401,6 +497,7 @@ ncclResult_t ncclReshard(const void *sendbuff,
  * order): `sendbuffs[t]` is tensor t's source view, `recvbuffs[t]` its destination view
  * (`srcOffset`/`dstOffset` are not used). Either array may be NULL on a rank that has no
  * views on that side; entries for tensors this rank does not hold on a side may be NULL.
+ * Groups, graphs, threads and errors as for `ncclReshard`.
  */
 ncclResult_t ncclReshardMulti(const void *const *sendbuffs,
                               void *const *recvbuffs,
@@ -411,6 +508,9 @@ ncclResult_t ncclReshardMulti(const void *const *sendbuffs,
 /**
  * Fills `*info` with what the plan does on its rank. Set `info->size` first (use
  * `NCCL_RESHARD_PLAN_INFO_INITIALIZER`); fields beyond it are not written.
+ *
+ * Thread-safe; host-only, callable anywhere. Errors: `ncclInvalidArgument` (NULL or a `size`
+ * below the 0.1 struct's).
  */
 ncclResult_t ncclReshardPlanGetInfo(ncclReshardPlan_t plan, ncclReshardPlanInfo_t *info);
 
@@ -436,6 +536,8 @@ ncclResult_t ncclReshardPlanGetInfo(ncclReshardPlan_t plan, ncclReshardPlanInfo_
  * `ncclInvalidArgument` is returned. A struct without `srcView` (before 0.2) cannot tell a
  * forward from a send: for a plan with forwards nothing is written and `ncclInvalidUsage` is
  * returned. The plan is immutable: every call returns the same list.
+ *
+ * Thread-safe; host-only, callable anywhere.
  */
 ncclResult_t ncclReshardPlanGetTransfers(ncclReshardPlan_t plan,
                                          ncclReshardTransfer_t *transfers,
@@ -450,6 +552,9 @@ ncclResult_t ncclReshardPlanGetTransfers(ncclReshardPlan_t plan,
  * number of `[start, end)` runs of global indices the rank holds; when `runs` is not NULL too
  * it receives all runs (dim 0's first) as `start, end` pairs, and `runsCapacity` (in pairs)
  * must be large enough. `rank` must be in the layout's mesh.
+ *
+ * Thread-safe; host-only, callable anywhere. Errors: `ncclInvalidArgument` (a field of
+ * `layout` or an argument, named), with no output written.
  */
 ncclResult_t ncclReshardLocalShape(const ncclReshardLayout_t *layout,
                                    int ndim,
@@ -462,18 +567,19 @@ ncclResult_t ncclReshardLocalShape(const ncclReshardLayout_t *layout,
 
 /**
  * The detail of this thread's last failing call (never NULL; empty when none failed). Valid
- * until the next failing call on this thread.
+ * until the next failing call on this thread. Thread-safe (per thread); callable anywhere.
  */
 const char *ncclReshardGetLastError(void);
 
 /**
- * A static description of an `ncclResult_t`.
+ * A static description of an `ncclResult_t` (never NULL). Thread-safe; callable anywhere.
  */
 const char *ncclReshardGetErrorString(ncclResult_t result);
 
 /**
  * The library's version as `NCCL_RESHARD_VERSION_CODE` (compare with the header's macro to
- * detect a header/library mismatch).
+ * detect a header/library mismatch). Thread-safe; callable anywhere. Errors:
+ * `ncclInvalidArgument` (NULL).
  */
 ncclResult_t ncclReshardGetVersion(int *version);
 

@@ -1072,6 +1072,10 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
     // Each rank: two threads, each with its own communicator and its per-thread default
     // stream, calling the same staged plan (shared) three times, and a second plan.
     let ids = [unique_id(), unique_id()];
+    // cuMemFree waits for all work of the device, the other thread's NCCL calls included, which
+    // wait for peers that may be freeing too: every thread frees only once all are done (as
+    // on a GPU).
+    let done = std::sync::Barrier::new(2 * n);
     std::thread::scope(|scope| {
         let mut handles = Vec::new();
         for r in 0..n {
@@ -1084,7 +1088,7 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
             ));
             for (k, id) in ids.iter().enumerate() {
                 let (tensors, auto, shared) = (tensors.clone(), auto.clone(), shared.clone());
-                let id = *id;
+                let (id, done) = (*id, &done);
                 handles.push(scope.spawn(move || {
                     let device = Device::per_thread(r);
                     let comm = join(id, n, r, true);
@@ -1095,9 +1099,12 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
                         second.rank_program(r as u32).unwrap(),
                         Mode::Auto,
                     );
-                    for step in 0..3 {
-                        let data =
-                            prepare_salted(&device, &tensors, r as u32, 10 * k as u32 + step);
+                    let steps: Vec<RankData> = (0..3)
+                        .map(|step| {
+                            prepare_salted(&device, &tensors, r as u32, 10 * k as u32 + step)
+                        })
+                        .collect();
+                    for (step, data) in steps.iter().enumerate() {
                         shared
                             .execute(&data.buffers(), comm, device.stream.cast())
                             .unwrap_or_else(|e| panic!("rank {r} thread {k} step {step}: {e}"));
@@ -1105,9 +1112,12 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
                             .execute(&data.buffers(), comm, device.stream.cast())
                             .unwrap_or_else(|e| panic!("rank {r} thread {k} step {step}: {e}"));
                         data.verify(&device, &tensors, r as u32);
-                        data.free(&device);
                     }
                     device.sync();
+                    done.wait();
+                    for data in steps {
+                        data.free(&device);
+                    }
                     // SAFETY: our communicator, destroyed once.
                     assert_eq!(unsafe { (nccl().destroy)(comm) }, 0);
                 }));

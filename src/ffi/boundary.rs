@@ -68,6 +68,13 @@ pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> ncc
     }
 }
 
+/// The boundary of the exports that return text instead of a result code: a panic inside
+/// (there should be none) yields a static message instead of unwinding into C.
+pub(crate) fn text_boundary(body: impl FnOnce() -> *const c_char) -> *const c_char {
+    catch_unwind(AssertUnwindSafe(body))
+        .unwrap_or_else(|_| c"internal error in libncclreshard (please report)".as_ptr())
+}
+
 /// A shared reference from a C pointer, or an error naming the argument when it is NULL.
 ///
 /// # Safety

@@ -29,6 +29,18 @@ pub(crate) struct TensorInput {
     pub name: Option<String>,
 }
 
+/// Refuses a struct from a header newer than this library: its fields may mean what this
+/// library does not know. 0 (a struct not from an initializer) is taken as the oldest.
+fn header_version(version: u32, field: &str) -> Result<()> {
+    let library = super::NCCL_RESHARD_VERSION_CODE as u32;
+    if version > library {
+        return Err(Error::invalid_argument(format!(
+            "{field}.version is {version}: the caller was compiled against a newer ncclReshard.h than this library ({library}); use the header of the library you run, or a newer library"
+        )));
+    }
+    Ok(())
+}
+
 fn count(value: c_int, max: usize, field: &str) -> Result<usize> {
     usize::try_from(value)
         .ok()
@@ -74,6 +86,7 @@ fn default_layout() -> ncclReshardLayout_t {
 unsafe fn layout(ptr: *const ncclReshardLayout_t, ndim: usize, field: &str) -> Result<Layout> {
     // SAFETY: forwarded contract.
     let c = unsafe { read_versioned(ptr, LAYOUT_MIN_SIZE, default_layout(), field) }?;
+    header_version(c.version, field)?;
     let mesh_ndim = count(
         c.meshNdim,
         NCCL_RESHARD_MAX_DIMS,
@@ -195,8 +208,14 @@ pub(crate) unsafe fn tensors(
                 c.size
             )));
         }
+        header_version(c.version, &field)?;
         let ndim = count(c.ndim, NCCL_RESHARD_MAX_DIMS, &format!("{field}.ndim"))?;
         let shape = sizes(&c.shape[..ndim], &format!("{field}.shape"))?;
+        if c.dtype == NCCL_RESHARD_UNDEF_INT {
+            return Err(Error::invalid_argument(format!(
+                "{field}.dtype is not set; set it to the tensor's ncclDataType_t (ncclBfloat16, …)"
+            )));
+        }
         let dtype = DType::from_nccl_code(c.dtype).ok_or_else(|| {
             Error::invalid_argument(format!(
                 "{field}.dtype is {}, not an ncclDataType_t",
@@ -238,18 +257,19 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
     if config.is_null() {
         return Ok((Config::default(), 0));
     }
+    // Fields an older header's struct lacks are unset.
     let defaults = ncclReshardConfig_t {
         size: CONFIG_MIN_SIZE,
         magic: NCCL_RESHARD_CONFIG_MAGIC,
         version: 0,
-        mode: ncclReshardMode_t::ncclReshardModeAuto as c_int,
-        ranksPerNode: 0,
+        mode: NCCL_RESHARD_UNDEF_INT,
+        ranksPerNode: NCCL_RESHARD_UNDEF_INT,
         nodeOfRank: std::ptr::null(),
         nodeOfRankCount: 0,
         splitMinBytes: 0,
         maxStagingBytes: 0,
-        rounds: 0,
-        relay: 1,
+        rounds: NCCL_RESHARD_UNDEF_INT,
+        relay: NCCL_RESHARD_UNDEF_INT,
     };
     // SAFETY: forwarded contract.
     let c = unsafe { read_versioned(config, CONFIG_MIN_SIZE, defaults, "config") }?;
@@ -259,7 +279,15 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
             c.magic
         )));
     }
-    let mode = match c.mode {
+    header_version(c.version, "config")?;
+    let set = |value: c_int, default: c_int| {
+        if value == NCCL_RESHARD_UNDEF_INT {
+            default
+        } else {
+            value
+        }
+    };
+    let mode = match set(c.mode, ncclReshardMode_t::ncclReshardModeAuto as c_int) {
         0 => Mode::Groupable,
         1 => Mode::Staged,
         2 => Mode::Auto,
@@ -283,7 +311,7 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
                 .collect::<Result<_>>()?,
         )
     } else {
-        match c.ranksPerNode {
+        match set(c.ranksPerNode, 0) {
             0 => Topology::Unknown,
             n if n > 0 => Topology::RanksPerNode(n as u32),
             n => {
@@ -297,7 +325,7 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
         0 => DEFAULT_SPLIT_MIN_BYTES,
         n => n as u64,
     };
-    let rounds = u32::try_from(c.rounds)
+    let rounds = u32::try_from(set(c.rounds, 0))
         .ok()
         .filter(|&r| r <= MAX_ROUNDS)
         .ok_or_else(|| {
@@ -306,7 +334,7 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
                 c.rounds
             ))
         })?;
-    let relay = match c.relay {
+    let relay = match set(c.relay, 1) {
         0 => false,
         1 => true,
         other => {

@@ -65,8 +65,13 @@ fn plan_ref<'a>(plan: ncclReshardPlan_t) -> Result<&'a PlanObject> {
 /// plan. `config` may be NULL for defaults. The descriptors (and the arrays they point to) are
 /// read during the call only.
 ///
-/// On success `*plan` receives a new plan; on error `*plan` is left untouched and
-/// `ncclInvalidArgument` names the bad field in `ncclReshardGetLastError()`.
+/// On success `*plan` receives a new plan; on error `*plan` is left untouched.
+///
+/// Thread-safe; host-only (no CUDA or NCCL call), so it may be called anywhere, also during a
+/// CUDA graph capture and inside an NCCL group. Errors: `ncclInvalidArgument` (a field, named
+/// with its value, e.g. `tensors[2].src->placements[1].dim is 3…`), `ncclInvalidUsage` (a plan
+/// the limits refuse: staging over `maxStagingBytes`, groupable mode past its message cap),
+/// `ncclInternalError` (a bug).
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardPlanCreate(
     plan: *mut ncclReshardPlan_t,
@@ -95,6 +100,9 @@ pub unsafe extern "C" fn ncclReshardPlanCreate(
 
 /// Destroys a plan. NULL is a no-op. The plan must not be in use by any call, and work it
 /// enqueued must have completed, before it is destroyed.
+///
+/// Frees the plan's device memory when it ran on a GPU, so not during a CUDA graph capture of
+/// that device (CUDA forbids freeing there). Errors: none but `ncclInternalError`.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardPlanDestroy(plan: ncclReshardPlan_t) -> ncclResult_t {
     boundary("ncclReshardPlanDestroy", || {
@@ -132,6 +140,15 @@ pub unsafe extern "C" fn ncclReshardPlanDestroy(plan: ncclReshardPlan_t) -> nccl
 /// Thread safety: a plan may be used by several threads at once, on different streams and
 /// communicators (one communicator must not be used by two threads at once, as NCCL requires).
 /// `stream` must belong to the primary context of the communicator's device.
+///
+/// Errors, all before the call's first NCCL operation unless said: `ncclInvalidArgument` (a
+/// NULL or overlapping buffer, a buffer or stream on another device or context),
+/// `ncclInvalidUsage` (the communicator's rank or size does not fit the plan, a plan not made in
+/// groupable mode inside a group, a first call during capture, `NCCL_RESHARD_CHECK=1` finding a
+/// peer that planned differently), `ncclSystemError` (CUDA driver, NVRTC or NCCL not found),
+/// `ncclUnhandledCudaError` and NCCL's own codes with the underlying text; a CUDA or NCCL
+/// failure after the first NCCL operation is returned after the call has still posted all its
+/// NCCL groups, so that no peer waits forever.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshard(
     sendbuff: *const c_void,
@@ -151,6 +168,7 @@ pub unsafe extern "C" fn ncclReshard(
 /// order): `sendbuffs[t]` is tensor t's source view, `recvbuffs[t]` its destination view
 /// (`srcOffset`/`dstOffset` are not used). Either array may be NULL on a rank that has no
 /// views on that side; entries for tensors this rank does not hold on a side may be NULL.
+/// Groups, graphs, threads and errors as for `ncclReshard`.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardMulti(
     sendbuffs: *const *const c_void,
@@ -178,6 +196,9 @@ pub unsafe extern "C" fn ncclReshardMulti(
 
 /// Fills `*info` with what the plan does on its rank. Set `info->size` first (use
 /// `NCCL_RESHARD_PLAN_INFO_INITIALIZER`); fields beyond it are not written.
+///
+/// Thread-safe; host-only, callable anywhere. Errors: `ncclInvalidArgument` (NULL or a `size`
+/// below the 0.1 struct's).
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardPlanGetInfo(
     plan: ncclReshardPlan_t,
@@ -221,6 +242,8 @@ pub unsafe extern "C" fn ncclReshardPlanGetInfo(
 /// `ncclInvalidArgument` is returned. A struct without `srcView` (before 0.2) cannot tell a
 /// forward from a send: for a plan with forwards nothing is written and `ncclInvalidUsage` is
 /// returned. The plan is immutable: every call returns the same list.
+///
+/// Thread-safe; host-only, callable anywhere.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
     plan: ncclReshardPlan_t,
@@ -290,6 +313,9 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
 /// number of `[start, end)` runs of global indices the rank holds; when `runs` is not NULL too
 /// it receives all runs (dim 0's first) as `start, end` pairs, and `runsCapacity` (in pairs)
 /// must be large enough. `rank` must be in the layout's mesh.
+///
+/// Thread-safe; host-only, callable anywhere. Errors: `ncclInvalidArgument` (a field of
+/// `layout` or an argument, named), with no output written.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardLocalShape(
     layout: *const ncclReshardLayout_t,
@@ -319,20 +345,21 @@ pub unsafe extern "C" fn ncclReshardLocalShape(
 }
 
 /// The detail of this thread's last failing call (never NULL; empty when none failed). Valid
-/// until the next failing call on this thread.
+/// until the next failing call on this thread. Thread-safe (per thread); callable anywhere.
 #[no_mangle]
 pub extern "C" fn ncclReshardGetLastError() -> *const c_char {
-    boundary::last_error_ptr()
+    boundary::text_boundary(boundary::last_error_ptr)
 }
 
-/// A static description of an `ncclResult_t`.
+/// A static description of an `ncclResult_t` (never NULL). Thread-safe; callable anywhere.
 #[no_mangle]
 pub extern "C" fn ncclReshardGetErrorString(result: ncclResult_t) -> *const c_char {
-    boundary::error_string(result).as_ptr()
+    boundary::text_boundary(|| boundary::error_string(result).as_ptr())
 }
 
 /// The library's version as `NCCL_RESHARD_VERSION_CODE` (compare with the header's macro to
-/// detect a header/library mismatch).
+/// detect a header/library mismatch). Thread-safe; callable anywhere. Errors:
+/// `ncclInvalidArgument` (NULL).
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardGetVersion(version: *mut c_int) -> ncclResult_t {
     boundary("ncclReshardGetVersion", || {

@@ -1,6 +1,15 @@
 //! The C ABI's data types. `#[repr(C)]`, NCCL style: structs start with `size` and `version`
 //! (the config also `magic`), fields are only ever appended, and the library accepts any
 //! `size` from the first released one up, filling defaults for fields the caller lacks.
+//!
+//! The ABI contract in one place: `size` is the versioning mechanism (the library reads at
+//! most `size` bytes of an input struct and writes at most `size` bytes of an output struct);
+//! `version` records the header the caller was compiled against: in an input struct a version
+//! newer than the library is refused (its fields might mean something this library does not
+//! know), in an output struct the library writes its own. Tunables a caller leaves unset hold
+//! `NCCL_RESHARD_UNDEF_INT` (or 0 for byte sizes, NULL for pointers), which the library resolves,
+//! so a default that changes reaches binaries built against older headers. The
+//! `NCCL_RESHARD_*_INITIALIZER` macros are written from the tables below, one per struct.
 
 #![allow(non_camel_case_types, non_snake_case)]
 
@@ -17,8 +26,156 @@ pub type cudaStream_t = *mut c_void;
 
 /// Most tensor dims and most mesh axes a descriptor can carry.
 pub const NCCL_RESHARD_MAX_DIMS: usize = 8;
-/// Identifies an initialised `ncclReshardConfig_t` (NCCL's configs carry a magic the same way).
+/// Identifies an initialised `ncclReshardConfig_t` (NCCL's configs carry a magic the same way;
+/// "RESH"). Written into the header in hex by tests/header.rs.
+/// cbindgen:ignore
 pub const NCCL_RESHARD_CONFIG_MAGIC: c_uint = 0x5245_5348;
+/// An `int` field the caller left unset (NCCL's `NCCL_CONFIG_UNDEF_INT`): the library uses its
+/// default, or refuses a field that has none. Written into the header by tests/header.rs.
+/// cbindgen:ignore
+pub const NCCL_RESHARD_UNDEF_INT: c_int = c_int::MIN;
+
+/// One field of a struct's `NCCL_RESHARD_*_INITIALIZER`: its name, its C initial value and a
+/// comment. tests/header.rs writes each macro from its table, one field per line, and fails
+/// when a table and its struct do not list the same fields in the same order.
+/// cbindgen:ignore
+pub struct InitializerField {
+    pub name: &'static str,
+    pub value: &'static str,
+    pub comment: &'static str,
+}
+
+/// cbindgen:ignore
+const fn field(name: &'static str, value: &'static str, comment: &'static str) -> InitializerField {
+    InitializerField {
+        name,
+        value,
+        comment,
+    }
+}
+
+/// `NCCL_RESHARD_LAYOUT_INITIALIZER`.
+/// cbindgen:ignore
+pub const LAYOUT_INITIALIZER: &[InitializerField] = &[
+    field("size", "sizeof(ncclReshardLayout_t)", "size"),
+    field("version", "NCCL_RESHARD_VERSION_CODE", "version"),
+    field("meshNdim", "0", "meshNdim: set it (1 to 8)"),
+    field("meshShape", "{0}", "meshShape"),
+    field("ranks", "NULL", "ranks: NULL = contiguous from firstRank"),
+    field("firstRank", "0", "firstRank"),
+    field("placements", "{{0, 0, 0}}", "placements: Replicate"),
+    field("strides", "NULL", "strides: NULL = dense row-major"),
+];
+
+/// `NCCL_RESHARD_TENSOR_INITIALIZER`.
+/// cbindgen:ignore
+pub const TENSOR_INITIALIZER: &[InitializerField] = &[
+    field("size", "sizeof(ncclReshardTensor_t)", "size"),
+    field("version", "NCCL_RESHARD_VERSION_CODE", "version"),
+    field("ndim", "0", "ndim"),
+    field("shape", "{0}", "shape"),
+    field(
+        "dtype",
+        "(ncclDataType_t)NCCL_RESHARD_UNDEF_INT",
+        "dtype: set it (no default)",
+    ),
+    field("src", "NULL", "src: set it"),
+    field("dst", "NULL", "dst: set it"),
+    field("srcOffset", "0", "srcOffset"),
+    field("dstOffset", "0", "dstOffset"),
+    field("name", "NULL", "name: optional"),
+];
+
+/// `NCCL_RESHARD_CONFIG_INITIALIZER`.
+/// cbindgen:ignore
+pub const CONFIG_INITIALIZER: &[InitializerField] = &[
+    field("size", "sizeof(ncclReshardConfig_t)", "size"),
+    field("magic", "NCCL_RESHARD_CONFIG_MAGIC", "magic"),
+    field("version", "NCCL_RESHARD_VERSION_CODE", "version"),
+    field(
+        "mode",
+        "NCCL_RESHARD_UNDEF_INT",
+        "mode: the library's default (auto)",
+    ),
+    field(
+        "ranksPerNode",
+        "NCCL_RESHARD_UNDEF_INT",
+        "ranksPerNode: unknown topology",
+    ),
+    field("nodeOfRank", "NULL", "nodeOfRank: none"),
+    field("nodeOfRankCount", "0", "nodeOfRankCount"),
+    field(
+        "splitMinBytes",
+        "0",
+        "splitMinBytes: the library's default (1 MiB)",
+    ),
+    field(
+        "maxStagingBytes",
+        "0",
+        "maxStagingBytes: NCCL_RESHARD_STAGING_BYTES, else 8 GiB",
+    ),
+    field(
+        "rounds",
+        "NCCL_RESHARD_UNDEF_INT",
+        "rounds: chosen from the tensors",
+    ),
+    field("relay", "NCCL_RESHARD_UNDEF_INT", "relay: on"),
+];
+
+/// `NCCL_RESHARD_PLAN_INFO_INITIALIZER` (an output: only `size` matters).
+/// cbindgen:ignore
+pub const PLAN_INFO_INITIALIZER: &[InitializerField] = &[
+    field("size", "sizeof(ncclReshardPlanInfo_t)", "size"),
+    field(
+        "version",
+        "NCCL_RESHARD_VERSION_CODE",
+        "version: the library writes its own",
+    ),
+    field("rank", "0", "rank"),
+    field("ntensors", "0", "ntensors"),
+    field("mode", "0", "mode"),
+    field("groupable", "0", "groupable"),
+    field("peers", "0", "peers"),
+    field("messagesSent", "0", "messagesSent"),
+    field("messagesReceived", "0", "messagesReceived"),
+    field("bytesSent", "0", "bytesSent"),
+    field("bytesReceived", "0", "bytesReceived"),
+    field("bytesCopied", "0", "bytesCopied"),
+    field("stagingBytes", "0", "stagingBytes"),
+    field("fingerprint", "0", "fingerprint"),
+    field("sendBytes", "0", "sendBytes"),
+    field("recvBytes", "0", "recvBytes"),
+    field("rounds", "0", "rounds"),
+];
+
+/// `NCCL_RESHARD_TRANSFER_INITIALIZER` (an output: only `size` matters).
+/// cbindgen:ignore
+pub const TRANSFER_INITIALIZER: &[InitializerField] = &[
+    field("size", "sizeof(ncclReshardTransfer_t)", "size"),
+    field(
+        "version",
+        "NCCL_RESHARD_VERSION_CODE",
+        "version: the library writes its own",
+    ),
+    field("kind", "0", "kind"),
+    field("peer", "0", "peer"),
+    field("tensor", "0", "tensor"),
+    field("ndim", "0", "ndim"),
+    field("globalStart", "{0}", "globalStart"),
+    field("globalCount", "{0}", "globalCount"),
+    field("srcOffset", "0", "srcOffset"),
+    field("dstOffset", "0", "dstOffset"),
+    field("chunkBytes", "0", "chunkBytes"),
+    field("copyNdim", "0", "copyNdim"),
+    field("count", "{0}", "count"),
+    field("srcStride", "{0}", "srcStride"),
+    field("dstStride", "{0}", "dstStride"),
+    field("bytes", "0", "bytes"),
+    field("round", "0", "round"),
+    field("srcView", "ncclReshardViewSource", "srcView"),
+    field("blockOffset", "0", "blockOffset"),
+    field("blockBytes", "0", "blockBytes"),
+];
 
 /// How a tensor is placed along one mesh axis (torch `Replicate`, `Shard`, `_StridedShard`).
 #[repr(C)]
@@ -29,7 +186,7 @@ pub enum ncclReshardPlacementKind_t {
     ncclReshardStridedShard = 2,
 }
 
-/// How messages are formed (see docs/executor.md): auto (the default: coalesced and staged per
+/// How messages are formed: auto (the default: coalesced and staged per
 /// peer pair where that saves messages, sent as they are otherwise), staged (one packed message
 /// per peer pair), or groupable (every message sent from the source view and received into the
 /// destination view as it is: no staging, one round, so a call may sit inside
@@ -120,20 +277,22 @@ pub struct ncclReshardTensor_t {
     pub name: *const c_char,
 }
 
-/// Plan options; pass NULL for defaults. Every rank must pass the same values.
+/// Plan options; pass NULL for defaults, or start from `NCCL_RESHARD_CONFIG_INITIALIZER` and set
+/// what you need. Every rank must pass the same values. Fields left at `NCCL_RESHARD_UNDEF_INT`
+/// (or 0 for the byte sizes) get the library's defaults.
 ///
-/// `mode` is an `ncclReshardMode_t` (default `ncclReshardModeAuto`). The topology (for preferring same-node senders) is
-/// `ranksPerNode` (rank r on node r / ranksPerNode; 0 = unknown) or, when `nodeOfRank` is not
-/// NULL, the node id of each of `nodeOfRankCount` ranks. `splitMinBytes` is the smallest part a
-/// replicated overlap is split into across senders (0 = 1 MiB). `maxStagingBytes` bounds the
-/// staging one call of the plan needs on this rank, checked at plan creation (0 =
-/// `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB); staging comes from a stream-ordered pool for each
-/// call and goes back at its end.
-/// `rounds` (staged and auto modes) cuts the data into that many rounds that reuse one staging
-/// arena (0 = chosen from the tensors' sizes, about 4 GiB per rank and round). `relay` (staged
-/// and auto modes, topology known): 1 (default) sends data that several replicas on one node
-/// need across the network once and forwards it over NVLink; 0 sends it to each replica.
-/// Both were added in 0.2: a struct from an older header (smaller `size`) gets the defaults.
+/// `mode` is an `ncclReshardMode_t` (default `ncclReshardModeAuto`). The topology (for
+/// preferring same-node senders) is `ranksPerNode` (rank r on node r / ranksPerNode; 0 or unset
+/// = unknown) or, when `nodeOfRank` is not NULL, the node id of each of `nodeOfRankCount` ranks.
+/// `splitMinBytes` is the smallest part a replicated overlap is split into across senders
+/// (0 = 1 MiB). `maxStagingBytes` bounds the staging one call of the plan needs on this rank,
+/// checked at plan creation (0 = `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB); staging comes from
+/// a stream-ordered pool for each call and goes back at its end. `rounds` (staged and auto
+/// modes) cuts the data into that many rounds (0 or unset = chosen from the tensors' sizes,
+/// about 4 GiB per rank and round). `relay` (staged and auto modes, topology known): 1 (the
+/// default) sends data that several replicas on one node need across the network once and
+/// forwards it over NVLink; 0 sends it to each replica. `rounds` and `relay` were added in 0.2:
+/// a struct from an older header (smaller `size`) gets the defaults.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ncclReshardConfig_t {

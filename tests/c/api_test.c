@@ -88,7 +88,18 @@ static void test_plan_lifecycle(void) {
   ncclReshardLayout_t src = src_layout(), dst = dst_layout();
   ncclReshardTensor_t t = tensor(&src, &dst);
   ncclReshardConfig_t config = NCCL_RESHARD_CONFIG_INITIALIZER;
-  CHECK(config.mode == ncclReshardModeAuto); /* the default */
+  CHECK(config.mode == NCCL_RESHARD_UNDEF_INT); /* unset: the library's default */
+  CHECK(config.magic == 0x52455348 && config.version == NCCL_RESHARD_VERSION(NCCL_RESHARD_MAJOR, NCCL_RESHARD_MINOR, NCCL_RESHARD_PATCH));
+  {
+    /* Unset tunables resolve to the library's defaults: auto mode. */
+    ncclReshardPlan_t unset = NULL;
+    ncclReshardPlanInfo_t info = NCCL_RESHARD_PLAN_INFO_INITIALIZER;
+    OK(ncclReshardPlanCreate(&unset, 1, &t, 0, &config));
+    OK(ncclReshardPlanGetInfo(unset, &info));
+    CHECK(info.mode == ncclReshardModeAuto && info.groupable == 0);
+    CHECK(info.version == NCCL_RESHARD_VERSION_CODE);
+    OK(ncclReshardPlanDestroy(unset));
+  }
   config.mode = ncclReshardModeGroupable;
   unsigned long long fingerprints[3];
   for (int rank = 0; rank < 3; rank++) {
@@ -284,6 +295,19 @@ static void test_bad_descriptors(void) {
   config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
   config.relay = 2;
   EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument, "config.relay is 2");
+  /* A struct from a newer header than the library is refused; an unset dtype has no default. */
+  config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
+  config.version = NCCL_RESHARD_VERSION_CODE + 100;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument,
+               "config.version is");
+  bad = t;
+  bad.version = NCCL_RESHARD_VERSION_CODE + 1;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &bad, 0, NULL), ncclInvalidArgument,
+               "tensors[0].version is");
+  bad = t;
+  bad.dtype = (ncclDataType_t)NCCL_RESHARD_UNDEF_INT;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &bad, 0, NULL), ncclInvalidArgument,
+               "tensors[0].dtype is not set");
   /* A staging bound is checked when the plan is created (a call refused on one rank after its
    * peers posted their messages would leave them waiting): TP2 -> TP1 staged needs 8 KiB on
    * the receiver. */
