@@ -7,7 +7,7 @@
 
 use crate::error::{Error, Result};
 use crate::exec::host::{execute, RankBuffers};
-use crate::layout::{next_index, IndexRuns, Layout, LocalView, TensorSpec};
+use crate::layout::{next_index, RankView, Side, TensorSpec};
 use crate::plan::{Config, Planner, RankProgram};
 
 /// What a successful check moved and verified.
@@ -37,12 +37,8 @@ pub fn sentinel(offset: usize) -> u8 {
 }
 
 /// Calls `f(byte offset in the view, global linear index)` for every element of a rank's view.
-fn for_each_element(
-    shape: &[u64],
-    indices: &[IndexRuns],
-    view: &LocalView,
-    mut f: impl FnMut(usize, u64),
-) {
+fn for_each_element(shape: &[u64], rank_view: &RankView, mut f: impl FnMut(usize, u64)) {
+    let RankView { indices, view } = rank_view;
     if view.elements() == 0 {
         return;
     }
@@ -69,13 +65,6 @@ fn for_each_element(
     }
 }
 
-fn rank_view(spec: &TensorSpec, layout: &Layout, rank: u32) -> Option<(Vec<IndexRuns>, LocalView)> {
-    let indices = layout.rank_indices(&spec.shape, rank)?;
-    let shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
-    let view = layout.view(&shape, spec.elem_size());
-    Some((indices, view))
-}
-
 /// The most host memory `check` allocates for all ranks' views together.
 pub const MAX_CHECK_BYTES: u64 = 16 << 30;
 
@@ -95,9 +84,9 @@ fn host_bytes_needed(tensors: &[TensorSpec], ranks: &[u32]) -> u64 {
     let mut total = 0u64;
     for &rank in ranks {
         for spec in tensors {
-            for layout in [&spec.src, &spec.dst] {
-                if let Some((_, view)) = rank_view(spec, layout, rank) {
-                    total = total.saturating_add(view.extent_bytes());
+            for side in [Side::Src, Side::Dst] {
+                if let Some(v) = spec.rank_view(side, rank) {
+                    total = total.saturating_add(v.view.extent_bytes());
                 }
             }
         }
@@ -110,12 +99,12 @@ fn host_bytes_needed(tensors: &[TensorSpec], ranks: &[u32]) -> u64 {
 /// the rank has no source view. Executors other than the host one use it to set up the same
 /// data (the GPU tests).
 pub fn source_view_bytes(spec: &TensorSpec, t: u32, rank: u32) -> Result<Option<Vec<u8>>> {
-    let Some((indices, view)) = rank_view(spec, &spec.src, rank) else {
+    let Some(v) = spec.rank_view(Side::Src, rank) else {
         return Ok(None);
     };
-    let mut bytes = alloc(view.extent_bytes())?;
+    let mut bytes = alloc(v.view.extent_bytes())?;
     let size = spec.elem_size() as usize;
-    for_each_element(&spec.shape, &indices, &view, |offset, global| {
+    for_each_element(&spec.shape, &v, |offset, global| {
         let value = element_value(t, global).to_le_bytes();
         bytes[offset..offset + size].copy_from_slice(&value[..size]);
     });
@@ -124,8 +113,8 @@ pub fn source_view_bytes(spec: &TensorSpec, t: u32, rank: u32) -> Result<Option<
 
 /// A destination view as it starts: sentinels everywhere (`None` when `rank` has no view).
 pub fn destination_view_bytes(spec: &TensorSpec, rank: u32) -> Result<Option<Vec<u8>>> {
-    rank_view(spec, &spec.dst, rank)
-        .map(|(_, view)| alloc(view.extent_bytes()))
+    spec.rank_view(Side::Dst, rank)
+        .map(|v| alloc(v.view.extent_bytes()))
         .transpose()
 }
 
@@ -133,9 +122,10 @@ pub fn destination_view_bytes(spec: &TensorSpec, rank: u32) -> Result<Option<Vec
 /// value and every byte between elements still holds its sentinel. Returns the elements
 /// checked.
 pub fn verify_destination_view(spec: &TensorSpec, t: u32, rank: u32, got: &[u8]) -> Result<u64> {
-    let Some((indices, view)) = rank_view(spec, &spec.dst, rank) else {
+    let Some(v) = spec.rank_view(Side::Dst, rank) else {
         return Ok(0);
     };
+    let view = &v.view;
     if got.len() as u64 != view.extent_bytes() {
         return Err(Error::internal(format!(
             "tensor {t} rank {rank}: the destination view is {} bytes, not {}",
@@ -159,7 +149,7 @@ pub fn verify_destination_view(spec: &TensorSpec, t: u32, rank: u32, got: &[u8])
     };
     let mut failure: Option<String> = None;
     let mut checked = 0;
-    for_each_element(&spec.shape, &indices, &view, |offset, global| {
+    for_each_element(&spec.shape, &v, |offset, global| {
         if !dense {
             inside[offset..offset + size]
                 .iter_mut()

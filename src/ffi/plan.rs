@@ -8,7 +8,7 @@ use super::types::*;
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::cuda::{CallBuffers, CudaExecutor};
-use crate::layout::{IndexRuns, TensorSpec};
+use crate::layout::Side;
 use crate::plan::{Block, BlockPart, Buffer, Config, Mode, Planner, RankProgram};
 use std::os::raw::c_int;
 use std::sync::Arc;
@@ -47,13 +47,6 @@ pub(crate) struct PlanObject {
     views: Vec<Views>,
     names: Vec<Option<String>>,
     executor: CudaExecutor,
-}
-
-fn local_extent(spec: &TensorSpec, src: bool, rank: u32) -> Option<u64> {
-    let layout = if src { &spec.src } else { &spec.dst };
-    let indices = layout.rank_indices(&spec.shape, rank)?;
-    let shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
-    Some(layout.view(&shape, spec.elem_size()).extent_bytes())
 }
 
 /// Checks that no two of `ranges` (offset, bytes, tensor) overlap; `what` names the buffer.
@@ -96,8 +89,12 @@ impl PlanObject {
             .iter()
             .zip(views)
             .map(|(spec, (src_offset, dst_offset))| Views {
-                src: local_extent(spec, true, rank).map(|e| (src_offset, e)),
-                dst: local_extent(spec, false, rank).map(|e| (dst_offset, e)),
+                src: spec
+                    .rank_view(Side::Src, rank)
+                    .map(|v| (src_offset, v.view.extent_bytes())),
+                dst: spec
+                    .rank_view(Side::Dst, rank)
+                    .map(|v| (dst_offset, v.view.extent_bytes())),
             })
             .collect();
         for (i, v) in views.iter().enumerate() {

@@ -115,6 +115,41 @@ pub struct DimPiece {
     pub indices: IndexRuns,
 }
 
+/// Which side of a reshard: where the tensor is (`src`) or where it goes (`dst`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    Src,
+    Dst,
+}
+
+/// One rank's part of one tensor on one side: the global indices it holds along every dim and
+/// the byte geometry of its local buffer (whose `view.shape`, the number of indices per dim,
+/// is the rank's local shape). Made by [`TensorSpec::rank_view`] (or [`Layout::rank_view`]),
+/// the one function that goes from a rank to its indices, local shape and view: the planner,
+/// the C API, the checker and the CLI all call it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankView {
+    pub indices: Vec<IndexRuns>,
+    pub view: LocalView,
+}
+
+impl RankView {
+    /// The view of a rank holding `indices` (as [`Layout::rank_indices`] gives them) under
+    /// `layout`, for elements of `elem_size` bytes.
+    pub fn new(layout: &Layout, indices: Vec<IndexRuns>, elem_size: u32) -> RankView {
+        let local_shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
+        RankView {
+            view: layout.view(&local_shape, elem_size),
+            indices,
+        }
+    }
+
+    /// The rank's local shape: how many indices it holds along each dim.
+    pub fn local_shape(&self) -> &[u64] {
+        &self.view.shape
+    }
+}
+
 /// Byte geometry of one rank's local buffer for one tensor: the one place that turns local
 /// positions into byte offsets.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -245,6 +280,13 @@ impl Layout {
             .map(|coord| self.local_indices(shape, &coord))
     }
 
+    /// `rank`'s indices and view for a tensor of global `shape` and `elem_size`-byte elements,
+    /// or `None` when it is not in the mesh (see [`RankView`]).
+    pub fn rank_view(&self, shape: &[u64], elem_size: u32, rank: u32) -> Option<RankView> {
+        self.rank_indices(shape, rank)
+            .map(|indices| RankView::new(self, indices, elem_size))
+    }
+
     /// Every piece dim `dim` is cut into, in row-major order of the sharding axes' coordinates
     /// (empty pieces included).
     pub fn dim_pieces(&self, shape: &[u64], dim: usize) -> Vec<DimPiece> {
@@ -301,7 +343,8 @@ impl Layout {
         }
     }
 
-    /// Byte geometry of a rank's local buffer whose local shape is `local_shape`.
+    /// Byte geometry of a rank's local buffer whose local shape is `local_shape` (a rank's
+    /// whole view, indices included, comes from [`Layout::rank_view`]).
     pub fn view(&self, local_shape: &[u64], elem_size: u32) -> LocalView {
         LocalView {
             shape: local_shape.to_vec(),
@@ -434,6 +477,21 @@ pub struct TensorSpec {
 impl TensorSpec {
     pub fn elem_size(&self) -> u32 {
         self.dtype.size()
+    }
+
+    /// The layout of one side.
+    pub fn layout(&self, side: Side) -> &Layout {
+        match side {
+            Side::Src => &self.src,
+            Side::Dst => &self.dst,
+        }
+    }
+
+    /// `rank`'s indices, local shape and view of this tensor on `side`, or `None` when the
+    /// rank is not in that side's mesh.
+    pub fn rank_view(&self, side: Side, rank: u32) -> Option<RankView> {
+        self.layout(side)
+            .rank_view(&self.shape, self.elem_size(), rank)
     }
 
     /// Validates shape and both layouts; the message names the field (`shape`, `src.…`).

@@ -13,16 +13,10 @@ use super::fxhash::FxHashMap;
 use super::program::{Buffer, Copy, CopyDim, Loc, Message};
 use super::Transfer;
 use crate::error::{Error, Result};
-use crate::layout::{next_index, IndexRuns, LocalView};
+use crate::layout::{next_index, RankView};
 
 /// Staging regions start at multiples of this many bytes (vector-friendly for kernels).
 pub const STAGING_ALIGN: u64 = 256;
-
-/// A rank's geometry for one tensor on one side: its indices and its view.
-pub(crate) struct Side<'a> {
-    pub indices: &'a [IndexRuns],
-    pub view: &'a LocalView,
-}
 
 /// One block of a transfer: a box of the global tensor (`start`, `count` per dim) that is
 /// contiguous per dim in both ranks' local positions, and the copy that moves it from the
@@ -40,7 +34,7 @@ pub struct Block {
 }
 
 /// The blocks of one transfer, in row-major order of the blocks.
-pub(crate) fn transfer_blocks(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_>) -> Vec<Block> {
+pub(crate) fn transfer_blocks(transfer: &Transfer, src: &RankView, dst: &RankView) -> Vec<Block> {
     let ndim = transfer.region.len();
     let pieces: Vec<Vec<(u64, u64)>> = (0..ndim)
         .map(|d| transfer.region[d].contiguous_pieces(&[&src.indices[d], &dst.indices[d]]))

@@ -24,10 +24,10 @@ pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram, Ro
 pub use rounds::BlockPart;
 
 use crate::error::{Error, Result};
-use crate::layout::{next_index, DType, DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
+use crate::layout::{next_index, DType, DimPiece, IndexRuns, Layout, RankView, Side, TensorSpec};
 use assign::{assign, Unit};
 use fxhash::{FxHashMap, FxHashSet};
-use messages::{transfer_blocks, Emitter, End, Side};
+use messages::{transfer_blocks, Emitter, End};
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
@@ -54,7 +54,7 @@ struct Memo<'a> {
     /// (layout id, shape, rank) → the rank's indices, if it is in the mesh.
     indices: FxHashMap<RankKey<'a>, Option<Rc<Vec<IndexRuns>>>>,
     /// (layout id, shape, element size, rank) → the rank's indices and view.
-    geometry: FxHashMap<(RankKey<'a>, u32), Option<Rc<RankGeometry>>>,
+    views: FxHashMap<(RankKey<'a>, u32), Option<Rc<RankView>>>,
 }
 
 type RankKey<'a> = (u32, &'a [u64], u32);
@@ -86,34 +86,25 @@ impl<'a> Memo<'a> {
             .clone()
     }
 
-    fn geometry(
+    /// [`TensorSpec::rank_view`] from the memoised indices.
+    fn view(
         &mut self,
         id: u32,
         spec: &'a TensorSpec,
-        layout: &Layout,
+        side: Side,
         rank: u32,
-    ) -> Option<Rc<RankGeometry>> {
+    ) -> Option<Rc<RankView>> {
         let key = ((id, spec.shape.as_slice(), rank), spec.elem_size());
-        if let Some(hit) = self.geometry.get(&key) {
+        if let Some(hit) = self.views.get(&key) {
             return hit.clone();
         }
-        let made = self.indices(id, layout, &spec.shape, rank).map(|indices| {
-            let shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
-            let view = layout.view(&shape, spec.elem_size());
-            Rc::new(RankGeometry {
-                indices: (*indices).clone(),
-                view,
-            })
-        });
-        self.geometry.insert(key, made.clone());
+        let layout = spec.layout(side);
+        let made = self
+            .indices(id, layout, &spec.shape, rank)
+            .map(|indices| Rc::new(RankView::new(layout, (*indices).clone(), spec.elem_size())));
+        self.views.insert(key, made.clone());
         made
     }
-}
-
-/// A rank's geometry for one tensor on one side.
-struct RankGeometry {
-    indices: Vec<IndexRuns>,
-    view: LocalView,
 }
 
 impl Planner {
@@ -259,29 +250,19 @@ impl Planner {
                 Error::internal(format!("rank {who} is not in tensor {}'s mesh", tr.tensor))
             };
             // A relay reads the data where it arrived: the sender's destination view.
-            let sg = if tr.relay {
-                memo.geometry(dst_id, spec, &spec.dst, tr.from)
+            let from = if tr.relay {
+                memo.view(dst_id, spec, Side::Dst, tr.from)
             } else {
-                memo.geometry(src_id, spec, &spec.src, tr.from)
+                memo.view(src_id, spec, Side::Src, tr.from)
             }
             .ok_or_else(|| missing(tr.from))?;
-            let dg = memo
-                .geometry(dst_id, spec, &spec.dst, tr.to)
+            let to = memo
+                .view(dst_id, spec, Side::Dst, tr.to)
                 .ok_or_else(|| missing(tr.to))?;
             blocks.extend(
-                transfer_blocks(
-                    tr,
-                    &Side {
-                        indices: &sg.indices,
-                        view: &sg.view,
-                    },
-                    &Side {
-                        indices: &dg.indices,
-                        view: &dg.view,
-                    },
-                )
-                .into_iter()
-                .filter(|b| b.copy.bytes() > 0),
+                transfer_blocks(tr, &from, &to)
+                    .into_iter()
+                    .filter(|b| b.copy.bytes() > 0),
             );
         }
         Ok(blocks)
