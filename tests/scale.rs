@@ -261,7 +261,7 @@ fn host_checks_run_concurrently() {
             let spec = spec.clone();
             scope.spawn(move || {
                 for _ in 0..10 {
-                    ncclreshard::check::check(
+                    ncclreshard_tools::check::check(
                         std::slice::from_ref(&spec),
                         &Config {
                             mode,

@@ -1,18 +1,18 @@
 //! A refit run on this host (`refit`, `bench --exec`): every rank a thread of the host
 //! executor, sources filled and destinations verified the way `ncclreshard check` does it
-//! (`ncclreshard::check`); and the gather+broadcast baseline emulated on the same memory.
+//! (`ncclreshard_tools::check`); and the gather+broadcast baseline emulated on the same memory.
 
 use crate::commands::refit_setup;
 use crate::out;
 use crate::work;
 use crate::Failure;
-use ncclreshard::check::{
-    destination_view_bytes, source_view_bytes, verify_destination_view, MAX_CHECK_BYTES,
-};
 use ncclreshard::exec::host::{copy_block, execute, RankBuffers};
 use ncclreshard::layout::{row_major_strides, RankView, Side};
 use ncclreshard::plan::{Buffer, Copy, CopyDim, Loc};
 use ncclreshard::{Config, IndexRuns, RankProgram, TensorSpec};
+use ncclreshard_tools::check::{
+    destination_view_bytes, source_view_bytes, verify_destination_view, MAX_CHECK_BYTES,
+};
 use std::collections::HashSet;
 use std::time::Duration;
 

@@ -752,28 +752,4 @@ mod tests {
         .unwrap();
         assert_eq!(auto.rank_program(2).unwrap().recvs.len(), 2);
     }
-
-    #[test]
-    fn local_data_can_travel_as_messages_to_self() {
-        // A one-rank "reshard" (the single-GPU test setup): Shard(1) over 2 → Replicate, all on
-        // ranks that hold both sides, routed through self-messages in every mode.
-        for mode in [Mode::Groupable, Mode::Staged, Mode::Auto] {
-            let spec = TensorSpec {
-                shape: vec![16, 12],
-                dtype: DType::Float32,
-                src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
-                dst: layout(&[2], &[0, 1], &[Placement::Replicate]),
-            };
-            let config = Config {
-                mode,
-                local_via_messages: true,
-                ..Default::default()
-            };
-            let planner = Planner::new(vec![spec.clone()], config.clone()).unwrap();
-            let p = planner.rank_program(0).unwrap();
-            assert!(p.local_copies.is_empty());
-            assert!(p.sends.iter().any(|m| m.peer == 0) && p.recvs.iter().any(|m| m.peer == 0));
-            crate::check::check(&[spec], &config).unwrap();
-        }
-    }
 }

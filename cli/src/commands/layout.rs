@@ -2,10 +2,10 @@
 
 use super::{load_one, per_file, Command};
 use crate::args::{flag, value, Parsed};
-use crate::case::{Case, Tensor};
 use crate::out;
 use crate::Failure;
 use ncclreshard::{IndexRuns, Layout};
+use ncclreshard_tools::case::{Case, Tensor};
 use serde::Serialize;
 
 pub const COMMAND: Command = Command {

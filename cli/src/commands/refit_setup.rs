@@ -7,11 +7,11 @@ use crate::models_json::{load_model, load_system, Model};
 use crate::work;
 use crate::Failure;
 use ncclreshard::layout::Side;
-use ncclreshard::models::{
+use ncclreshard::{Config, DType, Mode, Planner, RankProgram, TensorSpec, Topology};
+use ncclreshard_tools::models::{
     count_parameters, ExpertStorage, InferSpec, Refit, RefitOptions, TrainSpec, PRESETS,
 };
-use ncclreshard::sim::Cluster;
-use ncclreshard::{Config, DType, Mode, Planner, RankProgram, TensorSpec, Topology};
+use ncclreshard_tools::sim::Cluster;
 use std::ops::Range;
 use std::path::Path;
 use std::time::Duration;

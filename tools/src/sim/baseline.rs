@@ -1,7 +1,7 @@
 //! The gather + broadcast baseline (what NeMo RL, veRL and slime do today).
 
 use super::{Cluster, Direction, LinkKind, LinkUse, Phase, SimReport};
-use crate::layout::{Side, TensorSpec};
+use ncclreshard::layout::{Side, TensorSpec};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Which ranks join the broadcast communicator besides the inference ranks.

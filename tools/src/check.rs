@@ -5,10 +5,10 @@
 //! executor, then checks every destination element and that no byte outside the destination
 //! views changed. This is what `ncclreshard check` runs.
 
-use crate::error::{Error, Result};
-use crate::exec::host::{execute, RankBuffers};
-use crate::layout::{next_index, RankView, Side, TensorSpec};
-use crate::plan::{Config, Planner, RankProgram};
+use ncclreshard::error::{Error, Result};
+use ncclreshard::exec::host::{execute, RankBuffers};
+use ncclreshard::layout::{next_index, RankView, Side, TensorSpec};
+use ncclreshard::plan::{Config, Planner, RankProgram};
 
 /// What a successful check moved and verified.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -48,7 +48,7 @@ fn for_each_element(shape: &[u64], rank_view: &RankView, mut f: impl FnMut(usize
         .iter()
         .map(|r| r.runs().iter().flat_map(|run| run.start..run.end).collect())
         .collect();
-    let global_strides = crate::layout::row_major_strides(shape);
+    let global_strides = ncclreshard::layout::row_major_strides(shape);
     let byte_strides = view.byte_strides();
     let mut pos = vec![0usize; ndim];
     loop {
@@ -231,7 +231,7 @@ pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{DType, Layout, Mesh, Placement};
+    use ncclreshard::layout::{DType, Layout, Mesh, Placement};
 
     #[test]
     fn verification_catches_a_wrong_element_and_a_clobbered_gap() {

@@ -2,14 +2,14 @@
 //! gather + broadcast baseline and the lower bound, and the DeepSeek-V3 calibration against
 //! the public measurements in reference/FACTS.md.
 
-use ncclreshard::models::{refit, InferSpec, ModelConfig, RefitOptions, TrainSpec};
 use ncclreshard::plan::{Buffer, Copy, Loc, Message, RoundSpan};
-use ncclreshard::sim::{
-    gather_broadcast, gather_broadcast_with, lower_bound, simulate, BaselineParams, BoundKind,
-    BroadcastGroup, Cluster, Direction, LinkKind, SimReport,
-};
 use ncclreshard::{
     Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
+};
+use ncclreshard_tools::models::{refit, InferSpec, ModelConfig, RefitOptions, TrainSpec};
+use ncclreshard_tools::sim::{
+    gather_broadcast, gather_broadcast_with, lower_bound, simulate, BaselineParams, BoundKind,
+    BroadcastGroup, Cluster, Direction, LinkKind, SimReport,
 };
 use std::time::Instant;
 

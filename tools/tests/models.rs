@@ -1,13 +1,13 @@
 //! Model refits end to end: scaled-down refits planned for every rank and byte-checked on the
 //! host executor, fused-buffer offsets tiling their buffers, and the public M2N configs.
 
-use ncclreshard::check::check;
 use ncclreshard::layout::Side;
-use ncclreshard::models::{
+use ncclreshard::{Config, DType, Planner};
+use ncclreshard_tools::check::check;
+use ncclreshard_tools::models::{
     inventory, refit, refit_params, ExpertStorage, InferSpec, M2nSide, ModelConfig, Param, Refit,
     RefitOptions, TrainSpec,
 };
-use ncclreshard::{Config, DType, Planner};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 

@@ -4,8 +4,8 @@
 use super::config::ModelConfig;
 use super::inventory::{inventory, ExpertStorage, Param, Proj, Role};
 use super::spec::{InferSpec, TrainSpec};
-use crate::error::{Error, Result};
-use crate::layout::{DType, Layout, Mesh, Placement, Side, TensorSpec};
+use ncclreshard::error::{Error, Result};
+use ncclreshard::layout::{DType, Layout, Mesh, Placement, Side, TensorSpec};
 use std::collections::hash_map::{Entry, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
@@ -51,7 +51,7 @@ pub struct FusedView {
     pub position: usize,
 }
 
-/// The tensors of one refit, ready for [`Planner::new`](crate::Planner::new).
+/// The tensors of one refit, ready for [`Planner::new`](ncclreshard::Planner::new).
 ///
 /// Plain data: `names[i]`, `tensors[i]` and `fused[i]` describe parameter `i` of the
 /// inventory (checkpoint order).
@@ -139,7 +139,7 @@ pub fn refit(
 /// Errors: invalid specs (the message names the key), more ranks than NCCL addresses, or an
 /// expert tensor without its 2 (per-expert) or 3 (stacked) dims. The layouts are valid for
 /// every shape; sizes too large for byte offsets are left to [`TensorSpec::validate`] (which
-/// [`Planner::new`](crate::Planner::new) runs).
+/// [`Planner::new`](ncclreshard::Planner::new) runs).
 pub fn refit_params(
     params: &[Param],
     train: &TrainSpec,

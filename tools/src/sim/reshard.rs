@@ -2,7 +2,7 @@
 
 use super::flows::{self, Flow};
 use super::{Cluster, Direction, LinkKind, LinkUse, Phase, SimReport};
-use crate::plan::{Copy, RankProgram};
+use ncclreshard::plan::{Copy, RankProgram};
 use std::collections::HashMap;
 
 /// Links per GPU, in link-id order: NVLink egress, NVLink ingress, NIC egress, NIC ingress.
