@@ -8,7 +8,8 @@
 //! GPU the one-rank tests route data through NCCL self messages (`Config::local_via_messages`).
 
 use cudarc::driver::sys::{self, CUresult};
-use ncclreshard::exec::cuda::{CallBuffers, CudaExecutor};
+use ncclreshard::exec::buffers::CallBuffers;
+use ncclreshard::exec::cuda::CudaExecutor;
 use ncclreshard::plan::{Buffer, RankProgram};
 use ncclreshard::{
     Config, DType, ErrorKind, Layout, Mesh, Mode, Placement, Planner, TensorSpec, Topology,

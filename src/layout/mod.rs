@@ -356,8 +356,15 @@ impl Layout {
         }
     }
 
-    /// Checks this layout against a tensor shape; errors name the field within the layout.
-    pub fn validate(&self, shape: &[u64], elem_size: u32) -> Result<()> {
+    /// Checks this layout against a tensor's global `shape` (which [`validate_shape`]
+    /// accepted) of `elem_size`-byte elements. Errors begin with `field`, the name the caller
+    /// knows the layout by (`src`, `dst`, the C API's `layout`), then name the field within it
+    /// (`src: placements[1] = …`).
+    pub fn validate(&self, shape: &[u64], elem_size: u32, field: &str) -> Result<()> {
+        self.check(shape, elem_size).map_err(|e| e.context(field))
+    }
+
+    fn check(&self, shape: &[u64], elem_size: u32) -> Result<()> {
         let ndim = self.mesh.ndim();
         if self.placements.len() != ndim {
             return Err(Error::invalid_argument(format!(
@@ -465,6 +472,27 @@ impl Layout {
     }
 }
 
+/// Checks a tensor's global shape of `elem_size`-byte elements: at most [`MAX_TENSOR_DIMS`]
+/// dims and a byte size that byte offsets can address. Errors name `shape`.
+pub fn validate_shape(shape: &[u64], elem_size: u32) -> Result<()> {
+    if shape.len() > MAX_TENSOR_DIMS {
+        return Err(Error::invalid_argument(format!(
+            "shape has {} dims; at most {MAX_TENSOR_DIMS} are supported",
+            shape.len()
+        )));
+    }
+    let elements = shape
+        .iter()
+        .try_fold(1u64, |acc, &n| checked_mul(acc, n, "shape: element count"))?;
+    let bytes = checked_mul(elements, u64::from(elem_size), "shape: tensor bytes")?;
+    if bytes > i64::MAX as u64 {
+        return Err(Error::invalid_argument(format!(
+            "shape {shape:?}: {bytes} bytes exceeds the 63-bit byte offsets buffers allow"
+        )));
+    }
+    Ok(())
+}
+
 /// One tensor of a reshard: its global shape and element type, where it is and where it goes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TensorSpec {
@@ -494,31 +522,10 @@ impl TensorSpec {
             .rank_view(&self.shape, self.elem_size(), rank)
     }
 
-    /// Validates shape and both layouts; the message names the field (`shape`, `src.…`).
+    /// Validates shape and both layouts; the message names the field (`shape`, `src: …`).
     pub fn validate(&self) -> Result<()> {
-        if self.shape.len() > MAX_TENSOR_DIMS {
-            return Err(Error::invalid_argument(format!(
-                "shape has {} dims; at most {MAX_TENSOR_DIMS} are supported",
-                self.shape.len()
-            )));
-        }
-        let elements = self
-            .shape
-            .iter()
-            .try_fold(1u64, |acc, &n| checked_mul(acc, n, "shape: element count"))?;
-        let bytes = checked_mul(elements, u64::from(self.elem_size()), "shape: tensor bytes")?;
-        if bytes > i64::MAX as u64 {
-            return Err(Error::invalid_argument(format!(
-                "shape {:?}: {bytes} bytes exceeds the 63-bit byte offsets buffers allow",
-                self.shape
-            )));
-        }
-        self.src
-            .validate(&self.shape, self.elem_size())
-            .map_err(|e| e.context("src"))?;
-        self.dst
-            .validate(&self.shape, self.elem_size())
-            .map_err(|e| e.context("dst"))?;
-        Ok(())
+        validate_shape(&self.shape, self.elem_size())?;
+        self.src.validate(&self.shape, self.elem_size(), "src")?;
+        self.dst.validate(&self.shape, self.elem_size(), "dst")
     }
 }

@@ -14,6 +14,7 @@ use super::libs;
 use super::nccl::{nccl, Nccl, NcclComm, NCCL_UINT8};
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
+use crate::exec::buffers::CallBuffers;
 use crate::plan::{Copy, Loc, Message, RankProgram, Round};
 use cudarc::driver::sys;
 use std::ffi::c_void;
@@ -27,18 +28,6 @@ const MAX_GRID: u64 = 1 << 30;
 /// Default for how long `NCCL_RESHARD_CHECK=1` waits for the peers' fingerprints
 /// (`NCCL_RESHARD_CHECK_TIMEOUT`, seconds).
 const CHECK_TIMEOUT_SECONDS: u64 = 300;
-
-/// Where this call's buffers are.
-pub enum CallBuffers<'a> {
-    /// `ncclReshard`: one source and one destination buffer; views at the plan's offsets.
-    Single { send: usize, recv: usize },
-    /// `ncclReshardMulti`: one pointer per tensor and side (0 where the rank has no view; an
-    /// empty slice when the rank has no views on that side).
-    PerTensor {
-        send: &'a [usize],
-        recv: &'a [usize],
-    },
-}
 
 /// Descriptor tables of one phase, on the device.
 struct Uploaded {
@@ -136,7 +125,9 @@ impl CudaExecutor {
         }
     }
 
-    /// Enqueues the program on `stream` with `comm`. See the module documentation.
+    /// Enqueues the program on `stream` with `comm`. See the module documentation. `buffers`
+    /// are taken as [`RankViews`](crate::exec::buffers::RankViews) checked them (present
+    /// where the rank holds data, not overlapping).
     pub fn execute(
         &self,
         buffers: &CallBuffers<'_>,
