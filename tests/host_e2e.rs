@@ -714,7 +714,7 @@ fn a_malformed_program_is_an_error_not_a_hang() {
     };
     let overflow = RankProgram {
         rank: 0,
-        local_copies: vec![ncclreshard::plan::Copy {
+        local_copies: vec![ncclreshard::plan::StridedCopy {
             src: ncclreshard::plan::Loc {
                 buffer: Buffer::Src,
                 tensor: 0,

@@ -8,7 +8,7 @@ use crate::work;
 use crate::Failure;
 use ncclreshard::exec::host::{copy_block, execute, RankBuffers};
 use ncclreshard::layout::{row_major_strides, RankView, Side};
-use ncclreshard::plan::{Buffer, Copy, CopyDim, Loc};
+use ncclreshard::plan::{Buffer, CopyDim, Loc, StridedCopy};
 use ncclreshard::{Config, IndexRuns, RankProgram, TensorSpec};
 use ncclreshard_tools::check::{
     destination_view_bytes, source_view_bytes, verify_destination_view, MAX_CHECK_BYTES,
@@ -238,7 +238,7 @@ pub fn baseline_bytes(tensors: &[TensorSpec]) -> BaselineBytes {
 /// The block copies between a rank's local view and the dense row-major global tensor: one
 /// per combination of index runs (`to_global`: local → global, else global → local). Offsets
 /// are relative to the buffers' starts.
-fn box_copies(spec: &TensorSpec, rank_view: &RankView, to_global: bool) -> Vec<Copy> {
+fn box_copies(spec: &TensorSpec, rank_view: &RankView, to_global: bool) -> Vec<StridedCopy> {
     let RankView { indices, view } = rank_view;
     if indices.iter().any(IndexRuns::is_empty) {
         return Vec::new();
@@ -280,7 +280,7 @@ fn box_copies(spec: &TensorSpec, rank_view: &RankView, to_global: bool) -> Vec<C
             tensor: 0,
             offset,
         };
-        copies.push(Copy::new(
+        copies.push(StridedCopy::new(
             loc(Buffer::Src, src_at),
             loc(Buffer::Dst, dst_at),
             elem,
@@ -302,7 +302,7 @@ fn box_copies(spec: &TensorSpec, rank_view: &RankView, to_global: bool) -> Vec<C
     }
 }
 
-fn run_copy(copy: &Copy, src: &[u8], dst: &mut [u8]) {
+fn run_copy(copy: &StridedCopy, src: &[u8], dst: &mut [u8]) {
     copy_block(
         copy,
         &src[copy.src.offset as usize..],

@@ -1,5 +1,5 @@
-//! The object behind `ncclReshardPlan_t`: the rank's program, its blocks and their per-round
-//! parts (the exported transfers), its views (`exec::buffers::RankViews`, which check each
+//! The object behind `ncclReshardPlan_t`: the rank's program, its blocks and their
+//! transfers (their per-round parts, exported as `ncclReshardTransfer_t`), its views (`exec::buffers::RankViews`, which check each
 //! call's buffers) and its executor, computed once at creation and immutable after
 //! (shareable across threads).
 
@@ -9,7 +9,7 @@ use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::buffers::{CallBuffers, RankViews};
 use crate::exec::cuda::CudaExecutor;
-use crate::plan::{Block, BlockPart, Buffer, Config, Mode, Planner, RankProgram};
+use crate::plan::{Block, Buffer, Config, Mode, Planner, RankProgram, Transfer};
 use std::os::raw::c_int;
 use std::sync::Arc;
 
@@ -34,9 +34,9 @@ pub(crate) struct PlanObject {
     mode: Mode,
     program: Arc<RankProgram>,
     blocks: Vec<Block>,
-    /// The blocks' per-round parts the program was formed from, in export order: by round,
+    /// The blocks' transfers the program was formed from, in export order: by round,
     /// then block, then offset in the block.
-    parts: Vec<BlockPart>,
+    transfers: Vec<Transfer>,
     views: RankViews,
     executor: CudaExecutor,
 }
@@ -59,9 +59,9 @@ impl PlanObject {
         let planner = Planner::new(specs, config)?;
         let views = RankViews::new(rank, planner.tensors(), &offsets, names)?;
         let blocks = planner.rank_blocks(rank)?;
-        let mut parts = planner.block_parts(&blocks);
-        let program = Arc::new(planner.program_from_parts(rank, &blocks, &parts)?);
-        parts.sort_by_key(|p| (p.round, p.block, p.offset));
+        let mut transfers = planner.transfers(&blocks);
+        let program = Arc::new(planner.program_from_transfers(rank, &blocks, &transfers)?);
+        transfers.sort_by_key(|t| (t.round, t.block, t.offset));
         // Checked here, not per call: a call refused on one rank after its peers posted their
         // messages would leave them waiting.
         let limit = staging_limit(max_staging_bytes);
@@ -99,7 +99,7 @@ impl PlanObject {
             mode,
             program,
             blocks,
-            parts,
+            transfers,
             views,
             executor,
         })
@@ -147,12 +147,12 @@ impl PlanObject {
         }
     }
 
-    /// One transfer per part, in export order (see `ncclReshardTransfer_t`).
+    /// The C form of every transfer, in export order (see `ncclReshardTransfer_t`).
     pub fn transfers(&self) -> Result<Vec<ncclReshardTransfer_t>> {
-        self.parts
+        self.transfers
             .iter()
-            .map(|part| {
-                let b = &self.blocks[part.block];
+            .map(|transfer| {
+                let b = &self.blocks[transfer.block];
                 let (kind, peer) = if b.from == b.to {
                     (ncclReshardTransferKind_t::ncclReshardTransferLocal, b.to)
                 } else if b.from == self.rank {
@@ -160,13 +160,13 @@ impl PlanObject {
                 } else {
                     (ncclReshardTransferKind_t::ncclReshardTransferRecv, b.from)
                 };
-                let src_view = match part.copy.src.buffer {
+                let src_view = match transfer.copy.src.buffer {
                     Buffer::Src => ncclReshardView_t::ncclReshardViewSource,
                     Buffer::Dst => ncclReshardView_t::ncclReshardViewDestination,
                     Buffer::Staging => {
                         return Err(Error::internal(format!(
                             "block {} of rank {} reads the staging arena",
-                            part.block, self.rank
+                            transfer.block, self.rank
                         )))
                     }
                 };
@@ -177,14 +177,14 @@ impl PlanObject {
                     peer: peer as c_int,
                     tensor: b.tensor as c_int,
                     ndim: b.start.len() as c_int,
-                    srcOffset: part.copy.src.offset,
-                    dstOffset: part.copy.dst.offset,
-                    chunkBytes: part.copy.chunk_bytes,
-                    copyNdim: part.copy.dims.len() as c_int,
-                    bytes: part.copy.bytes(),
-                    round: part.round as c_int,
+                    srcOffset: transfer.copy.src.offset,
+                    dstOffset: transfer.copy.dst.offset,
+                    chunkBytes: transfer.copy.chunk_bytes,
+                    copyNdim: transfer.copy.dims.len() as c_int,
+                    bytes: transfer.copy.bytes(),
+                    round: transfer.round as c_int,
                     srcView: src_view as c_int,
-                    blockOffset: part.offset,
+                    blockOffset: transfer.offset,
                     blockBytes: b.copy.bytes(),
                     ..Default::default()
                 };
@@ -192,7 +192,7 @@ impl PlanObject {
                     t.globalStart[d] = s as i64;
                     t.globalCount[d] = c as i64;
                 }
-                for (d, dim) in part.copy.dims.iter().enumerate() {
+                for (d, dim) in transfer.copy.dims.iter().enumerate() {
                     t.count[d] = dim.count as i64;
                     t.srcStride[d] = dim.src_stride as i64;
                     t.dstStride[d] = dim.dst_stride as i64;

@@ -15,7 +15,7 @@ use super::nccl::{nccl, Nccl, NcclComm, NCCL_UINT8};
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::buffers::CallBuffers;
-use crate::plan::{Copy, Loc, Message, RankProgram, Round};
+use crate::plan::{Loc, Message, RankProgram, Round, StridedCopy};
 use cudarc::driver::sys;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -377,8 +377,8 @@ impl CudaExecutor {
             p.rounds_iter()
                 .enumerate()
                 .map(|(i, round)| {
-                    let local: &[Copy] = if i == 0 { &p.local_copies } else { &[] };
-                    let pre: Vec<Copy> = local.iter().chain(round.packs).cloned().collect();
+                    let local: &[StridedCopy] = if i == 0 { &p.local_copies } else { &[] };
+                    let pre: Vec<StridedCopy> = local.iter().chain(round.packs).cloned().collect();
                     (encode(&pre, addressing), encode(round.unpacks, addressing))
                 })
                 .collect()
