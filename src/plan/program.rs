@@ -39,6 +39,10 @@ pub struct CopyDim {
 /// `chunk_bytes` contiguous bytes. Dims are normalised: no count-1 dims, adjacent dims merged
 /// where both sides are contiguous across them, the innermost contiguous span folded into
 /// `chunk_bytes`.
+///
+/// The byte form of every data movement in a plan: a [`Block`](super::Block)'s copy, a
+/// [`Transfer`](super::Transfer)'s slice of it (the copy fields of `ncclReshardTransfer_t`),
+/// and the program's local copies, packs and unpacks, which executors run as they are.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StridedCopy {
     pub src: Loc,
