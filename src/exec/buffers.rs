@@ -152,16 +152,6 @@ impl RankViews {
             .position(|v| side(v).is_some_and(|r| r.bytes > 0))
     }
 
-    /// True when the rank holds source data, so a call must pass a source buffer.
-    pub fn needs_send_buffer(&self) -> bool {
-        self.first_holding(|v| v.src).is_some()
-    }
-
-    /// True when the rank receives data, so a call must pass a destination buffer.
-    pub fn needs_recv_buffer(&self) -> bool {
-        self.first_holding(|v| v.dst).is_some()
-    }
-
     /// Bytes of the single-buffer call's source buffer this rank reads: up to the end of its
     /// last source view.
     pub fn send_bytes(&self) -> u64 {
@@ -259,5 +249,91 @@ impl RankViews {
             }
         }
         Ok(CallBuffers::PerTensor { send, recv })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{DType, Layout, Mesh, Placement};
+
+    /// A [4, 4] float tensor, Shard(0) over ranks 0 and 1 → Replicate on rank 1: rank 1 holds
+    /// 32 source bytes and receives 64.
+    fn spec() -> TensorSpec {
+        let layout = |ranks: Vec<u32>, p| {
+            Layout::new(Mesh::new(vec![ranks.len() as u64], ranks).unwrap(), vec![p])
+        };
+        TensorSpec {
+            shape: vec![4, 4],
+            dtype: DType::Float32,
+            src: layout(vec![0, 1], Placement::Shard(0)),
+            dst: layout(vec![1], Placement::Replicate),
+        }
+    }
+
+    fn message<T>(result: Result<T>) -> String {
+        result.err().expect("an error").message
+    }
+
+    #[test]
+    fn views_sit_at_their_offsets_and_must_not_overlap() {
+        let two = [spec(), spec()];
+        let names = vec![None, Some("w".to_string())];
+        let views = RankViews::new(1, &two, &[(0, 0), (32, 64)], names.clone()).unwrap();
+        assert_eq!(views.send_bytes(), 64);
+        assert_eq!(views.recv_bytes(), 128);
+        assert_eq!(views.src_offsets(), [0, 32]);
+        // Rank 0 receives nothing: no destination views, whatever its offsets.
+        let sender = RankViews::new(0, &two, &[(0, 0), (32, 0)], names.clone()).unwrap();
+        assert_eq!(sender.recv_bytes(), 0);
+        let err = message(RankViews::new(1, &two, &[(0, 0), (16, 64)], names.clone()));
+        assert!(
+            err.starts_with(
+                "tensors[1].srcOffset = 16: its view overlaps tensor 0's view in sendbuff"
+            ),
+            "{err}"
+        );
+        let err = message(RankViews::new(
+            1,
+            &two,
+            &[(0, 0), (32, i64::MAX as u64)],
+            names,
+        ));
+        assert!(err.contains("tensors[1].dstOffset"), "{err}");
+    }
+
+    #[test]
+    fn calls_need_the_buffers_the_rank_uses_and_must_not_work_in_place() {
+        let two = [spec(), spec()];
+        let names = vec![None, Some("w".to_string())];
+        let views = RankViews::new(1, &two, &[(0, 0), (32, 64)], names).unwrap();
+        assert!(views.single(0x1000, 0x2000).is_ok());
+        let err = message(views.single(0, 0x2000));
+        assert!(
+            err.starts_with("sendbuff is NULL but rank 1 holds source data of tensors[0]"),
+            "{err}"
+        );
+        // The source reads 64 bytes: a destination 32 bytes on overlaps it.
+        let err = message(views.single(0x1000, 0x1020));
+        assert!(
+            err.contains("overlap; in-place reshards are not supported"),
+            "{err}"
+        );
+        assert!(views
+            .per_tensor(&[0x1000, 0x3000], &[0x5000, 0x7000])
+            .is_ok());
+        let err = message(views.per_tensor(&[0x1000, 0x3000], &[0x5000]));
+        assert!(
+            err.starts_with("recvbuffs[1] is NULL but rank 1 receives data of tensors[1] (w)"),
+            "{err}"
+        );
+        let err = message(views.per_tensor(&[0x1000, 0x3000], &[0x5000, 0x3010]));
+        assert!(
+            err.starts_with("sendbuffs[1] and recvbuffs[1] overlap"),
+            "{err}"
+        );
+        // A rank with no views needs no buffers.
+        let idle = RankViews::new(7, &two, &[(0, 0), (0, 0)], vec![None, None]).unwrap();
+        assert!(idle.single(0, 0).is_ok() && idle.per_tensor(&[], &[]).is_ok());
     }
 }
