@@ -250,24 +250,27 @@ impl Planner {
         let mut memo = Memo::default();
         let assignments = self.assignments_with(rank, &mut memo);
         let mut blocks = Vec::new();
-        for tr in &assignments {
-            let spec = &self.tensors[tr.tensor as usize];
-            let [src_id, dst_id] = self.layout_ids[tr.tensor as usize];
+        for assignment in &assignments {
+            let spec = &self.tensors[assignment.tensor as usize];
+            let [src_id, dst_id] = self.layout_ids[assignment.tensor as usize];
             let missing = |who: u32| {
-                Error::internal(format!("rank {who} is not in tensor {}'s mesh", tr.tensor))
+                Error::internal(format!(
+                    "rank {who} is not in tensor {}'s mesh",
+                    assignment.tensor
+                ))
             };
             // A relay reads the data where it arrived: the sender's destination view.
-            let from = if tr.relay {
-                memo.view(dst_id, spec, Side::Dst, tr.from)
+            let from = if assignment.relay {
+                memo.view(dst_id, spec, Side::Dst, assignment.from)
             } else {
-                memo.view(src_id, spec, Side::Src, tr.from)
+                memo.view(src_id, spec, Side::Src, assignment.from)
             }
-            .ok_or_else(|| missing(tr.from))?;
+            .ok_or_else(|| missing(assignment.from))?;
             let to = memo
-                .view(dst_id, spec, Side::Dst, tr.to)
-                .ok_or_else(|| missing(tr.to))?;
+                .view(dst_id, spec, Side::Dst, assignment.to)
+                .ok_or_else(|| missing(assignment.to))?;
             blocks.extend(
-                assignment_blocks(tr, &from, &to)
+                assignment_blocks(assignment, &from, &to)
                     .into_iter()
                     .filter(|b| b.copy.bytes() > 0),
             );
