@@ -11,7 +11,7 @@ use crate::layout::{IndexRuns, TensorSpec};
 use std::borrow::Cow;
 
 /// Which data one sender gives one receiver: a region of a tensor moving from `from` to `to`
-/// (`from == to` is a local copy), as [`assign`] decides it for a unit.
+/// (`from == to` is a local copy), as `assign` decides it for a unit.
 ///
 /// The region is an index set per dim, not necessarily a box of the tensor. The planner cuts
 /// it into [`Block`](super::Block)s — boxes contiguous on both ends, each with its strided
