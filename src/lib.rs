@@ -1,18 +1,17 @@
 //! libncclreshard: the Reshard collective for NCCL.
 //!
 //! A tensor sharded over source ranks in one DTensor layout arrives on destination ranks in
-//! another, moving only overlapping regions peer to peer. This crate is the pure core
-//! (layouts, planner, the `RankProgram` IR, a host executor); see DESIGN §4.
+//! another, moving only overlapping regions peer to peer. This crate is the library and only
+//! the library: layouts, the planner and its `RankProgram` IR, the executors (host and CUDA)
+//! and the C ABI; the CLI's tools (models, simulator, checker, case files) are the
+//! `ncclreshard-tools` crate. See docs/architecture.md and DESIGN §4.
 
-pub mod check;
 pub mod debug;
 pub mod error;
 pub mod exec;
 pub mod ffi;
 pub mod layout;
-pub mod models;
 pub mod plan;
-pub mod sim;
 
 pub use error::{Error, ErrorKind, Result};
 

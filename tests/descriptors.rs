@@ -3,9 +3,9 @@
 
 mod oracle;
 
-use ncclreshard::exec::cuda::descriptors::{encode, interpret, Addressing, BaseKey};
+use ncclreshard::exec::cuda::descriptors::{encode, Addressing, BaseKey, CopyDesc, Encoded};
 use ncclreshard::exec::host::copy_block;
-use ncclreshard::plan::{Buffer, Copy};
+use ncclreshard::plan::{Buffer, StridedCopy};
 use ncclreshard::{Config, DType, Mode, Planner, TensorSpec};
 use oracle::strategies;
 use proptest::prelude::*;
@@ -34,6 +34,48 @@ fn tensor() -> impl Strategy<Value = TensorSpec> {
     })
 }
 
+/// Runs an encoding on host memory exactly as the kernel does (the same offset arithmetic and
+/// tile walk; byte-wise instead of vector-wise). `memory` holds every slot's buffer; an
+/// address outside a buffer is an error naming the slot.
+fn interpret(encoded: &Encoded, memory: &mut HashMap<BaseKey, Vec<u8>>) -> Result<(), String> {
+    for launch in &encoded.launches {
+        for t in launch.first_tile..launch.first_tile + launch.tiles {
+            let tile = encoded.tiles[t as usize];
+            let d = &encoded.descs[tile.desc as usize];
+            let (src, dst) = (
+                launch.bases[d.src_base as usize],
+                launch.bases[d.dst_base as usize],
+            );
+            for byte in tile.start..tile.start + tile.bytes {
+                let chunk = byte / d.chunk_bytes;
+                let within = byte % d.chunk_bytes;
+                let (s, t) = chunk_offsets(d, chunk);
+                let value = *memory
+                    .get(&src)
+                    .and_then(|b| b.get((s + within) as usize))
+                    .ok_or_else(|| format!("read outside {src:?} at {}", s + within))?;
+                *memory
+                    .get_mut(&dst)
+                    .and_then(|b| b.get_mut((t + within) as usize))
+                    .ok_or_else(|| format!("write outside {dst:?} at {}", t + within))? = value;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `chunk_offsets` of kernels/copy.cu: where chunk `chunk` of a descriptor starts on each side.
+fn chunk_offsets(d: &CopyDesc, mut chunk: u64) -> (u64, u64) {
+    let (mut s, mut t) = (d.src_offset, d.dst_offset);
+    for k in (0..d.ndims as usize).rev() {
+        let i = chunk % d.count[k];
+        chunk /= d.count[k];
+        s += i * d.src_stride[k];
+        t += i * d.dst_stride[k];
+    }
+    (s, t)
+}
+
 fn key(buffer: Buffer, tensor: u32) -> BaseKey {
     match buffer {
         Buffer::Src => BaseKey::SrcTensor(tensor),
@@ -43,7 +85,7 @@ fn key(buffer: Buffer, tensor: u32) -> BaseKey {
 }
 
 /// Runs one copy both ways from the same source bytes and compares the destinations.
-fn compare(copy: &Copy, seed: u8) {
+fn compare(copy: &StridedCopy, seed: u8) {
     let src: Vec<u8> = (0..copy.src_end())
         .map(|i| (i as u8).wrapping_mul(31) ^ seed)
         .collect();

@@ -1,14 +1,10 @@
 //! Replays the fuzz targets' seed corpora and saved reproducers through the targets' own
-//! harnesses (fuzz/src, included here as source), under plain `cargo test` with no fuzzing
-//! flags. The seeds keep the decoders honest: if a change to the library or to a decoder
-//! stops them from reaching a plan, these tests fail. See docs/robustness.md.
+//! harnesses (`ncclreshard_tools::harness`, which the fuzz binaries call too), under plain
+//! `cargo test` with no fuzzing flags. The seeds keep the decoders honest: if a change to the
+//! library or to a decoder stops them from reaching a plan, these tests fail. See
+//! docs/robustness.md.
 
-#[allow(dead_code)]
-#[path = "../fuzz/src/case_file.rs"]
-mod case_file;
-#[allow(dead_code)]
-#[path = "../fuzz/src/plan_create.rs"]
-mod plan_create;
+use ncclreshard_tools::harness::{case_file, plan_create};
 
 use std::path::{Path, PathBuf};
 

@@ -8,11 +8,14 @@
 //! GPU the one-rank tests route data through NCCL self messages (`Config::local_via_messages`).
 
 use cudarc::driver::sys::{self, CUresult};
-use ncclreshard::check::{destination_view_bytes, source_view_bytes, verify_destination_view};
-use ncclreshard::exec::cuda::{CallBuffers, CudaExecutor};
+use ncclreshard::exec::buffers::CallBuffers;
+use ncclreshard::exec::cuda::CudaExecutor;
 use ncclreshard::plan::{Buffer, RankProgram};
 use ncclreshard::{
     Config, DType, ErrorKind, Layout, Mesh, Mode, Placement, Planner, TensorSpec, Topology,
+};
+use ncclreshard_tools::check::{
+    destination_view_bytes, source_view_bytes, verify_destination_view,
 };
 use std::ffi::{c_int, c_void, CString};
 use std::sync::{Arc, OnceLock};

@@ -448,6 +448,29 @@ fn with_mode(mode: Mode) -> Config {
 const MODES: [Mode; 3] = [Mode::Groupable, Mode::Staged, Mode::Auto];
 
 #[test]
+fn local_data_can_travel_as_messages_to_self() {
+    // The single-GPU test setup: Shard(1) over 2 → Replicate, all on ranks that hold both
+    // sides, routed through self-messages in every mode.
+    let t = TensorSpec {
+        shape: vec![16, 12],
+        dtype: DType::Float32,
+        src: layout(grid(&[2], 0), &[Placement::Shard(1)]),
+        dst: layout(grid(&[2], 0), &[Placement::Replicate]),
+    };
+    for mode in MODES {
+        let config = Config {
+            mode,
+            local_via_messages: true,
+            ..Default::default()
+        };
+        let programs = run_checked(std::slice::from_ref(&t), &config);
+        let p = &programs[0];
+        assert!(p.local_copies.is_empty());
+        assert!(p.sends.iter().any(|m| m.peer == 0) && p.recvs.iter().any(|m| m.peer == 0));
+    }
+}
+
+#[test]
 fn sixty_four_ranks_8x8_to_64() {
     let t = TensorSpec {
         shape: vec![256, 256],
@@ -691,7 +714,7 @@ fn a_malformed_program_is_an_error_not_a_hang() {
     };
     let overflow = RankProgram {
         rank: 0,
-        local_copies: vec![ncclreshard::plan::Copy {
+        local_copies: vec![ncclreshard::plan::StridedCopy {
             src: ncclreshard::plan::Loc {
                 buffer: Buffer::Src,
                 tensor: 0,

@@ -3,7 +3,7 @@
 //! that size are allocated.
 
 use ncclreshard::ffi::*;
-use ncclreshard::plan::{Buffer, Copy};
+use ncclreshard::plan::{Buffer, StridedCopy};
 use ncclreshard::{Config, DType, Layout, Mesh, Mode, Placement, Planner, TensorSpec};
 use std::os::raw::c_int;
 
@@ -16,7 +16,7 @@ fn layout(shape: &[u64], ranks: &[u32], placements: &[Placement]) -> Layout {
 
 /// Moves one element through a copy's geometry: the byte offsets of element `i` (in copy
 /// order) on both sides.
-fn nth(copy: &Copy, mut i: u64, elem: u64) -> (u64, u64) {
+fn nth(copy: &StridedCopy, mut i: u64, elem: u64) -> (u64, u64) {
     let per_chunk = copy.chunk_bytes / elem;
     let within = (i % per_chunk) * elem;
     i /= per_chunk;
@@ -261,7 +261,7 @@ fn host_checks_run_concurrently() {
             let spec = spec.clone();
             scope.spawn(move || {
                 for _ in 0..10 {
-                    ncclreshard::check::check(
+                    ncclreshard_tools::check::check(
                         std::slice::from_ref(&spec),
                         &Config {
                             mode,

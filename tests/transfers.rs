@@ -6,20 +6,20 @@
 //! them. Each case checks that a pair's sends and receives agree field by field, that every
 //! rank's transfers carry the bytes of its `RankProgram` per peer and round, that each
 //! transfer's box and byte range name the data its copy moves (against the element values
-//! `ncclreshard::check` fills views with, from the global index alone), and that executing
+//! `ncclreshard_tools::check` fills views with, from the global index alone), and that executing
 //! the lists in round order — and in random orders the rule allows — reproduces every
 //! destination view and no byte around it. Running them against the rule (later rounds first)
 //! must break relayed plans: the rounds are load-bearing.
 
 mod oracle;
 
-use ncclreshard::check::{
-    destination_view_bytes, element_value, source_view_bytes, verify_destination_view,
-};
 use ncclreshard::ffi::*;
 use ncclreshard::layout::row_major_strides;
 use ncclreshard::{
     Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
+};
+use ncclreshard_tools::check::{
+    destination_view_bytes, element_value, source_view_bytes, verify_destination_view,
 };
 use oracle::strategies::{layout_on, mesh, tensor_on};
 use proptest::prelude::*;
@@ -165,7 +165,7 @@ fn c_layout(layout: &Layout, ranks: &[c_int], strides: Option<&Vec<i64>>) -> ncc
 }
 
 /// Every rank's memory, per tensor: its source view and its destination view (empty when the
-/// rank has none), exactly as `ncclreshard::check` fills them.
+/// rank has none), exactly as `ncclreshard_tools::check` fills them.
 #[derive(Clone, PartialEq)]
 struct Memory {
     src: Vec<Vec<u8>>,

@@ -1,18 +1,18 @@
 //! A refit run on this host (`refit`, `bench --exec`): every rank a thread of the host
 //! executor, sources filled and destinations verified the way `ncclreshard check` does it
-//! (`ncclreshard::check`); and the gather+broadcast baseline emulated on the same memory.
+//! (`ncclreshard_tools::check`); and the gather+broadcast baseline emulated on the same memory.
 
 use crate::commands::refit_setup;
 use crate::out;
 use crate::work;
 use crate::Failure;
-use ncclreshard::check::{
+use ncclreshard::exec::host::{copy_block, execute, RankBuffers};
+use ncclreshard::layout::{row_major_strides, RankView, Side};
+use ncclreshard::plan::{Buffer, CopyDim, Loc, StridedCopy};
+use ncclreshard::{Config, IndexRuns, RankProgram, TensorSpec};
+use ncclreshard_tools::check::{
     destination_view_bytes, source_view_bytes, verify_destination_view, MAX_CHECK_BYTES,
 };
-use ncclreshard::exec::host::{copy_block, execute, RankBuffers};
-use ncclreshard::layout::{row_major_strides, LocalView};
-use ncclreshard::plan::{Buffer, Copy, CopyDim, Loc};
-use ncclreshard::{Config, IndexRuns, RankProgram, TensorSpec};
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -187,9 +187,9 @@ impl BaselineBytes {
 /// root, and who receives the whole tensor.
 struct Route {
     root: u32,
-    /// (holder, the shard's global indices): one per distinct non-empty shard, the root's own
+    /// (holder, its view of the shard): one per distinct non-empty shard, the root's own
     /// shard held by the root.
-    shards: Vec<(u32, Vec<IndexRuns>)>,
+    shards: Vec<(u32, RankView)>,
     bytes: BaselineBytes,
 }
 
@@ -203,16 +203,16 @@ fn route(spec: &TensorSpec) -> Route {
     let mut shards = Vec::new();
     let mut bytes = BaselineBytes::default();
     for holder in holders {
-        let Some(indices) = spec.src.rank_indices(&spec.shape, holder) else {
+        let Some(view) = spec.rank_view(Side::Src, holder) else {
             continue;
         };
-        if indices.iter().any(IndexRuns::is_empty) || !seen.insert(indices.clone()) {
+        if view.indices.iter().any(IndexRuns::is_empty) || !seen.insert(view.indices.clone()) {
             continue;
         }
         if holder != root {
-            bytes.gather += indices.iter().map(IndexRuns::len).product::<u64>() * elem;
+            bytes.gather += view.view.elements() * elem;
         }
-        shards.push((holder, indices));
+        shards.push((holder, view));
     }
     let full = spec.shape.iter().product::<u64>() * elem;
     let receivers = spec.dst.mesh.ranks().iter().filter(|&&r| r != root).count() as u64;
@@ -238,12 +238,8 @@ pub fn baseline_bytes(tensors: &[TensorSpec]) -> BaselineBytes {
 /// The block copies between a rank's local view and the dense row-major global tensor: one
 /// per combination of index runs (`to_global`: local → global, else global → local). Offsets
 /// are relative to the buffers' starts.
-fn box_copies(
-    spec: &TensorSpec,
-    indices: &[IndexRuns],
-    view: &LocalView,
-    to_global: bool,
-) -> Vec<Copy> {
+fn box_copies(spec: &TensorSpec, rank_view: &RankView, to_global: bool) -> Vec<StridedCopy> {
+    let RankView { indices, view } = rank_view;
     if indices.iter().any(IndexRuns::is_empty) {
         return Vec::new();
     }
@@ -284,7 +280,7 @@ fn box_copies(
             tensor: 0,
             offset,
         };
-        copies.push(Copy::new(
+        copies.push(StridedCopy::new(
             loc(Buffer::Src, src_at),
             loc(Buffer::Dst, dst_at),
             elem,
@@ -306,18 +302,12 @@ fn box_copies(
     }
 }
 
-fn run_copy(copy: &Copy, src: &[u8], dst: &mut [u8]) {
+fn run_copy(copy: &StridedCopy, src: &[u8], dst: &mut [u8]) {
     copy_block(
         copy,
         &src[copy.src.offset as usize..],
         &mut dst[copy.dst.offset as usize..],
     );
-}
-
-fn local_view(spec: &TensorSpec, indices: &[IndexRuns], dst: bool) -> LocalView {
-    let shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
-    let layout = if dst { &spec.dst } else { &spec.src };
-    layout.view(&shape, spec.elem_size())
 }
 
 /// Emulates gather+broadcast on the host: per tensor, the root assembles the whole tensor
@@ -344,12 +334,11 @@ pub fn run_baseline(
             let len = (spec.shape.iter().product::<u64>() * elem) as usize;
             full.clear();
             full.resize(len, 0);
-            for (holder, indices) in &route.shards {
+            for (holder, view) in &route.shards {
                 let i = ranks.binary_search(holder).map_err(|_| {
                     Failure::Input(format!("tensor {t}: source rank {holder} has no buffers"))
                 })?;
-                let view = local_view(spec, indices, false);
-                for copy in box_copies(spec, indices, &view, true) {
+                for copy in box_copies(spec, view, true) {
                     run_copy(&copy, &sources[i].src[t], &mut full);
                 }
             }
@@ -375,11 +364,10 @@ pub fn run_baseline(
                                 scratch.extend_from_slice(full);
                                 scratch
                             };
-                            let Some(indices) = spec.dst.rank_indices(&spec.shape, *rank) else {
+                            let Some(view) = spec.rank_view(Side::Dst, *rank) else {
                                 continue;
                             };
-                            let view = local_view(spec, &indices, true);
-                            for copy in box_copies(spec, &indices, &view, false) {
+                            for copy in box_copies(spec, &view, false) {
                                 run_copy(&copy, whole, dst);
                             }
                         }

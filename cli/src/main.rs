@@ -4,7 +4,6 @@
 //! Exit status: 0 on success, 1 when a check fails, 2 on a usage or input-file error.
 
 mod args;
-mod case;
 mod commands;
 mod heatmap;
 mod host_run;

@@ -1,15 +1,15 @@
-//! JSON front end of `ncclreshard::models`: HuggingFace `config.json` files, NCCL M2N
+//! JSON front end of `ncclreshard_tools::models`: HuggingFace `config.json` files, NCCL M2N
 //! `*.model.json` tensor listings and M2N `system_configs/*.json`.
 //!
 //! The library reads hyper-parameters through a getter ([`ModelConfig::from_hf`]) and takes
 //! listings as [`Param`]s, so it needs no JSON parser; this module supplies both. Errors are
 //! strings that name the file and the key, for `Failure::Input`.
 
-use ncclreshard::models::{
+use ncclreshard::DType;
+use ncclreshard_tools::models::{
     inventory, refit, refit_params, ExpertStorage, HfValue, InferSpec, M2nSide, ModelConfig, Param,
     Refit, RefitOptions, TrainSpec, PRESETS,
 };
-use ncclreshard::DType;
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -247,11 +247,11 @@ fn parse_json(text: &str, file: &str) -> Result<Value, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ncclreshard::models::count_parameters;
+    use ncclreshard_tools::models::count_parameters;
     use std::path::PathBuf;
 
     fn m2n() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/m2n-configs")
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tools/tests/data/m2n-configs")
     }
 
     #[test]

@@ -8,7 +8,7 @@
 
 use crate::error::{Error, Result};
 use crate::layout::next_index;
-use crate::plan::{Buffer, Copy, Loc, Message, RankProgram};
+use crate::plan::{Buffer, Loc, Message, RankProgram, StridedCopy};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Barrier, Mutex};
 
@@ -303,7 +303,7 @@ fn write<'a>(
 
 /// Runs one strided block copy. Source and destination are distinct buffers in every copy
 /// the planner emits (source view → destination view, source → staging, staging → dest).
-fn run_copy(copy: &Copy, memory: &mut RankBuffers, staging: &mut [u8]) -> Result<()> {
+fn run_copy(copy: &StridedCopy, memory: &mut RankBuffers, staging: &mut [u8]) -> Result<()> {
     if copy.bytes() == 0 {
         return Ok(());
     }
@@ -352,10 +352,10 @@ fn run_copy(copy: &Copy, memory: &mut RankBuffers, staging: &mut [u8]) -> Result
     Ok(())
 }
 
-/// The semantics of a [`Copy`]: `src` and `dst` start at the copy's source and destination
+/// The semantics of a [`StridedCopy`]: `src` and `dst` start at the copy's source and destination
 /// offsets (they must span `src_end() - src.offset` and `dst_end() - dst.offset` bytes).
 /// The CUDA kernels implement exactly this.
-pub fn copy_block(copy: &Copy, src: &[u8], dst: &mut [u8]) {
+pub fn copy_block(copy: &StridedCopy, src: &[u8], dst: &mut [u8]) {
     if copy.bytes() == 0 {
         return;
     }

@@ -41,7 +41,7 @@ fn header_version(version: u32, field: &str) -> Result<()> {
     Ok(())
 }
 
-fn count(value: c_int, max: usize, field: &str) -> Result<usize> {
+pub(crate) fn count(value: c_int, max: usize, field: &str) -> Result<usize> {
     usize::try_from(value)
         .ok()
         .filter(|&n| n <= max)
@@ -55,7 +55,7 @@ fn rank(value: c_int, field: &str) -> Result<u32> {
         .map_err(|_| Error::invalid_argument(format!("{field} is {value}; ranks are non-negative")))
 }
 
-fn sizes(values: &[i64], field: &str) -> Result<Vec<u64>> {
+pub(crate) fn sizes(values: &[i64], field: &str) -> Result<Vec<u64>> {
     values
         .iter()
         .enumerate()
@@ -83,7 +83,11 @@ fn default_layout() -> ncclReshardLayout_t {
 /// # Safety
 /// `ptr` must be NULL or point to a layout whose pointers are NULL or valid for the lengths
 /// the layout implies.
-unsafe fn layout(ptr: *const ncclReshardLayout_t, ndim: usize, field: &str) -> Result<Layout> {
+pub(crate) unsafe fn layout(
+    ptr: *const ncclReshardLayout_t,
+    ndim: usize,
+    field: &str,
+) -> Result<Layout> {
     // SAFETY: forwarded contract.
     let c = unsafe { read_versioned(ptr, LAYOUT_MIN_SIZE, default_layout(), field) }?;
     header_version(c.version, field)?;

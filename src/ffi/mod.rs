@@ -12,6 +12,7 @@
 
 mod boundary;
 mod convert;
+mod local_shape;
 mod plan;
 pub mod types;
 
@@ -159,7 +160,7 @@ pub unsafe extern "C" fn ncclReshard(
 ) -> ncclResult_t {
     boundary("ncclReshard", || {
         let plan = plan_ref(plan)?;
-        let buffers = plan.single_buffers(sendbuff as usize, recvbuff as usize)?;
+        let buffers = plan.views().single(sendbuff as usize, recvbuff as usize)?;
         plan.execute(&buffers, comm, stream)
     })
 }
@@ -189,7 +190,7 @@ pub unsafe extern "C" fn ncclReshardMulti(
         };
         let send = pointers(sendbuffs.cast(), "sendbuffs")?;
         let recv = pointers(recvbuffs.cast(), "recvbuffs")?;
-        let buffers = plan.multi_buffers(send, recv)?;
+        let buffers = plan.views().per_tensor(send, recv)?;
         plan.execute(&buffers, comm, stream)
     })
 }
@@ -330,7 +331,7 @@ pub unsafe extern "C" fn ncclReshardLocalShape(
     boundary("ncclReshardLocalShape", || {
         // SAFETY: pointers are NULL or valid for the lengths the arguments state.
         unsafe {
-            plan::local_shape(
+            local_shape::local_shape(
                 layout,
                 ndim,
                 shape,

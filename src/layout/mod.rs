@@ -115,6 +115,41 @@ pub struct DimPiece {
     pub indices: IndexRuns,
 }
 
+/// Which side of a reshard: where the tensor is (`src`) or where it goes (`dst`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    Src,
+    Dst,
+}
+
+/// One rank's part of one tensor on one side: the global indices it holds along every dim and
+/// the byte geometry of its local buffer (whose `view.shape`, the number of indices per dim,
+/// is the rank's local shape). Made by [`TensorSpec::rank_view`] (or [`Layout::rank_view`]),
+/// the one function that goes from a rank to its indices, local shape and view: the planner,
+/// the C API, the checker and the CLI all call it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankView {
+    pub indices: Vec<IndexRuns>,
+    pub view: LocalView,
+}
+
+impl RankView {
+    /// The view of a rank holding `indices` (as [`Layout::rank_indices`] gives them) under
+    /// `layout`, for elements of `elem_size` bytes.
+    pub fn new(layout: &Layout, indices: Vec<IndexRuns>, elem_size: u32) -> RankView {
+        let local_shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
+        RankView {
+            view: layout.view(&local_shape, elem_size),
+            indices,
+        }
+    }
+
+    /// The rank's local shape: how many indices it holds along each dim.
+    pub fn local_shape(&self) -> &[u64] {
+        &self.view.shape
+    }
+}
+
 /// Byte geometry of one rank's local buffer for one tensor: the one place that turns local
 /// positions into byte offsets.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -245,6 +280,13 @@ impl Layout {
             .map(|coord| self.local_indices(shape, &coord))
     }
 
+    /// `rank`'s indices and view for a tensor of global `shape` and `elem_size`-byte elements,
+    /// or `None` when it is not in the mesh (see [`RankView`]).
+    pub fn rank_view(&self, shape: &[u64], elem_size: u32, rank: u32) -> Option<RankView> {
+        self.rank_indices(shape, rank)
+            .map(|indices| RankView::new(self, indices, elem_size))
+    }
+
     /// Every piece dim `dim` is cut into, in row-major order of the sharding axes' coordinates
     /// (empty pieces included).
     pub fn dim_pieces(&self, shape: &[u64], dim: usize) -> Vec<DimPiece> {
@@ -301,7 +343,8 @@ impl Layout {
         }
     }
 
-    /// Byte geometry of a rank's local buffer whose local shape is `local_shape`.
+    /// Byte geometry of a rank's local buffer whose local shape is `local_shape` (a rank's
+    /// whole view, indices included, comes from [`Layout::rank_view`]).
     pub fn view(&self, local_shape: &[u64], elem_size: u32) -> LocalView {
         LocalView {
             shape: local_shape.to_vec(),
@@ -313,8 +356,15 @@ impl Layout {
         }
     }
 
-    /// Checks this layout against a tensor shape; errors name the field within the layout.
-    pub fn validate(&self, shape: &[u64], elem_size: u32) -> Result<()> {
+    /// Checks this layout against a tensor's global `shape` (which [`validate_shape`]
+    /// accepted) of `elem_size`-byte elements. Errors begin with `field`, the name the caller
+    /// knows the layout by (`src`, `dst`, the C API's `layout`), then name the field within it
+    /// (`src: placements[1] = …`).
+    pub fn validate(&self, shape: &[u64], elem_size: u32, field: &str) -> Result<()> {
+        self.check(shape, elem_size).map_err(|e| e.context(field))
+    }
+
+    fn check(&self, shape: &[u64], elem_size: u32) -> Result<()> {
         let ndim = self.mesh.ndim();
         if self.placements.len() != ndim {
             return Err(Error::invalid_argument(format!(
@@ -422,6 +472,27 @@ impl Layout {
     }
 }
 
+/// Checks a tensor's global shape of `elem_size`-byte elements: at most [`MAX_TENSOR_DIMS`]
+/// dims and a byte size that byte offsets can address. Errors name `shape`.
+pub fn validate_shape(shape: &[u64], elem_size: u32) -> Result<()> {
+    if shape.len() > MAX_TENSOR_DIMS {
+        return Err(Error::invalid_argument(format!(
+            "shape has {} dims; at most {MAX_TENSOR_DIMS} are supported",
+            shape.len()
+        )));
+    }
+    let elements = shape
+        .iter()
+        .try_fold(1u64, |acc, &n| checked_mul(acc, n, "shape: element count"))?;
+    let bytes = checked_mul(elements, u64::from(elem_size), "shape: tensor bytes")?;
+    if bytes > i64::MAX as u64 {
+        return Err(Error::invalid_argument(format!(
+            "shape {shape:?}: {bytes} bytes exceeds the 63-bit byte offsets buffers allow"
+        )));
+    }
+    Ok(())
+}
+
 /// One tensor of a reshard: its global shape and element type, where it is and where it goes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TensorSpec {
@@ -436,31 +507,25 @@ impl TensorSpec {
         self.dtype.size()
     }
 
-    /// Validates shape and both layouts; the message names the field (`shape`, `src.…`).
+    /// The layout of one side.
+    pub fn layout(&self, side: Side) -> &Layout {
+        match side {
+            Side::Src => &self.src,
+            Side::Dst => &self.dst,
+        }
+    }
+
+    /// `rank`'s indices, local shape and view of this tensor on `side`, or `None` when the
+    /// rank is not in that side's mesh.
+    pub fn rank_view(&self, side: Side, rank: u32) -> Option<RankView> {
+        self.layout(side)
+            .rank_view(&self.shape, self.elem_size(), rank)
+    }
+
+    /// Validates shape and both layouts; the message names the field (`shape`, `src: …`).
     pub fn validate(&self) -> Result<()> {
-        if self.shape.len() > MAX_TENSOR_DIMS {
-            return Err(Error::invalid_argument(format!(
-                "shape has {} dims; at most {MAX_TENSOR_DIMS} are supported",
-                self.shape.len()
-            )));
-        }
-        let elements = self
-            .shape
-            .iter()
-            .try_fold(1u64, |acc, &n| checked_mul(acc, n, "shape: element count"))?;
-        let bytes = checked_mul(elements, u64::from(self.elem_size()), "shape: tensor bytes")?;
-        if bytes > i64::MAX as u64 {
-            return Err(Error::invalid_argument(format!(
-                "shape {:?}: {bytes} bytes exceeds the 63-bit byte offsets buffers allow",
-                self.shape
-            )));
-        }
-        self.src
-            .validate(&self.shape, self.elem_size())
-            .map_err(|e| e.context("src"))?;
-        self.dst
-            .validate(&self.shape, self.elem_size())
-            .map_err(|e| e.context("dst"))?;
-        Ok(())
+        validate_shape(&self.shape, self.elem_size())?;
+        self.src.validate(&self.shape, self.elem_size(), "src")?;
+        self.dst.validate(&self.shape, self.elem_size(), "dst")
     }
 }

@@ -5,13 +5,20 @@
 //! sees a unit — a sender enumerating destination shards or a receiver enumerating source
 //! shards — computes the same assignment from the unit alone, so no communication is needed.
 
-use super::config::{mix, Config, Mode};
+use super::config::{Config, Mode};
+use super::fingerprint::mix;
 use crate::layout::{IndexRuns, TensorSpec};
 use std::borrow::Cow;
 
-/// One piece of data moving from `from` to `to` (`from == to` is a local copy).
+/// Which data one sender gives one receiver: a region of a tensor moving from `from` to `to`
+/// (`from == to` is a local copy), as `assign` decides it for a unit.
+///
+/// The region is an index set per dim, not necessarily a box of the tensor. The planner cuts
+/// it into [`Block`](super::Block)s — boxes contiguous on both ends, each with its strided
+/// copy — and the rounds cut blocks into [`Transfer`](super::Transfer)s, which are what
+/// `ncclReshardPlanGetTransfers` exports.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Transfer {
+pub struct Assignment {
     pub tensor: u32,
     pub from: u32,
     pub to: u32,
@@ -25,7 +32,7 @@ pub struct Transfer {
     pub relay: bool,
 }
 
-impl Transfer {
+impl Assignment {
     /// The region's smallest multi-index: a total order key for disjoint regions of one
     /// receiver (two disjoint boxes cannot share their smallest corner).
     pub fn corner(&self) -> Vec<u64> {
@@ -47,7 +54,7 @@ pub(crate) struct Unit<'a> {
     pub region: Vec<IndexRuns>,
 }
 
-/// Every transfer of a unit, for all its receivers.
+/// Every assignment of a unit, for all its receivers.
 ///
 /// - A receiver that holds a replica of the source shard copies locally.
 /// - Receivers on a node that holds replicas get their data from those (NVLink).
@@ -61,14 +68,14 @@ pub(crate) struct Unit<'a> {
 ///   that every candidate sends.
 /// - The round-robin start rotates with a hash of the unit, spreading load across units.
 ///
-/// Only the transfers `keep(from, to, relay)` accepts are materialised (a rank needs its own),
+/// Only the assignments `keep(from, to, relay)` accepts are materialised (a rank needs its own),
 /// so a unit with many replicas costs no copies of regions nobody asked for.
 pub(crate) fn assign(
     unit: &Unit<'_>,
     config: &Config,
     rounds: u32,
     keep: impl Fn(u32, u32, bool) -> bool,
-    mut sink: impl FnMut(Transfer),
+    mut sink: impl FnMut(Assignment),
 ) {
     let senders = unit.spec.src.replicas(&unit.src_coords);
     let receivers = unit.spec.dst.replicas(&unit.dst_coords);
@@ -81,7 +88,7 @@ pub(crate) fn assign(
 
     let mut out = |from: u32, to: u32, region: &[IndexRuns], round: Option<u32>, relay: bool| {
         if keep(from, to, relay) {
-            sink(Transfer {
+            sink(Assignment {
                 tensor: unit.tensor,
                 from,
                 to,
@@ -203,7 +210,7 @@ pub(crate) fn assign(
 /// by default): each chunk is one message per replica it is forwarded to.
 const RELAY_CHUNK_FACTOR: u64 = 8;
 
-/// Emits one transfer: (from, to, region, fixed round, relay).
+/// Emits one assignment: (from, to, region, fixed round, relay).
 type Emit<'a> = dyn FnMut(u32, u32, &[IndexRuns], Option<u32>, bool) + 'a;
 
 /// A part of a unit bound for one receiver: (receiver, region, fixed round).

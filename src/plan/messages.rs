@@ -1,114 +1,22 @@
-//! Turning transfers into copies and messages: the byte geometry of the IR.
+//! Message forming: a pair's copies → messages, packs and unpacks.
 //!
-//! A transfer's region is cut per dim into pieces contiguous in the sender's and the
-//! receiver's local positions; the Cartesian product of pieces gives strided block copies
-//! (source view → destination view). The messages of one (sender, receiver) pair are derived
-//! from that pair's copies by one function both sides run, so their sizes and order agree.
+//! The messages of one (sender, receiver) pair are derived from that pair's copies (the
+//! [`Transfer`](super::Transfer)s of its blocks in one round) by one function both sides run,
+//! so their sizes and order agree. Depending on the mode a run goes as it is (groupable), is
+//! packed into staging by the sender, or the whole pair travels as one staged message that the
+//! receiver unpacks.
 
 use super::config::{
     Mode, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES,
     GROUPABLE_MAX_MESSAGES_PER_RANK, GROUPABLE_MAX_PIECES_PER_PAIR,
 };
 use super::fxhash::FxHashMap;
-use super::program::{Buffer, Copy, CopyDim, Loc, Message};
-use super::Transfer;
+use super::program::{Buffer, CopyDim, Loc, Message, StridedCopy};
 use crate::error::{Error, Result};
-use crate::layout::{next_index, IndexRuns, LocalView};
+use crate::layout::next_index;
 
 /// Staging regions start at multiples of this many bytes (vector-friendly for kernels).
 pub const STAGING_ALIGN: u64 = 256;
-
-/// A rank's geometry for one tensor on one side: its indices and its view.
-pub(crate) struct Side<'a> {
-    pub indices: &'a [IndexRuns],
-    pub view: &'a LocalView,
-}
-
-/// One block of a transfer: a box of the global tensor (`start`, `count` per dim) that is
-/// contiguous per dim in both ranks' local positions, and the copy that moves it from the
-/// sender's source view to the receiver's destination view.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Block {
-    pub tensor: u32,
-    pub from: u32,
-    pub to: u32,
-    pub start: Vec<u64>,
-    pub count: Vec<u64>,
-    pub copy: Copy,
-    /// The round the unit fixed for this data (relays), or `None`: see [`Transfer::round`].
-    pub round: Option<u32>,
-}
-
-/// The blocks of one transfer, in row-major order of the blocks.
-pub(crate) fn transfer_blocks(transfer: &Transfer, src: &Side<'_>, dst: &Side<'_>) -> Vec<Block> {
-    let ndim = transfer.region.len();
-    let pieces: Vec<Vec<(u64, u64)>> = (0..ndim)
-        .map(|d| transfer.region[d].contiguous_pieces(&[&src.indices[d], &dst.indices[d]]))
-        .collect();
-    if pieces.iter().any(Vec::is_empty) {
-        return Vec::new();
-    }
-    let src_strides = src.view.byte_strides();
-    let dst_strides = dst.view.byte_strides();
-    let mut copies = Vec::new();
-    let mut choice = vec![0usize; ndim];
-    let mut src_pos = vec![0u64; ndim];
-    let mut dst_pos = vec![0u64; ndim];
-    let mut dims = vec![
-        CopyDim {
-            count: 0,
-            src_stride: 0,
-            dst_stride: 0
-        };
-        ndim
-    ];
-    loop {
-        for d in 0..ndim {
-            let (start, len) = pieces[d][choice[d]];
-            src_pos[d] = src.indices[d]
-                .position_of(start)
-                .expect("sender holds its region");
-            dst_pos[d] = dst.indices[d]
-                .position_of(start)
-                .expect("receiver holds its region");
-            dims[d] = CopyDim {
-                count: len,
-                src_stride: src_strides[d],
-                dst_stride: dst_strides[d],
-            };
-        }
-        let copy = Copy::new(
-            Loc {
-                buffer: if transfer.relay {
-                    Buffer::Dst
-                } else {
-                    Buffer::Src
-                },
-                tensor: transfer.tensor,
-                offset: src.view.byte_offset(&src_pos),
-            },
-            Loc {
-                buffer: Buffer::Dst,
-                tensor: transfer.tensor,
-                offset: dst.view.byte_offset(&dst_pos),
-            },
-            src.view.elem_size,
-            &dims,
-        );
-        copies.push(Block {
-            tensor: transfer.tensor,
-            from: transfer.from,
-            to: transfer.to,
-            start: (0..ndim).map(|d| pieces[d][choice[d]].0).collect(),
-            count: (0..ndim).map(|d| pieces[d][choice[d]].1).collect(),
-            copy,
-            round: transfer.round,
-        });
-        if !next_index(&mut choice, |d| pieces[d].len()) {
-            return copies;
-        }
-    }
-}
 
 /// One destination-contiguous piece of a copy: `bytes` bytes landing at `dst`, read from
 /// `src` through `src_dims` (empty when the source side is contiguous too).
@@ -121,7 +29,7 @@ struct Piece {
 }
 
 /// Splits a copy at the outermost dims where the destination stops being contiguous.
-fn dst_contiguous_split(copy: &Copy) -> (usize, u64) {
+fn dst_contiguous_split(copy: &StridedCopy) -> (usize, u64) {
     let mut run = copy.chunk_bytes;
     let mut k = copy.dims.len();
     while k > 0 && copy.dims[k - 1].dst_stride == run {
@@ -132,20 +40,20 @@ fn dst_contiguous_split(copy: &Copy) -> (usize, u64) {
 }
 
 /// Number of destination-contiguous pieces (groupable messages before merging) of a copy.
-fn groupable_piece_count(copy: &Copy) -> u64 {
+fn groupable_piece_count(copy: &StridedCopy) -> u64 {
     let (k, _) = dst_contiguous_split(copy);
     copy.dims[..k].iter().map(|d| d.count).product()
 }
 
 /// Number of runs contiguous on both ends (groupable messages before merging) of a copy: its
-/// chunks, since `Copy::new` folds every dim contiguous on both ends into the chunk.
-fn direct_piece_count(copy: &Copy) -> u64 {
+/// chunks, since `StridedCopy::new` folds every dim contiguous on both ends into the chunk.
+fn direct_piece_count(copy: &StridedCopy) -> u64 {
     copy.dims
         .iter()
         .fold(1u64, |acc, d| acc.saturating_mul(d.count))
 }
 
-fn for_each_piece(copy: &Copy, mut f: impl FnMut(Piece)) {
+fn for_each_piece(copy: &StridedCopy, mut f: impl FnMut(Piece)) {
     let (k, bytes) = dst_contiguous_split(copy);
     let outer = &copy.dims[..k];
     let inner = &copy.dims[k..];
@@ -192,7 +100,7 @@ fn dense_strides(chunk_bytes: u64, dims: &[CopyDim]) -> Vec<u64> {
 }
 
 /// A copy from `src` (strided as `copy`'s source) into `len` dense staging bytes at `at`.
-fn pack(copy_src: Loc, chunk_bytes: u64, dims: &[CopyDim], at: u64) -> Copy {
+fn pack(copy_src: Loc, chunk_bytes: u64, dims: &[CopyDim], at: u64) -> StridedCopy {
     let dense = dense_strides(chunk_bytes, dims);
     let dims: Vec<CopyDim> = dims
         .iter()
@@ -203,7 +111,7 @@ fn pack(copy_src: Loc, chunk_bytes: u64, dims: &[CopyDim], at: u64) -> Copy {
             dst_stride: s,
         })
         .collect();
-    Copy::new(
+    StridedCopy::new(
         copy_src,
         Loc {
             buffer: Buffer::Staging,
@@ -216,7 +124,7 @@ fn pack(copy_src: Loc, chunk_bytes: u64, dims: &[CopyDim], at: u64) -> Copy {
 }
 
 /// A copy from dense staging bytes at `at` to `copy`'s destination.
-fn unpack(copy: &Copy, at: u64) -> Copy {
+fn unpack(copy: &StridedCopy, at: u64) -> StridedCopy {
     let dense = dense_strides(copy.chunk_bytes, &copy.dims);
     let dims: Vec<CopyDim> = copy
         .dims
@@ -228,7 +136,7 @@ fn unpack(copy: &Copy, at: u64) -> Copy {
             dst_stride: d.dst_stride,
         })
         .collect();
-    Copy::new(
+    StridedCopy::new(
         Loc {
             buffer: Buffer::Staging,
             tensor: 0,
@@ -250,8 +158,8 @@ pub(crate) enum End {
 /// Where a rank's program is being assembled: the parts one pair contributes go here.
 #[derive(Default)]
 pub(crate) struct Emitter {
-    pub packs: Vec<Copy>,
-    pub unpacks: Vec<Copy>,
+    pub packs: Vec<StridedCopy>,
+    pub unpacks: Vec<StridedCopy>,
     pub messages: Vec<Message>,
     pub staging_bytes: u64,
     /// Staged sends already packed, by their source side: a relay forwards the same data to
@@ -277,7 +185,7 @@ impl Emitter {
         &mut self,
         end: End,
         pair: (u32, u32),
-        copies: &[&Copy],
+        copies: &[&StridedCopy],
         mode: Mode,
         coalesce: bool,
     ) -> Result<()> {
@@ -285,7 +193,7 @@ impl Emitter {
             End::Sender => pair.1,
             End::Receiver => pair.0,
         };
-        let copies: Vec<&Copy> = copies.iter().copied().filter(|c| c.bytes() > 0).collect();
+        let copies: Vec<&StridedCopy> = copies.iter().copied().filter(|c| c.bytes() > 0).collect();
         if copies.is_empty() {
             return Ok(());
         }
@@ -327,7 +235,7 @@ impl Emitter {
             Mode::Auto if coalesce => {
                 // Large pieces contiguous on both ends go as they are (no copy); the rest
                 // travels as one staged message when it would take several.
-                let (direct, rest): (Vec<&Copy>, Vec<&Copy>) = copies
+                let (direct, rest): (Vec<&StridedCopy>, Vec<&StridedCopy>) = copies
                     .iter()
                     .partition(|c| c.is_contiguous() && c.bytes() >= AUTO_STAGE_MAX_AVG_BYTES);
                 let pieces: u64 = rest
@@ -363,7 +271,7 @@ impl Emitter {
     /// runs merged; sent from the source view, received into the destination view, nothing
     /// packed. A call then holds no state between posting a message and NCCL running it, so it
     /// is correct inside a caller's group however many calls the group holds.
-    fn direct_pair(&mut self, end: End, peer: u32, copies: &[&Copy]) {
+    fn direct_pair(&mut self, end: End, peer: u32, copies: &[&StridedCopy]) {
         let mut pending: Option<(Loc, Loc, u64)> = None;
         for c in copies {
             let mut index = vec![0u64; c.dims.len()];
@@ -408,7 +316,7 @@ impl Emitter {
     }
 
     /// One message for the whole pair; zero-copy on a side where it is one contiguous run.
-    fn staged_pair(&mut self, end: End, peer: u32, copies: &[&Copy]) {
+    fn staged_pair(&mut self, end: End, peer: u32, copies: &[&StridedCopy]) {
         let total: u64 = copies.iter().map(|c| c.bytes()).sum();
         let direct = match (end, copies) {
             (End::Sender, [c]) if c.src_is_contiguous() => Some(c.src),
@@ -458,7 +366,7 @@ impl Emitter {
 
     /// One message per destination-contiguous piece, adjacent pieces merged; the sender packs
     /// pieces whose source side is not contiguous.
-    fn groupable_pair(&mut self, end: End, peer: u32, copies: &[&Copy]) {
+    fn groupable_pair(&mut self, end: End, peer: u32, copies: &[&StridedCopy]) {
         // Pending message: (first piece's src, first piece's dst, bytes, packed?).
         let mut pending: Option<(Loc, Loc, u64, bool)> = None;
         let mut pending_packs: Vec<(Loc, u64, Vec<CopyDim>)> = Vec::new();

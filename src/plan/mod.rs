@@ -7,27 +7,34 @@
 //! neither mesh does no work for a tensor and a participant never loops over rank pairs.
 
 mod assign;
+mod blocks;
 mod config;
+mod fingerprint;
 mod fxhash;
 mod messages;
 mod program;
 mod rounds;
 
-pub use assign::Transfer;
+pub use assign::Assignment;
+pub use blocks::Block;
 pub use config::{
-    fingerprint, Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_STAGE_MAX_AVG_BYTES,
-    AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES, DEFAULT_SPLIT_MIN_BYTES,
-    GROUPABLE_MAX_MESSAGES_PER_RANK, GROUPABLE_MAX_PIECES_PER_PAIR, MAX_ROUNDS, ROUND_TARGET_BYTES,
+    Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES,
+    AUTO_STAGE_MIN_MESSAGES, DEFAULT_SPLIT_MIN_BYTES, GROUPABLE_MAX_MESSAGES_PER_RANK,
+    GROUPABLE_MAX_PIECES_PER_PAIR, MAX_ROUNDS, ROUND_TARGET_BYTES,
 };
-pub use messages::{Block, STAGING_ALIGN};
-pub use program::{Buffer, Copy, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan};
-pub use rounds::BlockPart;
+pub use fingerprint::fingerprint;
+pub use messages::STAGING_ALIGN;
+pub use program::{
+    Buffer, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan, StridedCopy,
+};
+pub use rounds::Transfer;
 
 use crate::error::{Error, Result};
-use crate::layout::{next_index, DType, DimPiece, IndexRuns, Layout, LocalView, TensorSpec};
+use crate::layout::{next_index, DType, DimPiece, IndexRuns, Layout, RankView, Side, TensorSpec};
 use assign::{assign, Unit};
+use blocks::assignment_blocks;
 use fxhash::{FxHashMap, FxHashSet};
-use messages::{transfer_blocks, Emitter, End, Side};
+use messages::{Emitter, End};
 use std::collections::BTreeMap;
 use std::rc::Rc;
 
@@ -54,7 +61,7 @@ struct Memo<'a> {
     /// (layout id, shape, rank) → the rank's indices, if it is in the mesh.
     indices: FxHashMap<RankKey<'a>, Option<Rc<Vec<IndexRuns>>>>,
     /// (layout id, shape, element size, rank) → the rank's indices and view.
-    geometry: FxHashMap<(RankKey<'a>, u32), Option<Rc<RankGeometry>>>,
+    views: FxHashMap<(RankKey<'a>, u32), Option<Rc<RankView>>>,
 }
 
 type RankKey<'a> = (u32, &'a [u64], u32);
@@ -86,34 +93,25 @@ impl<'a> Memo<'a> {
             .clone()
     }
 
-    fn geometry(
+    /// [`TensorSpec::rank_view`] from the memoised indices.
+    fn view(
         &mut self,
         id: u32,
         spec: &'a TensorSpec,
-        layout: &Layout,
+        side: Side,
         rank: u32,
-    ) -> Option<Rc<RankGeometry>> {
+    ) -> Option<Rc<RankView>> {
         let key = ((id, spec.shape.as_slice(), rank), spec.elem_size());
-        if let Some(hit) = self.geometry.get(&key) {
+        if let Some(hit) = self.views.get(&key) {
             return hit.clone();
         }
-        let made = self.indices(id, layout, &spec.shape, rank).map(|indices| {
-            let shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
-            let view = layout.view(&shape, spec.elem_size());
-            Rc::new(RankGeometry {
-                indices: (*indices).clone(),
-                view,
-            })
-        });
-        self.geometry.insert(key, made.clone());
+        let layout = spec.layout(side);
+        let made = self
+            .indices(id, layout, &spec.shape, rank)
+            .map(|indices| Rc::new(RankView::new(layout, (*indices).clone(), spec.elem_size())));
+        self.views.insert(key, made.clone());
         made
     }
-}
-
-/// A rank's geometry for one tensor on one side.
-struct RankGeometry {
-    indices: Vec<IndexRuns>,
-    view: LocalView,
 }
 
 impl Planner {
@@ -196,13 +194,13 @@ impl Planner {
         ranks
     }
 
-    /// This rank's transfers: those it receives (local copies included) and those it sends,
+    /// This rank's assignments: those it receives (local copies included) and those it sends,
     /// each list in canonical order (tensor, then region corner).
-    pub fn transfers(&self, rank: u32) -> Vec<Transfer> {
-        self.transfers_with(rank, &mut Memo::default())
+    pub fn assignments(&self, rank: u32) -> Vec<Assignment> {
+        self.assignments_with(rank, &mut Memo::default())
     }
 
-    fn transfers_with<'a>(&'a self, rank: u32, memo: &mut Memo<'a>) -> Vec<Transfer> {
+    fn assignments_with<'a>(&'a self, rank: u32, memo: &mut Memo<'a>) -> Vec<Assignment> {
         let mut out = Vec::new();
         for (t, spec) in self.tensors.iter().enumerate() {
             let [src_id, dst_id] = self.layout_ids[t];
@@ -250,38 +248,31 @@ impl Planner {
     /// copy geometry on both ends — in canonical order (tensor, region corner, block order).
     pub fn rank_blocks(&self, rank: u32) -> Result<Vec<Block>> {
         let mut memo = Memo::default();
-        let transfers = self.transfers_with(rank, &mut memo);
+        let assignments = self.assignments_with(rank, &mut memo);
         let mut blocks = Vec::new();
-        for tr in &transfers {
-            let spec = &self.tensors[tr.tensor as usize];
-            let [src_id, dst_id] = self.layout_ids[tr.tensor as usize];
+        for assignment in &assignments {
+            let spec = &self.tensors[assignment.tensor as usize];
+            let [src_id, dst_id] = self.layout_ids[assignment.tensor as usize];
             let missing = |who: u32| {
-                Error::internal(format!("rank {who} is not in tensor {}'s mesh", tr.tensor))
+                Error::internal(format!(
+                    "rank {who} is not in tensor {}'s mesh",
+                    assignment.tensor
+                ))
             };
             // A relay reads the data where it arrived: the sender's destination view.
-            let sg = if tr.relay {
-                memo.geometry(dst_id, spec, &spec.dst, tr.from)
+            let from = if assignment.relay {
+                memo.view(dst_id, spec, Side::Dst, assignment.from)
             } else {
-                memo.geometry(src_id, spec, &spec.src, tr.from)
+                memo.view(src_id, spec, Side::Src, assignment.from)
             }
-            .ok_or_else(|| missing(tr.from))?;
-            let dg = memo
-                .geometry(dst_id, spec, &spec.dst, tr.to)
-                .ok_or_else(|| missing(tr.to))?;
+            .ok_or_else(|| missing(assignment.from))?;
+            let to = memo
+                .view(dst_id, spec, Side::Dst, assignment.to)
+                .ok_or_else(|| missing(assignment.to))?;
             blocks.extend(
-                transfer_blocks(
-                    tr,
-                    &Side {
-                        indices: &sg.indices,
-                        view: &sg.view,
-                    },
-                    &Side {
-                        indices: &dg.indices,
-                        view: &dg.view,
-                    },
-                )
-                .into_iter()
-                .filter(|b| b.copy.bytes() > 0),
+                assignment_blocks(assignment, &from, &to)
+                    .into_iter()
+                    .filter(|b| b.copy.bytes() > 0),
             );
         }
         Ok(blocks)
@@ -294,24 +285,25 @@ impl Planner {
 
     /// Forms `rank`'s program from its blocks (as [`Planner::rank_blocks`] returns them).
     pub fn program_from_blocks(&self, rank: u32, blocks: &[Block]) -> Result<RankProgram> {
-        self.program_from_parts(rank, blocks, &self.block_parts(blocks))
+        self.program_from_transfers(rank, blocks, &self.transfers(blocks))
     }
 
-    /// Cuts a rank's blocks (as [`Planner::rank_blocks`] returns them) into the parts each
-    /// round moves: local copies whole in round 0; each (sender, receiver) pair's blocks spread
-    /// over the rounds by one function of the pair that both ends run, so a part has the same
-    /// round, offset and copy on both ends. The one source of rounds for the rank's program
-    /// ([`Planner::program_from_parts`]) and for the exported transfer list
-    /// (`ncclReshardPlanGetTransfers`). Local copies come first, in block order, then each
-    /// pair's parts (pairs ascending) by round, in the order its messages are formed from.
-    pub fn block_parts(&self, blocks: &[Block]) -> Vec<BlockPart> {
-        type PairBlocks<'b> = BTreeMap<(u32, u32), Vec<(usize, Option<u32>, &'b Copy)>>;
-        let mut parts = Vec::new();
+    /// Cuts a rank's blocks (as [`Planner::rank_blocks`] returns them) into the
+    /// [`Transfer`]s each round moves: local copies whole in round 0; each (sender, receiver)
+    /// pair's blocks spread over the rounds by one function of the pair that both ends run, so
+    /// a transfer has the same round, offset and copy on both ends. The one source of rounds
+    /// for the rank's program ([`Planner::program_from_transfers`]) and for the exported
+    /// transfer list (`ncclReshardPlanGetTransfers`). Local copies come first, in block order,
+    /// then each pair's transfers (pairs ascending) by round, in the order its messages are
+    /// formed from.
+    pub fn transfers(&self, blocks: &[Block]) -> Vec<Transfer> {
+        type PairBlocks<'b> = BTreeMap<(u32, u32), Vec<(usize, Option<u32>, &'b StridedCopy)>>;
+        let mut transfers = Vec::new();
         // Per (sender, receiver): (block index, fixed round, copy) in canonical order.
         let mut pairs: PairBlocks<'_> = BTreeMap::new();
         for (i, block) in blocks.iter().enumerate() {
             if block.from == block.to && !self.config.local_via_messages {
-                parts.push(BlockPart {
+                transfers.push(Transfer {
                     block: i,
                     round: 0,
                     offset: 0,
@@ -326,57 +318,57 @@ impl Planner {
             }
         }
         for (pair, list) in pairs {
-            parts.extend(rounds::spread(
+            transfers.extend(rounds::spread(
                 pair,
                 &list,
                 self.rounds,
                 self.config.split_min_bytes,
             ));
         }
-        parts
+        transfers
     }
 
-    /// Forms `rank`'s program from its blocks and their parts (as [`Planner::block_parts`]
+    /// Forms `rank`'s program from its blocks and their transfers (as [`Planner::transfers`]
     /// returns them for those blocks).
-    pub fn program_from_parts(
+    pub fn program_from_transfers(
         &self,
         rank: u32,
         blocks: &[Block],
-        parts: &[BlockPart],
+        transfers: &[Transfer],
     ) -> Result<RankProgram> {
         let mut program = RankProgram {
             rank,
             fingerprint: self.fingerprint,
             ..Default::default()
         };
-        // Per (round, peer), per direction: the parts' copies, in the order the pair's parts
+        // Per (round, peer), per direction: the transfers' copies, in the order the pair's transfers
         // come (one function both ends ran).
-        let mut sends: BTreeMap<(u32, u32), Vec<&Copy>> = BTreeMap::new();
-        let mut recvs: BTreeMap<(u32, u32), Vec<&Copy>> = BTreeMap::new();
-        for part in parts {
-            let block = blocks.get(part.block).ok_or_else(|| {
+        let mut sends: BTreeMap<(u32, u32), Vec<&StridedCopy>> = BTreeMap::new();
+        let mut recvs: BTreeMap<(u32, u32), Vec<&StridedCopy>> = BTreeMap::new();
+        for transfer in transfers {
+            let block = blocks.get(transfer.block).ok_or_else(|| {
                 Error::internal(format!(
-                    "a part names block {} of {}",
-                    part.block,
+                    "a transfer names block {} of {}",
+                    transfer.block,
                     blocks.len()
                 ))
             })?;
             if block.from == block.to && !self.config.local_via_messages {
-                program.local_copies.push(part.copy.clone());
+                program.local_copies.push(transfer.copy.clone());
                 continue;
             }
             // A message to itself (local_via_messages) is both.
             if block.from == rank {
                 sends
-                    .entry((part.round, block.to))
+                    .entry((transfer.round, block.to))
                     .or_default()
-                    .push(&part.copy);
+                    .push(&transfer.copy);
             }
             if block.to == rank {
                 recvs
-                    .entry((part.round, block.from))
+                    .entry((transfer.round, block.from))
                     .or_default()
-                    .push(&part.copy);
+                    .push(&transfer.copy);
             }
         }
         let mut round_ids: Vec<u32> = sends.keys().chain(recvs.keys()).map(|k| k.0).collect();
@@ -458,7 +450,7 @@ fn rounds_for(tensors: &[TensorSpec], layout_ids: &[[u32; 2]], config: &Config) 
 }
 
 /// Enumerates the units between `mine` (this rank's shard on `own`) and every overlapping shard
-/// of `other`, and feeds the transfers of each unit to `sink`. `own_is_dst` says which side
+/// of `other`, and feeds the assignments of each unit to `sink`. `own_is_dst` says which side
 /// `own` is.
 #[allow(clippy::too_many_arguments)]
 fn units(
@@ -472,7 +464,7 @@ fn units(
     config: &Config,
     rounds: u32,
     keep: &dyn Fn(u32, u32, bool) -> bool,
-    mut sink: impl FnMut(Transfer),
+    mut sink: impl FnMut(Assignment),
 ) {
     let ndim = spec.shape.len();
     if mine.iter().any(IndexRuns::is_empty) {
@@ -770,29 +762,5 @@ mod tests {
         )
         .unwrap();
         assert_eq!(auto.rank_program(2).unwrap().recvs.len(), 2);
-    }
-
-    #[test]
-    fn local_data_can_travel_as_messages_to_self() {
-        // A one-rank "reshard" (the single-GPU test setup): Shard(1) over 2 → Replicate, all on
-        // ranks that hold both sides, routed through self-messages in every mode.
-        for mode in [Mode::Groupable, Mode::Staged, Mode::Auto] {
-            let spec = TensorSpec {
-                shape: vec![16, 12],
-                dtype: DType::Float32,
-                src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
-                dst: layout(&[2], &[0, 1], &[Placement::Replicate]),
-            };
-            let config = Config {
-                mode,
-                local_via_messages: true,
-                ..Default::default()
-            };
-            let planner = Planner::new(vec![spec.clone()], config.clone()).unwrap();
-            let p = planner.rank_program(0).unwrap();
-            assert!(p.local_copies.is_empty());
-            assert!(p.sends.iter().any(|m| m.peer == 0) && p.recvs.iter().any(|m| m.peer == 0));
-            crate::check::check(&[spec], &config).unwrap();
-        }
     }
 }

@@ -39,21 +39,25 @@ pub struct CopyDim {
 /// `chunk_bytes` contiguous bytes. Dims are normalised: no count-1 dims, adjacent dims merged
 /// where both sides are contiguous across them, the innermost contiguous span folded into
 /// `chunk_bytes`.
+///
+/// The byte form of every data movement in a plan: a [`Block`](super::Block)'s copy, a
+/// [`Transfer`](super::Transfer)'s slice of it (the copy fields of `ncclReshardTransfer_t`),
+/// and the program's local copies, packs and unpacks, which executors run as they are.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Copy {
+pub struct StridedCopy {
     pub src: Loc,
     pub dst: Loc,
     pub chunk_bytes: u64,
     pub dims: Vec<CopyDim>,
 }
 
-impl Copy {
+impl StridedCopy {
     /// Builds a normalised copy of `elem_size`-byte elements over `dims` (outermost first).
-    pub fn new(src: Loc, dst: Loc, elem_size: u64, dims: &[CopyDim]) -> Copy {
+    pub fn new(src: Loc, dst: Loc, elem_size: u64, dims: &[CopyDim]) -> StridedCopy {
         let mut chunk_bytes = elem_size;
         let mut kept: Vec<CopyDim> = dims.iter().copied().filter(|d| d.count != 1).collect();
         if kept.iter().any(|d| d.count == 0) {
-            return Copy {
+            return StridedCopy {
                 src,
                 dst,
                 chunk_bytes: 0,
@@ -85,7 +89,7 @@ impl Copy {
             }
             merged.push(dim);
         }
-        Copy {
+        StridedCopy {
             src,
             dst,
             chunk_bytes,
@@ -105,7 +109,7 @@ impl Copy {
     /// The copies that move bytes `[start, end)` of this copy, counted in its dense order
     /// (grid points row-major, `chunk_bytes` each): at most two per dim plus one. Cutting a
     /// copy into consecutive ranges and running the pieces moves exactly what it moves.
-    pub fn slice(&self, start: u64, end: u64) -> Vec<Copy> {
+    pub fn slice(&self, start: u64, end: u64) -> Vec<StridedCopy> {
         let mut out = Vec::new();
         if start < end && end <= self.bytes() {
             slice_into(
@@ -180,10 +184,10 @@ fn slice_into(
     dims: &[CopyDim],
     start: u64,
     end: u64,
-    out: &mut Vec<Copy>,
+    out: &mut Vec<StridedCopy>,
 ) {
     let Some((outer, inner)) = dims.split_first() else {
-        out.push(Copy::new(
+        out.push(StridedCopy::new(
             shifted(src, start),
             shifted(dst, start),
             end - start,
@@ -218,7 +222,7 @@ fn slice_into(
             ..*outer
         });
         whole.extend_from_slice(inner);
-        out.push(Copy::new(s, d, chunk_bytes, &whole));
+        out.push(StridedCopy::new(s, d, chunk_bytes, &whole));
     }
     if last_rest > 0 {
         let (s, d) = at(last);
@@ -250,10 +254,10 @@ pub struct RoundSpan {
 #[derive(Clone, Copy, Debug)]
 pub struct Round<'a> {
     pub round: u32,
-    pub packs: &'a [Copy],
+    pub packs: &'a [StridedCopy],
     pub sends: &'a [Message],
     pub recvs: &'a [Message],
-    pub unpacks: &'a [Copy],
+    pub unpacks: &'a [StridedCopy],
 }
 
 /// How one rank's part of a plan is executed.
@@ -275,15 +279,15 @@ pub struct RankProgram {
     /// Equal on all ranks iff they planned from the same descriptors and config.
     pub fingerprint: u64,
     /// Source → destination copies of data this rank holds on both sides (colocated ranks).
-    pub local_copies: Vec<Copy>,
+    pub local_copies: Vec<StridedCopy>,
     /// Source → staging copies that gather non-contiguous send data, before the sends.
-    pub packs: Vec<Copy>,
+    pub packs: Vec<StridedCopy>,
     /// Sends, by round, then grouped by peer in posting order.
     pub sends: Vec<Message>,
     /// Receives, by round, then grouped by peer in posting order.
     pub recvs: Vec<Message>,
     /// Staging → destination copies after the receives complete.
-    pub unpacks: Vec<Copy>,
+    pub unpacks: Vec<StridedCopy>,
     /// Where each round ends in the four lists above; empty means one round 0 holding
     /// everything.
     pub round_spans: Vec<RoundSpan>,

@@ -5,55 +5,58 @@
 //! it; the rest form one byte stream cut into up to `rounds` nearly equal chunks (at least
 //! `min_bytes` each, boundaries on 4 KiB when the chunks are that large), one per round,
 //! starting at a round that rotates with the pair so small pairs do not all land in round 0.
-//! A block cut by a chunk boundary moves in several rounds, as the pieces [`Copy::slice`]
-//! gives: the [`BlockPart`]s that both the programs and the exported transfer list are made of.
+//! A block cut by a chunk boundary moves in several rounds, as the pieces [`StridedCopy::slice`]
+//! gives: the [`Transfer`]s that both the programs and the exported transfer list are made of.
 
-use super::config::mix;
-use super::program::Copy;
+use super::fingerprint::mix;
+use super::program::StridedCopy;
 
 /// Chunk boundaries fall on multiples of this many bytes of the pair's stream.
 const CUT_ALIGN: u64 = 4096;
 
-/// The part of a [`Block`](super::Block) that moves in one round: a strided copy of bytes
-/// `offset .. offset + copy.bytes()` of the block's copy, counted in that copy's dense order
-/// (which is the row-major element order of the block's box, `elem_size` bytes per element).
-/// A block no round boundary cuts is one part with `offset` 0 and the block's own copy; a cut
-/// one is several parts, which need not be boxes of the tensor nor hold whole elements.
+/// The part of a [`Block`](super::Block) that moves in one round — the unit of data movement
+/// a transport runs, and what `ncclReshardPlanGetTransfers` exports as one
+/// `ncclReshardTransfer_t` (same name, same idea: `blockOffset` is [`Transfer::offset`],
+/// `round` its round, the copy fields its [`StridedCopy`]).
 ///
-/// Parts are what a rank's [`RankProgram`](super::RankProgram) forms its messages from
-/// ([`Planner::program_from_parts`](super::Planner::program_from_parts)) and what
-/// `ncclReshardPlanGetTransfers` exports, one `ncclReshardTransfer_t` each.
+/// A strided copy of bytes `offset .. offset + copy.bytes()` of the block's copy, counted in
+/// that copy's dense order (which is the row-major element order of the block's box,
+/// `elem_size` bytes per element). A block no round boundary cuts is one transfer with
+/// `offset` 0 and the block's own copy; a cut one is several, which need not be boxes of the
+/// tensor nor hold whole elements. Blocks come from an [`Assignment`](super::Assignment)'s
+/// region; transfers are what a rank's [`RankProgram`](super::RankProgram) forms its messages
+/// from ([`Planner::program_from_transfers`](super::Planner::program_from_transfers)).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BlockPart {
+pub struct Transfer {
     /// Index of the block in the rank's block list ([`Planner::rank_blocks`](super::Planner::rank_blocks)).
     pub block: usize,
-    /// The round the part moves in (the same on both ends of the pair); local copies: 0
+    /// The round the transfer moves in (the same on both ends of the pair); local copies: 0
     /// (unless [`Config::local_via_messages`](super::Config::local_via_messages) sends them as
     /// messages to the rank itself, spread over rounds like any pair's).
     pub round: u32,
-    /// Bytes of the block's copy before this part, in its dense order.
+    /// Bytes of the block's copy before this transfer, in its dense order.
     pub offset: u64,
-    /// The part itself: the block's copy sliced to `offset .. offset + copy.bytes()`.
-    pub copy: Copy,
+    /// The transfer's data: the block's copy sliced to `offset .. offset + copy.bytes()`.
+    pub copy: StridedCopy,
 }
 
 /// One pair's blocks by round: `blocks` lists (block index, fixed round, copy) in canonical
-/// order; the parts come out by round, ascending, and within a round the fixed blocks first,
+/// order; the transfers come out by round, ascending, and within a round the fixed blocks first,
 /// then the stream's pieces in stream order.
 pub(crate) fn spread(
     pair: (u32, u32),
-    blocks: &[(usize, Option<u32>, &Copy)],
+    blocks: &[(usize, Option<u32>, &StridedCopy)],
     rounds: u32,
     min_bytes: u64,
-) -> Vec<BlockPart> {
-    let whole = |block: usize, round: u32, copy: &Copy| BlockPart {
+) -> Vec<Transfer> {
+    let whole = |block: usize, round: u32, copy: &StridedCopy| Transfer {
         block,
         round,
         offset: 0,
         copy: copy.clone(),
     };
-    let mut fixed: Vec<(u32, Vec<BlockPart>)> = Vec::new();
-    let mut free: Vec<(usize, &Copy)> = Vec::new();
+    let mut fixed: Vec<(u32, Vec<Transfer>)> = Vec::new();
+    let mut free: Vec<(usize, &StridedCopy)> = Vec::new();
     for &(block, round, copy) in blocks {
         match round {
             Some(r) => match fixed.iter_mut().find(|(f, _)| *f == r) {
@@ -86,7 +89,7 @@ pub(crate) fn spread(
     let mut out = fixed;
     if total > 0 {
         let mut chunk = 0u64;
-        let mut lists: Vec<Vec<BlockPart>> = vec![Vec::new(); chunks as usize];
+        let mut lists: Vec<Vec<Transfer>> = vec![Vec::new(); chunks as usize];
         let mut at = 0u64;
         for &(block, copy) in &free {
             let (start, end) = (at, at + copy.bytes());
@@ -105,7 +108,7 @@ pub(crate) fn spread(
                     let mut offset = pos - start;
                     for piece in copy.slice(pos - start, cut - start) {
                         let bytes = piece.bytes();
-                        list.push(BlockPart {
+                        list.push(Transfer {
                             block,
                             round,
                             offset,
@@ -137,8 +140,8 @@ mod tests {
     use super::*;
     use crate::plan::{Buffer, CopyDim, Loc};
 
-    fn copy(bytes_per_row: u64, rows: u64, src_stride: u64) -> Copy {
-        Copy::new(
+    fn copy(bytes_per_row: u64, rows: u64, src_stride: u64) -> StridedCopy {
+        StridedCopy::new(
             Loc {
                 buffer: Buffer::Src,
                 tensor: 0,
@@ -166,7 +169,7 @@ mod tests {
     }
 
     /// (source, destination) byte address of every byte of `copy`, in its dense order.
-    fn dense_addresses(copy: &Copy) -> Vec<(u64, u64)> {
+    fn dense_addresses(copy: &StridedCopy) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         let mut index = vec![0u64; copy.dims.len()];
         if copy.bytes() == 0 {
@@ -185,7 +188,7 @@ mod tests {
         }
     }
 
-    fn bytes_by_round(parts: &[BlockPart]) -> Vec<(u32, u64)> {
+    fn bytes_by_round(parts: &[Transfer]) -> Vec<(u32, u64)> {
         let mut out: Vec<(u32, u64)> = Vec::new();
         for p in parts {
             match out.last_mut() {
@@ -224,7 +227,7 @@ mod tests {
             );
             for (index, block) in [(4, &blocks[0]), (9, &blocks[1])] {
                 let whole = dense_addresses(block);
-                let mut mine: Vec<&BlockPart> = parts.iter().filter(|p| p.block == index).collect();
+                let mut mine: Vec<&Transfer> = parts.iter().filter(|p| p.block == index).collect();
                 mine.sort_by_key(|p| p.offset);
                 let mut covered = 0;
                 for p in mine {

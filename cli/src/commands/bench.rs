@@ -10,7 +10,7 @@ use crate::out;
 use crate::work;
 use crate::Failure;
 use ncclreshard::exec::host::copy_block;
-use ncclreshard::plan::{Buffer, Copy, CopyDim, Loc};
+use ncclreshard::plan::{Buffer, CopyDim, Loc, StridedCopy};
 use serde::Serialize;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -434,19 +434,19 @@ fn bench_copy(parsed: &Parsed) -> Result<u8, Failure> {
             },
         ]
     };
-    let pack = Copy::new(
+    let pack = StridedCopy::new(
         loc(Buffer::Src),
         loc(Buffer::Staging),
         1,
         &grid(stride, row),
     );
-    let unpack = Copy::new(
+    let unpack = StridedCopy::new(
         loc(Buffer::Staging),
         loc(Buffer::Dst),
         1,
         &grid(row, stride),
     );
-    let whole = Copy::new(loc(Buffer::Src), loc(Buffer::Dst), 1, &grid(row, row));
+    let whole = StridedCopy::new(loc(Buffer::Src), loc(Buffer::Dst), 1, &grid(row, row));
 
     let memcpy = best(repeat, || {
         out_contiguous.copy_from_slice(black_box(&contiguous));

@@ -1,14 +1,14 @@
 //! `ncclreshard check`: plan every case, run all ranks on the host executor, verify every
-//! destination byte (`ncclreshard::check::check`).
+//! destination byte (`ncclreshard_tools::check::check`).
 
 use super::{usage, Command};
 use crate::args::{flag, value, Parsed};
-use crate::case;
 use crate::out;
 use crate::Failure;
-use ncclreshard::check::CheckReport;
 use ncclreshard::plan::GROUPABLE_MAX_MESSAGES_PER_RANK;
 use ncclreshard::{Config, Mode, TensorSpec};
+use ncclreshard_tools::case;
+use ncclreshard_tools::check::CheckReport;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -167,7 +167,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
 fn check_one(job: &Job) -> Outcome {
     let started = Instant::now();
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
-        ncclreshard::check::check(&job.tensors, &job.config)
+        ncclreshard_tools::check::check(&job.tensors, &job.config)
     }));
     let ms = started.elapsed().as_secs_f64() * 1e3;
     match result {

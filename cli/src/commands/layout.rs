@@ -2,10 +2,11 @@
 
 use super::{load_one, per_file, Command};
 use crate::args::{flag, value, Parsed};
-use crate::case::{Case, Tensor};
 use crate::out;
 use crate::Failure;
-use ncclreshard::{IndexRuns, Layout};
+use ncclreshard::layout::Side;
+use ncclreshard::TensorSpec;
+use ncclreshard_tools::case::{Case, Tensor};
 use serde::Serialize;
 
 pub const COMMAND: Command = Command {
@@ -56,20 +57,24 @@ enum CaseLayout {
     Multi { name: String, tensors: Vec<Sides> },
 }
 
-fn shards(shape: &[u64], layout: &Layout) -> Vec<RankShard> {
+fn shards(spec: &TensorSpec, side: Side) -> Vec<RankShard> {
+    let layout = spec.layout(side);
     let mesh = &layout.mesh;
     (0..mesh.size())
         .map(|i| {
-            let coord = mesh.coord_at(i);
-            let indices = layout.local_indices(shape, &coord);
+            let rank = mesh.ranks()[i];
+            let view = spec
+                .rank_view(side, rank)
+                .expect("every rank of a mesh has a view");
             RankShard {
-                rank: mesh.ranks()[i],
-                shape: indices.iter().map(IndexRuns::len).collect(),
-                indices: indices
+                rank,
+                shape: view.local_shape().to_vec(),
+                indices: view
+                    .indices
                     .iter()
                     .map(|runs| runs.runs().iter().map(|r| [r.start, r.end]).collect())
                     .collect(),
-                coord,
+                coord: mesh.coord_at(i),
                 strides: layout.strides.clone(),
             }
         })
@@ -77,11 +82,10 @@ fn shards(shape: &[u64], layout: &Layout) -> Vec<RankShard> {
 }
 
 fn sides(tensor: &Tensor, name: Option<String>) -> Sides {
-    let spec = &tensor.spec;
     Sides {
         name,
-        src: shards(&spec.shape, &spec.src),
-        dst: shards(&spec.shape, &spec.dst),
+        src: shards(&tensor.spec, Side::Src),
+        dst: shards(&tensor.spec, Side::Dst),
     }
 }
 
@@ -125,8 +129,8 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
                 text += " ";
             }
             text += &format!(" shape {:?} {}\n", spec.shape, spec.dtype);
-            for (side, layout) in [("src", &spec.src), ("dst", &spec.dst)] {
-                text += &side_table(side, &spec.shape, layout);
+            for (name, side) in [("src", Side::Src), ("dst", Side::Dst)] {
+                text += &side_table(name, spec, side);
             }
         }
     }
@@ -137,10 +141,11 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
 /// At most this many runs per dim are printed; longer lists are elided with a count.
 const MAX_RUNS_SHOWN: usize = 6;
 
-fn side_table(side: &str, shape: &[u64], layout: &Layout) -> String {
+fn side_table(name: &str, spec: &TensorSpec, side: Side) -> String {
+    let layout = spec.layout(side);
     let placements: Vec<String> = layout.placements.iter().map(|p| p.to_string()).collect();
     let mut text = format!(
-        "    {side}: mesh {:?} ranks {} placements [{}]{}\n",
+        "    {name}: mesh {:?} ranks {} placements [{}]{}\n",
         layout.mesh.shape(),
         out::ranks(layout.mesh.ranks()),
         placements.join(", "),
@@ -150,7 +155,7 @@ fn side_table(side: &str, shape: &[u64], layout: &Layout) -> String {
             .map(|s| format!(" strides {s:?}"))
             .unwrap_or_default()
     );
-    let rows: Vec<[String; 4]> = shards(shape, layout)
+    let rows: Vec<[String; 4]> = shards(spec, side)
         .into_iter()
         .map(|s| {
             let dims: Vec<String> = s

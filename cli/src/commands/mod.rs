@@ -10,9 +10,9 @@ pub mod refit_setup;
 mod simulate;
 
 use crate::args::{Opt, Parsed};
-use crate::case::{self, Case, CaseFile};
 use crate::Failure;
 use ncclreshard::Mode;
+use ncclreshard_tools::case::{self, Case, CaseFile};
 use std::path::Path;
 
 pub struct Command {

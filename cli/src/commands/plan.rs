@@ -2,11 +2,11 @@
 
 use super::{chosen_mode, load_one, per_file, usage, Command};
 use crate::args::{flag, value, Parsed};
-use crate::case::Case;
 use crate::out;
 use crate::Failure;
 use ncclreshard::plan::ExecMode;
 use ncclreshard::{Config, Planner, RankProgram, Topology};
+use ncclreshard_tools::case::Case;
 use serde::Serialize;
 
 pub const COMMAND: Command = Command {

@@ -301,7 +301,7 @@ fn sim_json(args: &RefitArgs, s: &Simulation, model_bytes: u64) -> SimJson {
 fn table(
     args: &RefitArgs,
     mode: &str,
-    small: &ncclreshard::models::Refit,
+    small: &ncclreshard_tools::models::Refit,
     host: &HostJson,
     verified: &host_run::Verified,
     full: Option<&(Simulation, u64)>,

@@ -6,11 +6,12 @@ use crate::args::Parsed;
 use crate::models_json::{load_model, load_system, Model};
 use crate::work;
 use crate::Failure;
-use ncclreshard::models::{
+use ncclreshard::layout::Side;
+use ncclreshard::{Config, DType, Mode, Planner, RankProgram, TensorSpec, Topology};
+use ncclreshard_tools::models::{
     count_parameters, ExpertStorage, InferSpec, Refit, RefitOptions, TrainSpec, PRESETS,
 };
-use ncclreshard::sim::Cluster;
-use ncclreshard::{Config, DType, Mode, Planner, RankProgram, TensorSpec, Topology};
+use ncclreshard_tools::sim::Cluster;
 use std::ops::Range;
 use std::path::Path;
 use std::time::Duration;
@@ -219,12 +220,10 @@ pub fn plan_all(planner: &Planner, label: &str) -> Result<(Vec<RankProgram>, Dur
 pub fn host_bytes(tensors: &[TensorSpec]) -> u64 {
     let mut total = 0u64;
     for spec in tensors {
-        for layout in [&spec.src, &spec.dst] {
-            for &rank in layout.mesh.ranks() {
-                if let Some(indices) = layout.rank_indices(&spec.shape, rank) {
-                    let shape: Vec<u64> = indices.iter().map(|i| i.len()).collect();
-                    total =
-                        total.saturating_add(layout.view(&shape, spec.elem_size()).extent_bytes());
+        for side in [Side::Src, Side::Dst] {
+            for &rank in spec.layout(side).mesh.ranks() {
+                if let Some(v) = spec.rank_view(side, rank) {
+                    total = total.saturating_add(v.view.extent_bytes());
                 }
             }
         }

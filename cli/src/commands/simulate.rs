@@ -7,11 +7,11 @@ use crate::args::{flag, value, Parsed};
 use crate::out;
 use crate::work;
 use crate::Failure;
-use ncclreshard::models::Refit;
-use ncclreshard::sim::{
+use ncclreshard::{Config, RankProgram};
+use ncclreshard_tools::models::Refit;
+use ncclreshard_tools::sim::{
     self, BoundKind, Cluster, Direction, LinkKind, LinkUse, LowerBound, SimReport,
 };
-use ncclreshard::{Config, RankProgram};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::time::Instant;

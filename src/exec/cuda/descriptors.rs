@@ -1,13 +1,13 @@
 //! The device encoding of copies: what `kernels/copy.cu` reads.
 //!
-//! Each `Copy` of a program becomes one `CopyDesc` (same fields, fixed-size arrays) and a run
+//! Each `StridedCopy` of a program becomes one `CopyDesc` (same fields, fixed-size arrays) and a run
 //! of `Tile`s that split its bytes into thread-block-sized pieces; copies are grouped into
 //! launches whose base pointers fit in one kernel argument. Built once per plan and device,
-//! uploaded once; a call only fills the base pointers. [`interpret`] runs an encoding on the
-//! host with the kernel's exact index arithmetic, so tests can check that the encoding moves
-//! the same bytes as the host executor.
+//! uploaded once; a call only fills the base pointers. `tests/descriptors.rs` runs encodings
+//! on the host with the kernel's index arithmetic, to check that they move the same bytes as
+//! the host executor.
 
-use crate::plan::{Buffer, Copy, Loc};
+use crate::plan::{Buffer, Loc, StridedCopy};
 
 /// Must match `NCCL_RESHARD_MAX_COPY_DIMS` in kernels/copy.cu.
 pub const MAX_COPY_DIMS: usize = 8;
@@ -110,7 +110,7 @@ impl Encoded {
 }
 
 /// Encodes copies (in order) for the kernel.
-pub fn encode(copies: &[Copy], addressing: Addressing<'_>) -> Encoded {
+pub fn encode(copies: &[StridedCopy], addressing: Addressing<'_>) -> Encoded {
     let mut out = Encoded::default();
     let mut launch: Option<Launch> = None;
     for copy in copies.iter().filter(|c| c.bytes() > 0) {
@@ -203,51 +203,6 @@ fn push_tiles(tiles: &mut Vec<Tile>, desc: u32, chunk_bytes: u64, total: u64) {
     }
 }
 
-/// Runs an encoding on host memory exactly as the kernel does (the same offset arithmetic and
-/// tile walk; byte-wise instead of vector-wise). `memory` holds every slot's buffer; an
-/// address outside a buffer is an error naming the slot.
-pub fn interpret(
-    encoded: &Encoded,
-    memory: &mut std::collections::HashMap<BaseKey, Vec<u8>>,
-) -> Result<(), String> {
-    for launch in &encoded.launches {
-        for t in launch.first_tile..launch.first_tile + launch.tiles {
-            let tile = encoded.tiles[t as usize];
-            let d = &encoded.descs[tile.desc as usize];
-            let (src, dst) = (
-                launch.bases[d.src_base as usize],
-                launch.bases[d.dst_base as usize],
-            );
-            for byte in tile.start..tile.start + tile.bytes {
-                let chunk = byte / d.chunk_bytes;
-                let within = byte % d.chunk_bytes;
-                let (s, t) = chunk_offsets(d, chunk);
-                let value = *memory
-                    .get(&src)
-                    .and_then(|b| b.get((s + within) as usize))
-                    .ok_or_else(|| format!("read outside {src:?} at {}", s + within))?;
-                *memory
-                    .get_mut(&dst)
-                    .and_then(|b| b.get_mut((t + within) as usize))
-                    .ok_or_else(|| format!("write outside {dst:?} at {}", t + within))? = value;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// `chunk_offsets` of kernels/copy.cu.
-fn chunk_offsets(d: &CopyDesc, mut chunk: u64) -> (u64, u64) {
-    let (mut s, mut t) = (d.src_offset, d.dst_offset);
-    for k in (0..d.ndims as usize).rev() {
-        let i = chunk % d.count[k];
-        chunk /= d.count[k];
-        s += i * d.src_stride[k];
-        t += i * d.dst_stride[k];
-    }
-    (s, t)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,7 +224,7 @@ mod tests {
             (TILE_BYTES, 3),
             (TILE_BYTES * 2 + 5, 2),
         ] {
-            let copy = Copy::new(
+            let copy = StridedCopy::new(
                 Loc {
                     buffer: Buffer::Src,
                     tensor: 0,
@@ -302,9 +257,9 @@ mod tests {
 
     #[test]
     fn launches_split_when_bases_run_out() {
-        let copies: Vec<Copy> = (0..1000u32)
+        let copies: Vec<StridedCopy> = (0..1000u32)
             .map(|t| {
-                Copy::new(
+                StridedCopy::new(
                     Loc {
                         buffer: Buffer::Src,
                         tensor: t,

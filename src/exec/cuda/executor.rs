@@ -14,7 +14,8 @@ use super::libs;
 use super::nccl::{nccl, Nccl, NcclComm, NCCL_UINT8};
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
-use crate::plan::{Copy, Loc, Message, RankProgram, Round};
+use crate::exec::buffers::CallBuffers;
+use crate::plan::{Loc, Message, RankProgram, Round, StridedCopy};
 use cudarc::driver::sys;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -27,18 +28,6 @@ const MAX_GRID: u64 = 1 << 30;
 /// Default for how long `NCCL_RESHARD_CHECK=1` waits for the peers' fingerprints
 /// (`NCCL_RESHARD_CHECK_TIMEOUT`, seconds).
 const CHECK_TIMEOUT_SECONDS: u64 = 300;
-
-/// Where this call's buffers are.
-pub enum CallBuffers<'a> {
-    /// `ncclReshard`: one source and one destination buffer; views at the plan's offsets.
-    Single { send: usize, recv: usize },
-    /// `ncclReshardMulti`: one pointer per tensor and side (0 where the rank has no view; an
-    /// empty slice when the rank has no views on that side).
-    PerTensor {
-        send: &'a [usize],
-        recv: &'a [usize],
-    },
-}
 
 /// Descriptor tables of one phase, on the device.
 struct Uploaded {
@@ -136,7 +125,9 @@ impl CudaExecutor {
         }
     }
 
-    /// Enqueues the program on `stream` with `comm`. See the module documentation.
+    /// Enqueues the program on `stream` with `comm`. See the module documentation. `buffers`
+    /// are taken as [`RankViews`](crate::exec::buffers::RankViews) checked them (present
+    /// where the rank holds data, not overlapping).
     pub fn execute(
         &self,
         buffers: &CallBuffers<'_>,
@@ -386,8 +377,8 @@ impl CudaExecutor {
             p.rounds_iter()
                 .enumerate()
                 .map(|(i, round)| {
-                    let local: &[Copy] = if i == 0 { &p.local_copies } else { &[] };
-                    let pre: Vec<Copy> = local.iter().chain(round.packs).cloned().collect();
+                    let local: &[StridedCopy] = if i == 0 { &p.local_copies } else { &[] };
+                    let pre: Vec<StridedCopy> = local.iter().chain(round.packs).cloned().collect();
                     (encode(&pre, addressing), encode(round.unpacks, addressing))
                 })
                 .collect()

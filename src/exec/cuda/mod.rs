@@ -9,4 +9,4 @@ pub(crate) mod libs;
 pub(crate) mod nccl;
 pub mod nvrtc;
 
-pub use executor::{CallBuffers, CudaExecutor};
+pub use executor::CudaExecutor;

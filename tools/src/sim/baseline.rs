@@ -1,7 +1,7 @@
 //! The gather + broadcast baseline (what NeMo RL, veRL and slime do today).
 
 use super::{Cluster, Direction, LinkKind, LinkUse, Phase, SimReport};
-use crate::layout::{IndexRuns, TensorSpec};
+use ncclreshard::layout::{Side, TensorSpec};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Which ranks join the broadcast communicator besides the inference ranks.
@@ -285,9 +285,8 @@ fn gathered(spec: &TensorSpec, cluster: &Cluster, root: u32) -> Gathered {
         .map(|(_, &r)| r)
         .collect();
     let local = |rank: u32| -> u64 {
-        layout.rank_indices(&spec.shape, rank).map_or(0, |dims| {
-            dims.iter().map(IndexRuns::len).product::<u64>() * elem
-        })
+        spec.rank_view(Side::Src, rank)
+            .map_or(0, |v| v.view.elements() * elem)
     };
     let locals: Vec<u64> = group.iter().map(|&r| local(r)).collect();
     let max_local = locals.iter().copied().max().unwrap_or(0);

@@ -1,8 +1,8 @@
 //! Every parameter of a model: HF-style name, shape, storage type and how it is parallelised.
 
 use super::config::ModelConfig;
-use crate::error::{Error, Result};
-use crate::layout::DType;
+use ncclreshard::error::{Error, Result};
+use ncclreshard::layout::DType;
 use std::fmt;
 
 /// One of a gated MLP's three projections.

@@ -10,8 +10,8 @@
 //!    (M2N's `*.model.json`) becomes the same [`Param`]s through [`Param::from_name`].
 //! 3. [`refit`] / [`refit_params`]: a training spec ([`TrainSpec`], Megatron `tp,cp,pp,dp,ep,etp`
 //!    or FSDP2 `fsdp`) and an inference spec ([`InferSpec`], vLLM/SGLang `tp,dp,ep`) give
-//!    every parameter's source and destination [`Layout`](crate::Layout) as a
-//!    [`TensorSpec`](crate::TensorSpec), ready for the planner.
+//!    every parameter's source and destination [`Layout`](ncclreshard::Layout) as a
+//!    [`TensorSpec`](ncclreshard::TensorSpec), ready for the planner.
 //!
 //! # Fused inference buffers and byte offsets
 //!

@@ -5,10 +5,10 @@
 //! executor, then checks every destination element and that no byte outside the destination
 //! views changed. This is what `ncclreshard check` runs.
 
-use crate::error::{Error, Result};
-use crate::exec::host::{execute, RankBuffers};
-use crate::layout::{next_index, IndexRuns, Layout, LocalView, TensorSpec};
-use crate::plan::{Config, Planner, RankProgram};
+use ncclreshard::error::{Error, Result};
+use ncclreshard::exec::host::{execute, RankBuffers};
+use ncclreshard::layout::{next_index, RankView, Side, TensorSpec};
+use ncclreshard::plan::{Config, Planner, RankProgram};
 
 /// What a successful check moved and verified.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -37,12 +37,8 @@ pub fn sentinel(offset: usize) -> u8 {
 }
 
 /// Calls `f(byte offset in the view, global linear index)` for every element of a rank's view.
-fn for_each_element(
-    shape: &[u64],
-    indices: &[IndexRuns],
-    view: &LocalView,
-    mut f: impl FnMut(usize, u64),
-) {
+fn for_each_element(shape: &[u64], rank_view: &RankView, mut f: impl FnMut(usize, u64)) {
+    let RankView { indices, view } = rank_view;
     if view.elements() == 0 {
         return;
     }
@@ -52,7 +48,7 @@ fn for_each_element(
         .iter()
         .map(|r| r.runs().iter().flat_map(|run| run.start..run.end).collect())
         .collect();
-    let global_strides = crate::layout::row_major_strides(shape);
+    let global_strides = ncclreshard::layout::row_major_strides(shape);
     let byte_strides = view.byte_strides();
     let mut pos = vec![0usize; ndim];
     loop {
@@ -67,13 +63,6 @@ fn for_each_element(
             return;
         }
     }
-}
-
-fn rank_view(spec: &TensorSpec, layout: &Layout, rank: u32) -> Option<(Vec<IndexRuns>, LocalView)> {
-    let indices = layout.rank_indices(&spec.shape, rank)?;
-    let shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
-    let view = layout.view(&shape, spec.elem_size());
-    Some((indices, view))
 }
 
 /// The most host memory `check` allocates for all ranks' views together.
@@ -95,9 +84,9 @@ fn host_bytes_needed(tensors: &[TensorSpec], ranks: &[u32]) -> u64 {
     let mut total = 0u64;
     for &rank in ranks {
         for spec in tensors {
-            for layout in [&spec.src, &spec.dst] {
-                if let Some((_, view)) = rank_view(spec, layout, rank) {
-                    total = total.saturating_add(view.extent_bytes());
+            for side in [Side::Src, Side::Dst] {
+                if let Some(v) = spec.rank_view(side, rank) {
+                    total = total.saturating_add(v.view.extent_bytes());
                 }
             }
         }
@@ -110,12 +99,12 @@ fn host_bytes_needed(tensors: &[TensorSpec], ranks: &[u32]) -> u64 {
 /// the rank has no source view. Executors other than the host one use it to set up the same
 /// data (the GPU tests).
 pub fn source_view_bytes(spec: &TensorSpec, t: u32, rank: u32) -> Result<Option<Vec<u8>>> {
-    let Some((indices, view)) = rank_view(spec, &spec.src, rank) else {
+    let Some(v) = spec.rank_view(Side::Src, rank) else {
         return Ok(None);
     };
-    let mut bytes = alloc(view.extent_bytes())?;
+    let mut bytes = alloc(v.view.extent_bytes())?;
     let size = spec.elem_size() as usize;
-    for_each_element(&spec.shape, &indices, &view, |offset, global| {
+    for_each_element(&spec.shape, &v, |offset, global| {
         let value = element_value(t, global).to_le_bytes();
         bytes[offset..offset + size].copy_from_slice(&value[..size]);
     });
@@ -124,8 +113,8 @@ pub fn source_view_bytes(spec: &TensorSpec, t: u32, rank: u32) -> Result<Option<
 
 /// A destination view as it starts: sentinels everywhere (`None` when `rank` has no view).
 pub fn destination_view_bytes(spec: &TensorSpec, rank: u32) -> Result<Option<Vec<u8>>> {
-    rank_view(spec, &spec.dst, rank)
-        .map(|(_, view)| alloc(view.extent_bytes()))
+    spec.rank_view(Side::Dst, rank)
+        .map(|v| alloc(v.view.extent_bytes()))
         .transpose()
 }
 
@@ -133,9 +122,10 @@ pub fn destination_view_bytes(spec: &TensorSpec, rank: u32) -> Result<Option<Vec
 /// value and every byte between elements still holds its sentinel. Returns the elements
 /// checked.
 pub fn verify_destination_view(spec: &TensorSpec, t: u32, rank: u32, got: &[u8]) -> Result<u64> {
-    let Some((indices, view)) = rank_view(spec, &spec.dst, rank) else {
+    let Some(v) = spec.rank_view(Side::Dst, rank) else {
         return Ok(0);
     };
+    let view = &v.view;
     if got.len() as u64 != view.extent_bytes() {
         return Err(Error::internal(format!(
             "tensor {t} rank {rank}: the destination view is {} bytes, not {}",
@@ -159,7 +149,7 @@ pub fn verify_destination_view(spec: &TensorSpec, t: u32, rank: u32, got: &[u8])
     };
     let mut failure: Option<String> = None;
     let mut checked = 0;
-    for_each_element(&spec.shape, &indices, &view, |offset, global| {
+    for_each_element(&spec.shape, &v, |offset, global| {
         if !dense {
             inside[offset..offset + size]
                 .iter_mut()
@@ -241,7 +231,7 @@ pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{DType, Layout, Mesh, Placement};
+    use ncclreshard::layout::{DType, Layout, Mesh, Placement};
 
     #[test]
     fn verification_catches_a_wrong_element_and_a_clobbered_gap() {

@@ -1,6 +1,6 @@
 //! The cluster model: where each rank's GPU sits and how fast its links are.
 
-use crate::error::{Error, Result};
+use ncclreshard::error::{Error, Result};
 
 /// Bytes per second in one GB/s (decimal, like NIC and NVLink datasheets).
 const GB: f64 = 1e9;

@@ -2,14 +2,14 @@
 //! gather + broadcast baseline and the lower bound, and the DeepSeek-V3 calibration against
 //! the public measurements in reference/FACTS.md.
 
-use ncclreshard::models::{refit, InferSpec, ModelConfig, RefitOptions, TrainSpec};
-use ncclreshard::plan::{Buffer, Copy, Loc, Message, RoundSpan};
-use ncclreshard::sim::{
-    gather_broadcast, gather_broadcast_with, lower_bound, simulate, BaselineParams, BoundKind,
-    BroadcastGroup, Cluster, Direction, LinkKind, SimReport,
-};
+use ncclreshard::plan::{Buffer, Loc, Message, RoundSpan, StridedCopy};
 use ncclreshard::{
     Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
+};
+use ncclreshard_tools::models::{refit, InferSpec, ModelConfig, RefitOptions, TrainSpec};
+use ncclreshard_tools::sim::{
+    gather_broadcast, gather_broadcast_with, lower_bound, simulate, BaselineParams, BoundKind,
+    BroadcastGroup, Cluster, Direction, LinkKind, SimReport,
 };
 use std::time::Instant;
 
@@ -370,7 +370,7 @@ fn packs_and_unpacks_run_at_copy_bandwidth() {
     let packs: u64 = programs
         .iter()
         .flat_map(|p| &p.packs)
-        .map(Copy::bytes)
+        .map(StridedCopy::bytes)
         .sum();
     assert_eq!(packs, 2 * half);
     let report = simulate(&programs, &cluster);
@@ -391,7 +391,7 @@ fn packs_and_unpacks_run_at_copy_bandwidth() {
     let unpacks: u64 = programs
         .iter()
         .flat_map(|p| &p.unpacks)
-        .map(Copy::bytes)
+        .map(StridedCopy::bytes)
         .sum();
     assert_eq!(unpacks, 2 * half);
     let report = simulate(&programs, &cluster);

@@ -1,7 +1,7 @@
 //! The physical lower bound of a reshard: bytes that must cross each boundary ÷ its bandwidth.
 
 use super::Cluster;
-use crate::layout::{next_index, DimPiece, Layout, TensorSpec};
+use ncclreshard::layout::{next_index, DimPiece, Layout, TensorSpec};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 

@@ -2,7 +2,7 @@
 //!
 //! Three estimates from the same [`Cluster`] model:
 //!
-//! - [`simulate`] runs the real per-rank programs (from [`crate::Planner::rank_program`]):
+//! - [`simulate`] runs the real per-rank programs (from [`ncclreshard::Planner::rank_program`]):
 //!   local copies and packs at HBM copy speed, then every (sender, receiver) pair's messages as
 //!   one flow sharing NVLink or NIC links max-min fairly, then unpacks.
 //! - [`gather_broadcast`] models the baseline NeMo RL, veRL and slime use: gather every tensor

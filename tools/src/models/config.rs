@@ -1,6 +1,6 @@
 //! Model hyper-parameters: the public presets, HuggingFace `config.json` fields, scaling.
 
-use crate::error::{Error, Result};
+use ncclreshard::error::{Error, Result};
 
 /// Mixture-of-experts hyper-parameters (DeepSeek / Qwen3-MoE style: routed experts with the
 /// HF names `mlp.experts.{e}.{gate,up,down}_proj`, optional DeepSeek-style shared experts).

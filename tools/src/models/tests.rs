@@ -1,6 +1,6 @@
 use super::*;
-use crate::layout::{DType, Placement};
-use crate::plan::{Config, Planner};
+use ncclreshard::layout::{DType, Placement};
+use ncclreshard::plan::{Config, Planner};
 use std::collections::{HashMap, HashSet};
 
 fn preset(name: &str) -> ModelConfig {
@@ -328,7 +328,7 @@ fn m2n_sizes_become_specs() {
     assert!(err.message.contains("pp_size"), "{err}");
 }
 
-fn layout_of<'a>(refit: &'a Refit, name: &str) -> &'a crate::TensorSpec {
+fn layout_of<'a>(refit: &'a Refit, name: &str) -> &'a ncclreshard::TensorSpec {
     let i = refit.names.iter().position(|n| n == name).unwrap();
     &refit.tensors[i]
 }

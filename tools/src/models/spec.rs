@@ -1,6 +1,6 @@
 //! Parallelism specs: Megatron/FSDP2-style training and vLLM/SGLang-style inference.
 
-use crate::error::{Error, Result};
+use ncclreshard::error::{Error, Result};
 use std::fmt;
 
 /// A training job's parallelism (Megatron-LM, or FSDP2 with the `fsdp` key).

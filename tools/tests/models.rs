@@ -1,12 +1,13 @@
 //! Model refits end to end: scaled-down refits planned for every rank and byte-checked on the
 //! host executor, fused-buffer offsets tiling their buffers, and the public M2N configs.
 
-use ncclreshard::check::check;
-use ncclreshard::models::{
+use ncclreshard::layout::Side;
+use ncclreshard::{Config, DType, Planner};
+use ncclreshard_tools::check::check;
+use ncclreshard_tools::models::{
     inventory, refit, refit_params, ExpertStorage, InferSpec, M2nSide, ModelConfig, Param, Refit,
     RefitOptions, TrainSpec,
 };
-use ncclreshard::{Config, DType, IndexRuns, Planner};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -52,14 +53,7 @@ fn run(config: &ModelConfig, train: &str, infer: &str, options: &RefitOptions) -
                 .mesh
                 .ranks()
                 .iter()
-                .map(|&r| {
-                    t.dst
-                        .rank_indices(&t.shape, r)
-                        .unwrap()
-                        .iter()
-                        .map(IndexRuns::len)
-                        .product::<u64>()
-                })
+                .map(|&r| t.rank_view(Side::Dst, r).unwrap().view.elements())
                 .sum::<u64>()
         })
         .sum();
@@ -163,11 +157,11 @@ fn assert_fused_buffers_tile(refit: &Refit) {
             let mut expected = 0u64;
             for &m in members {
                 let t = &refit.tensors[m];
-                let Some(indices) = t.dst.rank_indices(&t.shape, rank) else {
+                let Some(rank_view) = t.rank_view(Side::Dst, rank) else {
                     continue;
                 };
-                let local: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
-                let view = t.dst.view(&local, t.elem_size());
+                let view = &rank_view.view;
+                let local = rank_view.local_shape();
                 let offset = refit.fused_offset_bytes(m, rank).unwrap();
                 expected += view.elements() * view.elem_size;
                 let mut pos = vec![0u64; local.len()];

@@ -4,8 +4,8 @@
 use super::config::ModelConfig;
 use super::inventory::{inventory, ExpertStorage, Param, Proj, Role};
 use super::spec::{InferSpec, TrainSpec};
-use crate::error::{Error, Result};
-use crate::layout::{DType, IndexRuns, Layout, Mesh, Placement, TensorSpec};
+use ncclreshard::error::{Error, Result};
+use ncclreshard::layout::{DType, Layout, Mesh, Placement, Side, TensorSpec};
 use std::collections::hash_map::{Entry, HashMap};
 use std::ops::Range;
 use std::sync::Arc;
@@ -51,7 +51,7 @@ pub struct FusedView {
     pub position: usize,
 }
 
-/// The tensors of one refit, ready for [`Planner::new`](crate::Planner::new).
+/// The tensors of one refit, ready for [`Planner::new`](ncclreshard::Planner::new).
 ///
 /// Plain data: `names[i]`, `tensors[i]` and `fused[i]` describe parameter `i` of the
 /// inventory (checkpoint order).
@@ -87,21 +87,16 @@ impl Refit {
     pub fn fused_offset_bytes(&self, tensor: usize, rank: u32) -> Option<u64> {
         let fused = self.fused.get(tensor)?.as_ref()?;
         let spec = &self.tensors[tensor];
-        let local = local_shape(spec, rank)?;
-        let stride = spec.dst.view(&local, spec.elem_size()).strides[fused.dim];
+        let stride = spec.rank_view(Side::Dst, rank)?.view.byte_strides()[fused.dim];
         let before: u64 = fused.members[..fused.position]
             .iter()
-            .filter_map(|&m| local_shape(&self.tensors[m as usize], rank).map(|s| s[fused.dim]))
+            .filter_map(|&m| {
+                let member = self.tensors[m as usize].rank_view(Side::Dst, rank)?;
+                Some(member.local_shape()[fused.dim])
+            })
             .sum();
-        Some(before * stride * u64::from(spec.elem_size()))
+        Some(before * stride)
     }
-}
-
-/// A rank's local destination shape of `spec`, `None` outside the destination mesh.
-fn local_shape(spec: &TensorSpec, rank: u32) -> Option<Vec<u64>> {
-    spec.dst
-        .rank_indices(&spec.shape, rank)
-        .map(|indices| indices.iter().map(IndexRuns::len).collect())
 }
 
 /// The refit of `config`'s parameters ([`inventory`] with `options.experts`) from `train` to
@@ -144,7 +139,7 @@ pub fn refit(
 /// Errors: invalid specs (the message names the key), more ranks than NCCL addresses, or an
 /// expert tensor without its 2 (per-expert) or 3 (stacked) dims. The layouts are valid for
 /// every shape; sizes too large for byte offsets are left to [`TensorSpec::validate`] (which
-/// [`Planner::new`](crate::Planner::new) runs).
+/// [`Planner::new`](ncclreshard::Planner::new) runs).
 pub fn refit_params(
     params: &[Param],
     train: &TrainSpec,

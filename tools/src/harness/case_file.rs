@@ -1,15 +1,13 @@
 //! The `case_file` harness: bytes → the CLI's case-file parser → the planner → the byte-exact
 //! host check.
 //!
-//! The parser is the CLI's own file, compiled in here unchanged. Every error must name the
-//! file (as the CLI promises); a parsed case is planned for a few ranks with the library's
-//! Rust API, and, when small enough to run in a moment, checked end to end on the host
-//! executor, which must never report an internal error (a wrong or missing byte).
+//! The parser is the one the CLI uses ([`crate::case`]). Every error must name the file (as
+//! the CLI promises); a parsed case is planned for a few ranks with the library's Rust API,
+//! and, when small enough to run in a moment, checked end to end on the host executor, which
+//! must never report an internal error (a wrong or missing byte).
 
-#[path = "../../cli/src/case.rs"]
-pub mod case;
-
-use ncclreshard::check::check;
+use crate::case;
+use crate::check::check;
 use ncclreshard::{ErrorKind, Planner};
 
 /// The file name the parser is given (its errors must start with it).

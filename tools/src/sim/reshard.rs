@@ -2,7 +2,7 @@
 
 use super::flows::{self, Flow};
 use super::{Cluster, Direction, LinkKind, LinkUse, Phase, SimReport};
-use crate::plan::{Copy, RankProgram};
+use ncclreshard::plan::{RankProgram, StridedCopy};
 use std::collections::HashMap;
 
 /// Links per GPU, in link-id order: NVLink egress, NVLink ingress, NIC egress, NIC ingress.
@@ -54,7 +54,7 @@ struct PairFlow {
 
 /// The multi-round model of [`simulate`]; `labels` are every round any rank has, ascending.
 fn simulate_rounds(programs: &[RankProgram], cluster: &Cluster, labels: &[u32]) -> SimReport {
-    let copy_bytes = |copies: &[Copy]| copies.iter().map(Copy::bytes).sum::<u64>();
+    let copy_bytes = |copies: &[StridedCopy]| copies.iter().map(StridedCopy::bytes).sum::<u64>();
     let nr = labels.len();
     let mut ranks: Vec<u32> = programs
         .iter()
@@ -332,7 +332,7 @@ fn report(
 
 /// One round (or a one-round program): local copies and packs, one group, unpacks.
 fn simulate_round(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
-    let copy_bytes = |copies: &[Copy]| copies.iter().map(Copy::bytes).sum::<u64>();
+    let copy_bytes = |copies: &[StridedCopy]| copies.iter().map(StridedCopy::bytes).sum::<u64>();
 
     // One flow per (sender, receiver) pair.
     let mut pairs: HashMap<(u32, u32), (u64, u64)> = HashMap::new();

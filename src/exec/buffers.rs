@@ -1,0 +1,339 @@
+//! The buffer side of the executor contract, which every transport implements (the CUDA
+//! executor here; NIXL, CUDA IPC or host copies elsewhere): where a rank's views of a plan's
+//! tensors sit in the buffers of a call, and which buffers a call must pass.
+//!
+//! A call passes either one source and one destination buffer (`ncclReshard`: each tensor's
+//! view at its offset in them) or one pointer per tensor and side (`ncclReshardMulti`). The
+//! rules are checked here, once, before any transport runs: a rank holding data on a side
+//! needs that side's buffer, views of different tensors do not overlap within a buffer, and
+//! the source and destination of a call do not overlap (no in-place reshards). Pointers are
+//! plain addresses: nothing here reads or writes through them.
+
+use crate::error::{Error, Result};
+use crate::layout::{Side, TensorSpec};
+
+/// Where a call's buffers are: what an executor is handed after [`RankViews`] checked them.
+pub enum CallBuffers<'a> {
+    /// `ncclReshard`: one source and one destination buffer; views at the plan's offsets.
+    Single { send: usize, recv: usize },
+    /// `ncclReshardMulti`: one pointer per tensor and side (0 where the rank has no view; an
+    /// empty slice when the rank has no views on that side).
+    PerTensor {
+        send: &'a [usize],
+        recv: &'a [usize],
+    },
+}
+
+/// Where one tensor's view sits in the single-buffer call: `bytes` bytes (the view's extent)
+/// from byte `offset` of the buffer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ViewRange {
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+impl ViewRange {
+    fn end(&self) -> u64 {
+        self.offset + self.bytes
+    }
+}
+
+/// One tensor's views on this rank (`None` where the rank has no view on that side).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TensorViews {
+    pub src: Option<ViewRange>,
+    pub dst: Option<ViewRange>,
+}
+
+/// A rank's views of every tensor of a plan, with their offsets in the single-buffer call,
+/// validated once when the plan is made; it checks every call's buffers against them.
+/// Immutable, so shareable across threads.
+#[derive(Clone, Debug)]
+pub struct RankViews {
+    rank: u32,
+    tensors: Vec<TensorViews>,
+    /// The tensors' names, for messages (`tensors[3] (layers.0.wq)`).
+    names: Vec<Option<String>>,
+}
+
+/// Checks that no two of `ranges` (range, tensor) overlap; `buffer` names the buffer and
+/// `field` the offset field.
+fn check_disjoint(mut ranges: Vec<(ViewRange, usize)>, buffer: &str, field: &str) -> Result<()> {
+    ranges.retain(|(r, _)| r.bytes > 0);
+    ranges.sort_unstable_by_key(|&(r, t)| (r.offset, r.bytes, t));
+    for w in ranges.windows(2) {
+        let ((first, first_tensor), (second, second_tensor)) = (w[0], w[1]);
+        if first.end() > second.offset {
+            return Err(Error::invalid_argument(format!(
+                "tensors[{second_tensor}].{field} = {}: its view overlaps tensor {first_tensor}'s view in {buffer} (bytes [{}, {})); give each tensor its own byte range",
+                second.offset,
+                first.offset,
+                first.end()
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl RankViews {
+    /// `rank`'s views of `tensors`, the views of tensor `t` at `offsets[t]` = (source offset,
+    /// destination offset) in the single-buffer call; `names[t]` is its name, if any. Errors
+    /// (naming `tensors[t].srcOffset` / `.dstOffset`) when a view would end past 2^63 bytes or
+    /// two tensors' views overlap in one buffer.
+    pub fn new(
+        rank: u32,
+        tensors: &[TensorSpec],
+        offsets: &[(u64, u64)],
+        names: Vec<Option<String>>,
+    ) -> Result<RankViews> {
+        let mut views = Vec::with_capacity(tensors.len());
+        for (t, (spec, &(src_offset, dst_offset))) in tensors.iter().zip(offsets).enumerate() {
+            let range = |side, offset: u64, field: &str| -> Result<Option<ViewRange>> {
+                let Some(view) = spec.rank_view(side, rank) else {
+                    return Ok(None);
+                };
+                let bytes = view.view.extent_bytes();
+                offset
+                    .checked_add(bytes)
+                    .filter(|&end| end <= i64::MAX as u64)
+                    .ok_or_else(|| {
+                        Error::invalid_argument(format!(
+                            "tensors[{t}].{field} = {offset} puts the view past 2^63 bytes"
+                        ))
+                    })?;
+                Ok(Some(ViewRange { offset, bytes }))
+            };
+            views.push(TensorViews {
+                src: range(Side::Src, src_offset, "srcOffset")?,
+                dst: range(Side::Dst, dst_offset, "dstOffset")?,
+            });
+        }
+        let ranges = |side: fn(&TensorViews) -> Option<ViewRange>| {
+            views
+                .iter()
+                .enumerate()
+                .filter_map(|(t, v)| side(v).map(|r| (r, t)))
+                .collect()
+        };
+        check_disjoint(ranges(|v| v.src), "sendbuff", "srcOffset")?;
+        check_disjoint(ranges(|v| v.dst), "recvbuff", "dstOffset")?;
+        Ok(RankViews {
+            rank,
+            tensors: views,
+            names,
+        })
+    }
+
+    /// The views, one entry per tensor in plan order.
+    pub fn tensors(&self) -> &[TensorViews] {
+        &self.tensors
+    }
+
+    /// Offsets of the source views in the single-buffer call (0 where the rank has none).
+    pub fn src_offsets(&self) -> Vec<u64> {
+        self.tensors
+            .iter()
+            .map(|v| v.src.map_or(0, |r| r.offset))
+            .collect()
+    }
+
+    /// Offsets of the destination views in the single-buffer call (0 where the rank has none).
+    pub fn dst_offsets(&self) -> Vec<u64> {
+        self.tensors
+            .iter()
+            .map(|v| v.dst.map_or(0, |r| r.offset))
+            .collect()
+    }
+
+    /// The first tensor with a non-empty view on `side`.
+    fn first_holding(&self, side: fn(&TensorViews) -> Option<ViewRange>) -> Option<usize> {
+        self.tensors
+            .iter()
+            .position(|v| side(v).is_some_and(|r| r.bytes > 0))
+    }
+
+    /// Bytes of the single-buffer call's source buffer this rank reads: up to the end of its
+    /// last source view.
+    pub fn send_bytes(&self) -> u64 {
+        self.extent(|v| v.src)
+    }
+
+    /// Bytes of the single-buffer call's destination buffer this rank writes at most.
+    pub fn recv_bytes(&self) -> u64 {
+        self.extent(|v| v.dst)
+    }
+
+    fn extent(&self, side: fn(&TensorViews) -> Option<ViewRange>) -> u64 {
+        self.tensors
+            .iter()
+            .filter_map(|v| side(v).map(|r| r.end()))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn tensor_name(&self, t: usize) -> String {
+        match self.names.get(t).and_then(Option::as_ref) {
+            Some(name) => format!("tensors[{t}] ({name})"),
+            None => format!("tensors[{t}]"),
+        }
+    }
+
+    /// The buffers of a single-buffer call (`send`/`recv` addresses, 0 for NULL), after
+    /// checking that the rank has every buffer it needs and that the two do not overlap.
+    pub fn single(&self, send: usize, recv: usize) -> Result<CallBuffers<'static>> {
+        if send == 0 {
+            if let Some(t) = self.first_holding(|v| v.src) {
+                return Err(Error::invalid_argument(format!(
+                    "sendbuff is NULL but rank {} holds source data of {}",
+                    self.rank,
+                    self.tensor_name(t)
+                )));
+            }
+        }
+        if recv == 0 {
+            if let Some(t) = self.first_holding(|v| v.dst) {
+                return Err(Error::invalid_argument(format!(
+                    "recvbuff is NULL but rank {} receives data of {}",
+                    self.rank,
+                    self.tensor_name(t)
+                )));
+            }
+        }
+        let (sb, rb) = (self.send_bytes() as usize, self.recv_bytes() as usize);
+        if send != 0
+            && recv != 0
+            && sb > 0
+            && rb > 0
+            && send < recv.saturating_add(rb)
+            && recv < send.saturating_add(sb)
+        {
+            return Err(Error::invalid_argument(format!(
+                "sendbuff ({send:#x}, {sb} bytes) and recvbuff ({recv:#x}, {rb} bytes) overlap; in-place reshards are not supported"
+            )));
+        }
+        Ok(CallBuffers::Single { send, recv })
+    }
+
+    /// The buffers of a per-tensor call (one address per tensor and side, 0 for NULL; an empty
+    /// slice when none is given), after checking that every view the rank holds has its
+    /// buffer and that no tensor's source and destination overlap.
+    pub fn per_tensor<'a>(&self, send: &'a [usize], recv: &'a [usize]) -> Result<CallBuffers<'a>> {
+        let send_at = |t: usize| send.get(t).copied().unwrap_or(0);
+        let recv_at = |t: usize| recv.get(t).copied().unwrap_or(0);
+        for (t, v) in self.tensors.iter().enumerate() {
+            let src = v.src.filter(|r| r.bytes > 0);
+            let dst = v.dst.filter(|r| r.bytes > 0);
+            if src.is_some() && send_at(t) == 0 {
+                return Err(Error::invalid_argument(format!(
+                    "sendbuffs[{t}] is NULL but rank {} holds source data of {}",
+                    self.rank,
+                    self.tensor_name(t)
+                )));
+            }
+            if dst.is_some() && recv_at(t) == 0 {
+                return Err(Error::invalid_argument(format!(
+                    "recvbuffs[{t}] is NULL but rank {} receives data of {}",
+                    self.rank,
+                    self.tensor_name(t)
+                )));
+            }
+            if let (Some(src), Some(dst)) = (src, dst) {
+                let (s, d) = (send_at(t), recv_at(t));
+                if s < d.saturating_add(dst.bytes as usize)
+                    && d < s.saturating_add(src.bytes as usize)
+                {
+                    return Err(Error::invalid_argument(format!(
+                        "sendbuffs[{t}] and recvbuffs[{t}] overlap; in-place reshards are not supported"
+                    )));
+                }
+            }
+        }
+        Ok(CallBuffers::PerTensor { send, recv })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{DType, Layout, Mesh, Placement};
+
+    /// A [4, 4] float tensor, Shard(0) over ranks 0 and 1 → Replicate on rank 1: rank 1 holds
+    /// 32 source bytes and receives 64.
+    fn spec() -> TensorSpec {
+        let layout = |ranks: Vec<u32>, p| {
+            Layout::new(Mesh::new(vec![ranks.len() as u64], ranks).unwrap(), vec![p])
+        };
+        TensorSpec {
+            shape: vec![4, 4],
+            dtype: DType::Float32,
+            src: layout(vec![0, 1], Placement::Shard(0)),
+            dst: layout(vec![1], Placement::Replicate),
+        }
+    }
+
+    fn message<T>(result: Result<T>) -> String {
+        result.err().expect("an error").message
+    }
+
+    #[test]
+    fn views_sit_at_their_offsets_and_must_not_overlap() {
+        let two = [spec(), spec()];
+        let names = vec![None, Some("w".to_string())];
+        let views = RankViews::new(1, &two, &[(0, 0), (32, 64)], names.clone()).unwrap();
+        assert_eq!(views.send_bytes(), 64);
+        assert_eq!(views.recv_bytes(), 128);
+        assert_eq!(views.src_offsets(), [0, 32]);
+        // Rank 0 receives nothing: no destination views, whatever its offsets.
+        let sender = RankViews::new(0, &two, &[(0, 0), (32, 0)], names.clone()).unwrap();
+        assert_eq!(sender.recv_bytes(), 0);
+        let err = message(RankViews::new(1, &two, &[(0, 0), (16, 64)], names.clone()));
+        assert!(
+            err.starts_with(
+                "tensors[1].srcOffset = 16: its view overlaps tensor 0's view in sendbuff"
+            ),
+            "{err}"
+        );
+        let err = message(RankViews::new(
+            1,
+            &two,
+            &[(0, 0), (32, i64::MAX as u64)],
+            names,
+        ));
+        assert!(err.contains("tensors[1].dstOffset"), "{err}");
+    }
+
+    #[test]
+    fn calls_need_the_buffers_the_rank_uses_and_must_not_work_in_place() {
+        let two = [spec(), spec()];
+        let names = vec![None, Some("w".to_string())];
+        let views = RankViews::new(1, &two, &[(0, 0), (32, 64)], names).unwrap();
+        assert!(views.single(0x1000, 0x2000).is_ok());
+        let err = message(views.single(0, 0x2000));
+        assert!(
+            err.starts_with("sendbuff is NULL but rank 1 holds source data of tensors[0]"),
+            "{err}"
+        );
+        // The source reads 64 bytes: a destination 32 bytes on overlaps it.
+        let err = message(views.single(0x1000, 0x1020));
+        assert!(
+            err.contains("overlap; in-place reshards are not supported"),
+            "{err}"
+        );
+        assert!(views
+            .per_tensor(&[0x1000, 0x3000], &[0x5000, 0x7000])
+            .is_ok());
+        let err = message(views.per_tensor(&[0x1000, 0x3000], &[0x5000]));
+        assert!(
+            err.starts_with("recvbuffs[1] is NULL but rank 1 receives data of tensors[1] (w)"),
+            "{err}"
+        );
+        let err = message(views.per_tensor(&[0x1000, 0x3000], &[0x5000, 0x3010]));
+        assert!(
+            err.starts_with("sendbuffs[1] and recvbuffs[1] overlap"),
+            "{err}"
+        );
+        // A rank with no views needs no buffers.
+        let idle = RankViews::new(7, &two, &[(0, 0), (0, 0)], vec![None, None]).unwrap();
+        assert!(idle.single(0, 0).is_ok() && idle.per_tensor(&[], &[]).is_ok());
+    }
+}

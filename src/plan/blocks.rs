@@ -1,0 +1,106 @@
+//! Block geometry: an assignment's region → boxes contiguous on both ends → strided copies.
+//!
+//! An [`Assignment`]'s region is cut per dim into pieces contiguous in the sender's and the
+//! receiver's local positions; the Cartesian product of pieces gives the [`Block`]s, each with
+//! the strided copy (sender's view → receiver's destination view) that moves it.
+
+use super::program::{Buffer, CopyDim, Loc, StridedCopy};
+use super::Assignment;
+use crate::layout::{next_index, RankView};
+
+/// A box of an [`Assignment`](super::Assignment)'s region (`start`, `count` per dim, global
+/// indices) that is contiguous per dim in both ranks' local positions, with the
+/// [`StridedCopy`] that moves it from the sender's view (its source view, or for a relay its
+/// destination view) to the receiver's destination view.
+///
+/// Blocks are what a rank's data movement is made of: the rounds cut each block into
+/// [`Transfer`](super::Transfer)s (one per round it moves in, usually one), which the rank's
+/// program forms its messages from and `ncclReshardPlanGetTransfers` exports; a
+/// `ncclReshardTransfer_t`'s `globalStart`/`globalCount` and `blockBytes` describe its block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Block {
+    pub tensor: u32,
+    pub from: u32,
+    pub to: u32,
+    pub start: Vec<u64>,
+    pub count: Vec<u64>,
+    pub copy: StridedCopy,
+    /// The round the unit fixed for this data (relays), or `None`: see [`Assignment::round`].
+    pub round: Option<u32>,
+}
+
+/// The blocks of one assignment between the sender's view `src` and the receiver's view `dst`,
+/// in row-major order of the blocks.
+pub(crate) fn assignment_blocks(
+    assignment: &Assignment,
+    src: &RankView,
+    dst: &RankView,
+) -> Vec<Block> {
+    let ndim = assignment.region.len();
+    let pieces: Vec<Vec<(u64, u64)>> = (0..ndim)
+        .map(|d| assignment.region[d].contiguous_pieces(&[&src.indices[d], &dst.indices[d]]))
+        .collect();
+    if pieces.iter().any(Vec::is_empty) {
+        return Vec::new();
+    }
+    let src_strides = src.view.byte_strides();
+    let dst_strides = dst.view.byte_strides();
+    let mut copies = Vec::new();
+    let mut choice = vec![0usize; ndim];
+    let mut src_pos = vec![0u64; ndim];
+    let mut dst_pos = vec![0u64; ndim];
+    let mut dims = vec![
+        CopyDim {
+            count: 0,
+            src_stride: 0,
+            dst_stride: 0
+        };
+        ndim
+    ];
+    loop {
+        for d in 0..ndim {
+            let (start, len) = pieces[d][choice[d]];
+            src_pos[d] = src.indices[d]
+                .position_of(start)
+                .expect("sender holds its region");
+            dst_pos[d] = dst.indices[d]
+                .position_of(start)
+                .expect("receiver holds its region");
+            dims[d] = CopyDim {
+                count: len,
+                src_stride: src_strides[d],
+                dst_stride: dst_strides[d],
+            };
+        }
+        let copy = StridedCopy::new(
+            Loc {
+                buffer: if assignment.relay {
+                    Buffer::Dst
+                } else {
+                    Buffer::Src
+                },
+                tensor: assignment.tensor,
+                offset: src.view.byte_offset(&src_pos),
+            },
+            Loc {
+                buffer: Buffer::Dst,
+                tensor: assignment.tensor,
+                offset: dst.view.byte_offset(&dst_pos),
+            },
+            src.view.elem_size,
+            &dims,
+        );
+        copies.push(Block {
+            tensor: assignment.tensor,
+            from: assignment.from,
+            to: assignment.to,
+            start: (0..ndim).map(|d| pieces[d][choice[d]].0).collect(),
+            count: (0..ndim).map(|d| pieces[d][choice[d]].1).collect(),
+            copy,
+            round: assignment.round,
+        });
+        if !next_index(&mut choice, |d| pieces[d].len()) {
+            return copies;
+        }
+    }
+}
