@@ -8,7 +8,6 @@
 use super::config::{Config, Mode};
 use super::fingerprint::mix;
 use crate::layout::{IndexRuns, TensorSpec};
-use std::borrow::Cow;
 
 /// Which data one sender gives one receiver: a region of a tensor moving from `from` to `to`
 /// (`from == to` is a local copy), as `assign` decides it for a unit.
@@ -44,17 +43,14 @@ impl Assignment {
     }
 }
 
-/// The overlap of one source shard and one destination shard, identified by their
-/// coordinates on the sharding mesh axes (per tensor dim).
-pub(crate) struct Unit<'a> {
-    pub tensor: u32,
-    pub spec: &'a TensorSpec,
-    pub src_coords: Vec<&'a [u64]>,
-    pub dst_coords: Vec<&'a [u64]>,
-    pub region: Vec<IndexRuns>,
-}
-
-/// Every assignment of a unit, for all its receivers.
+/// One unit — the overlap of one source shard and one destination shard, identified by their
+/// coordinates on the sharding mesh axes (per tensor dim) — with everything its assignments
+/// depend on except the rotation.
+///
+/// The rotation (a hash of the tensor index and the unit's coordinates) is the only input that
+/// differs between tensors of one class (same layouts, shape and dtype), so a rank prepares
+/// each unit of a class once and [`Prepared::deal`]s it for every tensor of the class; the
+/// assignments are exactly those the unit alone determines (module doc).
 ///
 /// - A receiver that holds a replica of the source shard copies locally.
 /// - Receivers on a node that holds replicas get their data from those (NVLink).
@@ -66,202 +62,329 @@ pub(crate) struct Unit<'a> {
 /// - Network and on-node parts are dealt round-robin over the candidate senders; when there
 ///   are fewer parts than candidates, parts are split further (down to `split_min_bytes`) so
 ///   that every candidate sends.
-/// - The round-robin start rotates with a hash of the unit, spreading load across units.
-///
-/// Only the assignments `keep(from, to, relay)` accepts are materialised (a rank needs its own),
-/// so a unit with many replicas costs no copies of regions nobody asked for.
-pub(crate) fn assign(
-    unit: &Unit<'_>,
-    config: &Config,
+/// - The round-robin start rotates with the rotation, spreading load across units.
+pub(crate) struct Prepared {
+    /// What the rotation hashes after the tensor index: the source coordinates, a separator,
+    /// the destination coordinates.
+    coords: Vec<u64>,
+    /// False when no choice depends on the rotation (one candidate per deal, no relays).
+    rotates: bool,
+    /// The regions assignments move: `[0]` the unit's region, then the relay chunks, then the
+    /// parts legs are split into.
+    pub regions: Vec<Vec<IndexRuns>>,
+    /// Each region's smallest multi-index ([`Assignment::corner`]).
+    pub corners: Vec<Vec<u64>>,
+    /// Receivers that copy locally, in receiver order.
+    locals: Vec<u32>,
+    /// On-node deals and relay forwards, in receiver-group order.
+    steps: Vec<Step>,
+    /// Relay groups' members, by node.
+    relay_groups: Vec<Vec<u32>>,
+    /// Relay chunks: regions `1..=chunks`.
+    chunks: u32,
+    /// Network legs, dealt over every replica after the steps.
+    network: Vec<Leg>,
+    senders: Vec<u32>,
     rounds: u32,
-    keep: impl Fn(u32, u32, bool) -> bool,
-    mut sink: impl FnMut(Assignment),
-) {
-    let senders = unit.spec.src.replicas(&unit.src_coords);
-    let receivers = unit.spec.dst.replicas(&unit.dst_coords);
-    let mut sorted_senders = senders.clone();
-    sorted_senders.sort_unstable();
-    let rotation = mix(std::iter::once(u64::from(unit.tensor))
-        .chain(unit.src_coords.iter().flat_map(|c| c.iter().copied()))
-        .chain([u64::MAX])
-        .chain(unit.dst_coords.iter().flat_map(|c| c.iter().copied())));
+}
 
-    let mut out = |from: u32, to: u32, region: &[IndexRuns], round: Option<u32>, relay: bool| {
-        if keep(from, to, relay) {
-            sink(Assignment {
-                tensor: unit.tensor,
-                from,
-                to,
-                region: region.to_vec(),
-                round,
-                relay,
-            });
-        }
-    };
-    // Replicas by node, sorted by (node, rank), when the topology is known.
-    let mut by_node: Vec<(u32, u32)> = senders
-        .iter()
-        .filter_map(|&s| config.topology.node(s).map(|n| (n, s)))
-        .collect();
-    by_node.sort_unstable();
-    let on_node = |n: u32| -> &[(u32, u32)] {
-        let lo = by_node.partition_point(|&(m, _)| m < n);
-        let hi = by_node.partition_point(|&(m, _)| m <= n);
-        &by_node[lo..hi]
-    };
-    let relay = config.relay && config.mode != Mode::Groupable && !by_node.is_empty();
-    // Receiver groups in order of first appearance. The key is (node with replicas, or None
-    // for the network); with relays, network receivers are grouped by their node too.
-    // Flat: (group index, receiver), stably sorted by group, then one slice per group.
-    let mut keys: Vec<(Option<u32>, Option<u32>)> = Vec::new();
-    let mut keyed: Vec<(u32, u32)> = Vec::with_capacity(receivers.len());
-    for &r in &receivers {
-        if sorted_senders.binary_search(&r).is_ok() {
-            out(r, r, &unit.region, None, false);
-            continue;
-        }
-        let node = config.topology.node(r);
-        let key = match node.filter(|&n| !on_node(n).is_empty()) {
-            Some(n) => (Some(n), None),
-            None if relay => (None, node),
-            None => (None, None),
+enum Step {
+    /// Receivers on a node with replicas, dealt over that node's replicas.
+    OnNode {
+        candidates: Vec<u32>,
+        legs: Vec<Leg>,
+    },
+    /// A relay group (index into `relay_groups`): chunk `c` crosses the network to one member,
+    /// which forwards it to the others in the next round.
+    Relay(u32),
+}
+
+/// A part of a unit bound for one receiver, with the regions it is dealt as (one, or its
+/// split parts, one per sender).
+struct Leg {
+    to: LegTo,
+    parts: Vec<u32>,
+}
+
+#[derive(Clone, Copy)]
+enum LegTo {
+    Receiver(u32),
+    /// Relay chunk `chunk` of relay group `group`: the member and round follow the rotation.
+    Relay {
+        group: u32,
+        chunk: u32,
+    },
+}
+
+impl Prepared {
+    /// Prepares the unit of `spec` between the source shard at `src_coords` and the
+    /// destination shard at `dst_coords`, overlapping in `region`, for a plan of `rounds`
+    /// rounds.
+    pub fn new(
+        spec: &TensorSpec,
+        src_coords: &[&[u64]],
+        dst_coords: &[&[u64]],
+        region: Vec<IndexRuns>,
+        config: &Config,
+        rounds: u32,
+    ) -> Prepared {
+        let senders = spec.src.replicas(src_coords);
+        let receivers = spec.dst.replicas(dst_coords);
+        let mut sorted_senders = senders.clone();
+        sorted_senders.sort_unstable();
+        let coords: Vec<u64> = src_coords
+            .iter()
+            .flat_map(|c| c.iter().copied())
+            .chain([u64::MAX])
+            .chain(dst_coords.iter().flat_map(|c| c.iter().copied()))
+            .collect();
+        // Replicas by node, sorted by (node, rank), when the topology is known.
+        let mut by_node: Vec<(u32, u32)> = senders
+            .iter()
+            .filter_map(|&s| config.topology.node(s).map(|n| (n, s)))
+            .collect();
+        by_node.sort_unstable();
+        let on_node = |n: u32| -> &[(u32, u32)] {
+            let lo = by_node.partition_point(|&(m, _)| m < n);
+            let hi = by_node.partition_point(|&(m, _)| m <= n);
+            &by_node[lo..hi]
         };
-        let index = match keys.iter().rposition(|k| *k == key) {
-            Some(i) => i,
-            None => {
-                keys.push(key);
-                keys.len() - 1
+        let relay = config.relay && config.mode != Mode::Groupable && !by_node.is_empty();
+        // Receiver groups in order of first appearance. The key is (node with replicas, or
+        // None for the network); with relays, network receivers are grouped by their node too.
+        // Flat: (group index, receiver), stably sorted by group, then one slice per group.
+        let mut locals = Vec::new();
+        let mut keys: Vec<(Option<u32>, Option<u32>)> = Vec::new();
+        let mut keyed: Vec<(u32, u32)> = Vec::with_capacity(receivers.len());
+        for &r in &receivers {
+            if sorted_senders.binary_search(&r).is_ok() {
+                locals.push(r);
+                continue;
             }
-        };
-        keyed.push((index as u32, r));
-    }
-    keyed.sort_by_key(|&(group, _)| group);
-    let members_of: Vec<u32> = keyed.iter().map(|&(_, r)| r).collect();
-    let groups = keyed
-        .chunk_by(|a, b| a.0 == b.0)
-        .scan(0usize, |at, run| {
-            let members = &members_of[*at..*at + run.len()];
-            *at += run.len();
-            Some((keys[run[0].0 as usize].0, members))
-        })
-        .collect::<Vec<(Option<u32>, &[u32])>>();
+            let node = config.topology.node(r);
+            let key = match node.filter(|&n| !on_node(n).is_empty()) {
+                Some(n) => (Some(n), None),
+                None if relay => (None, node),
+                None => (None, None),
+            };
+            let index = match keys.iter().rposition(|k| *k == key) {
+                Some(i) => i,
+                None => {
+                    keys.push(key);
+                    keys.len() - 1
+                }
+            };
+            keyed.push((index as u32, r));
+        }
+        keyed.sort_by_key(|&(group, _)| group);
+        let members_of: Vec<u32> = keyed.iter().map(|&(_, r)| r).collect();
+        let groups = keyed
+            .chunk_by(|a, b| a.0 == b.0)
+            .scan(0usize, |at, run| {
+                let members = &members_of[*at..*at + run.len()];
+                *at += run.len();
+                Some((keys[run[0].0 as usize].0, members))
+            })
+            .collect::<Vec<(Option<u32>, &[u32])>>();
 
-    let elem_size = u64::from(unit.spec.elem_size());
-    let bytes_of = |region: &[IndexRuns]| -> u64 {
-        region.iter().map(IndexRuns::len).product::<u64>() * elem_size
-    };
-    // Relayed overlaps: the region's chunks, computed once for every relay group. Each chunk
-    // goes whole to one member (contiguous where the region is, so it can be forwarded
-    // without packing); the rotation spreads chunks over members and rounds.
-    let largest_group = groups
-        .iter()
-        .filter(|(node, _)| relay && node.is_none())
-        .map(|(_, members)| members.len() as u64)
-        .max()
-        .unwrap_or(1);
-    let chunks = if largest_group > 1 {
-        let n = u64::from(rounds)
-            .max(largest_group)
-            .min(bytes_of(&unit.region) / config.split_min_bytes.saturating_mul(RELAY_CHUNK_FACTOR))
-            .max(1);
-        split_region(&unit.region, n)
-    } else {
-        Vec::new()
-    };
-    // Network legs: (receiver, region, round) for every group, dealt out together.
-    let mut network: Vec<Leg<'_>> = Vec::new();
-    for (node, members) in groups {
-        if let Some(n) = node {
-            let candidates: Vec<u32> = on_node(n).iter().map(|&(_, s)| s).collect();
-            let legs: Vec<Leg<'_>> = members
-                .iter()
-                .map(|&r| (r, Cow::Borrowed(unit.region.as_slice()), None))
-                .collect();
-            deal(&legs, &candidates, rotation, config, &bytes_of, &mut out);
-            continue;
-        }
-        let g = members.len() as u64;
-        if g == 1 || !relay {
+        let elem_size = u64::from(spec.elem_size());
+        let bytes_of = |region: &[IndexRuns]| -> u64 {
+            region.iter().map(IndexRuns::len).product::<u64>() * elem_size
+        };
+        // Relayed overlaps: the region's chunks, computed once for every relay group. Each
+        // chunk goes whole to one member (contiguous where the region is, so it can be
+        // forwarded without packing); the rotation spreads chunks over members and rounds.
+        let largest_group = groups
+            .iter()
+            .filter(|(node, _)| relay && node.is_none())
+            .map(|(_, members)| members.len() as u64)
+            .max()
+            .unwrap_or(1);
+        let chunks = if largest_group > 1 {
+            let n = u64::from(rounds)
+                .max(largest_group)
+                .min(bytes_of(&region) / config.split_min_bytes.saturating_mul(RELAY_CHUNK_FACTOR))
+                .max(1);
+            split_region(&region, n)
+        } else {
+            Vec::new()
+        };
+        let mut prepared = Prepared {
+            coords,
+            rotates: false,
+            regions: vec![region],
+            corners: Vec::new(),
+            locals,
+            steps: Vec::new(),
+            relay_groups: Vec::new(),
+            chunks: chunks.len() as u32,
+            network: Vec::new(),
+            senders: Vec::new(),
+            rounds,
+        };
+        prepared.regions.extend(chunks);
+        // Network legs: (receiver, region) for every group, dealt out together.
+        let mut network: Vec<(LegTo, u32)> = Vec::new();
+        for (node, members) in groups {
+            if let Some(n) = node {
+                let candidates: Vec<u32> = on_node(n).iter().map(|&(_, s)| s).collect();
+                let legs: Vec<(LegTo, u32)> =
+                    members.iter().map(|&r| (LegTo::Receiver(r), 0)).collect();
+                let legs = prepared.split_legs(&legs, candidates.len() as u64, config, &bytes_of);
+                prepared.rotates |= candidates.len() > 1;
+                prepared.steps.push(Step::OnNode { candidates, legs });
+                continue;
+            }
+            if members.len() == 1 || !relay {
+                network.extend(members.iter().map(|&r| (LegTo::Receiver(r), 0)));
+                continue;
+            }
+            let group = prepared.relay_groups.len() as u32;
+            prepared.relay_groups.push(members.to_vec());
+            prepared.steps.push(Step::Relay(group));
+            prepared.rotates = true;
             network.extend(
-                members
-                    .iter()
-                    .map(|&r| (r, Cow::Borrowed(unit.region.as_slice()), None)),
+                (0..prepared.chunks).map(|chunk| (LegTo::Relay { group, chunk }, 1 + chunk)),
             );
-            continue;
         }
-        for (c, chunk) in chunks.iter().enumerate() {
-            // Independent offsets for round and member: in any round, the units' chunks land
-            // on all members alike.
-            let c = c as u64;
-            let round = ((c + rotation / 65_521) % u64::from(rounds)) as u32;
-            let first = ((c + rotation) % g) as usize;
-            network.push((members[first], Cow::Borrowed(chunk.as_slice()), Some(round)));
-            for (j, &r) in members.iter().enumerate() {
-                if j != first {
-                    out(members[first], r, chunk, Some(round + 1), true);
+        prepared.network = prepared.split_legs(&network, senders.len() as u64, config, &bytes_of);
+        prepared.rotates |= senders.len() > 1 && !prepared.network.is_empty();
+        prepared.senders = senders;
+        prepared.corners = prepared
+            .regions
+            .iter()
+            .map(|region| region.iter().map(|r| r.first().unwrap_or(0)).collect())
+            .collect();
+        prepared
+    }
+
+    /// The legs `(receiver, region)` dealt over `k` candidates, each with the regions it goes
+    /// as: with fewer legs than candidates, each leg is split so every candidate sends a part.
+    fn split_legs(
+        &mut self,
+        legs: &[(LegTo, u32)],
+        k: u64,
+        config: &Config,
+        bytes_of: &dyn Fn(&[IndexRuns]) -> u64,
+    ) -> Vec<Leg> {
+        let l = legs.len() as u64;
+        // Legs of one group share the unit's region: split it once.
+        let mut last_split: Option<(u32, u64, Vec<u32>)> = None;
+        legs.iter()
+            .map(|&(to, region)| {
+                let parts_wanted = if l >= k {
+                    1
+                } else {
+                    (k / l).min(
+                        (bytes_of(&self.regions[region as usize]) / config.split_min_bytes).max(1),
+                    )
+                };
+                if parts_wanted == 1 {
+                    return Leg {
+                        to,
+                        parts: vec![region],
+                    };
+                }
+                let parts = match &last_split {
+                    Some((r, wanted, parts)) if (*r, *wanted) == (region, parts_wanted) => {
+                        parts.clone()
+                    }
+                    _ => {
+                        let split = split_region(&self.regions[region as usize], parts_wanted);
+                        let first = self.regions.len() as u32;
+                        let ids: Vec<u32> = (first..first + split.len() as u32).collect();
+                        self.regions.extend(split);
+                        last_split = Some((region, parts_wanted, ids.clone()));
+                        ids
+                    }
+                };
+                Leg { to, parts }
+            })
+            .collect()
+    }
+
+    /// True when some choice depends on the rotation.
+    pub fn rotates(&self) -> bool {
+        self.rotates
+    }
+
+    /// The rotation of this unit in tensor `tensor` (0 when nothing depends on it).
+    pub fn rotation(&self, tensor: u32) -> u64 {
+        if !self.rotates {
+            return 0;
+        }
+        mix(std::iter::once(u64::from(tensor)).chain(self.coords.iter().copied()))
+    }
+
+    /// Every assignment of the unit under `rotation`, for all its receivers, as
+    /// `emit(from, to, region index, fixed round, relay)`, in a fixed order.
+    pub fn deal(&self, rotation: u64, emit: &mut Emit<'_>) {
+        for &r in &self.locals {
+            emit(r, r, 0, None, false);
+        }
+        for step in &self.steps {
+            match step {
+                Step::OnNode { candidates, legs } => {
+                    self.deal_legs(legs, candidates, rotation, emit);
+                }
+                Step::Relay(group) => {
+                    let members = &self.relay_groups[*group as usize];
+                    for chunk in 0..self.chunks {
+                        let (first, round) = self.relay_leg(*group, chunk, rotation);
+                        for &r in members {
+                            if r != first {
+                                emit(first, r, 1 + chunk, Some(round + 1), true);
+                            }
+                        }
+                    }
                 }
             }
         }
+        self.deal_legs(&self.network, &self.senders, rotation, emit);
     }
-    deal(&network, &senders, rotation, config, &bytes_of, &mut out);
+
+    /// The member relay chunk `chunk` of `group` crosses the network to, and its round.
+    /// Independent offsets for round and member: in any round, the units' chunks land on all
+    /// members alike.
+    fn relay_leg(&self, group: u32, chunk: u32, rotation: u64) -> (u32, u32) {
+        let members = &self.relay_groups[group as usize];
+        let c = u64::from(chunk);
+        let round = ((c + rotation / 65_521) % u64::from(self.rounds)) as u32;
+        let first = ((c + rotation) % members.len() as u64) as usize;
+        (members[first], round)
+    }
+
+    /// Deals `legs` to `candidates` round-robin from a rotated start.
+    fn deal_legs(&self, legs: &[Leg], candidates: &[u32], rotation: u64, emit: &mut Emit<'_>) {
+        let k = candidates.len() as u64;
+        if k == 0 || legs.is_empty() {
+            return;
+        }
+        let start = rotation % k;
+        let mut next = 0u64;
+        for leg in legs {
+            let (to, round) = match leg.to {
+                LegTo::Receiver(r) => (r, None),
+                LegTo::Relay { group, chunk } => {
+                    let (member, round) = self.relay_leg(group, chunk, rotation);
+                    (member, Some(round))
+                }
+            };
+            for &part in &leg.parts {
+                let from = candidates[((next + start) % k) as usize];
+                next += 1;
+                emit(from, to, part, round, false);
+            }
+        }
+    }
 }
 
 /// A relayed overlap is cut into chunks of at least this many times `split_min_bytes` (8 MiB
 /// by default): each chunk is one message per replica it is forwarded to.
 const RELAY_CHUNK_FACTOR: u64 = 8;
 
-/// Emits one assignment: (from, to, region, fixed round, relay).
-type Emit<'a> = dyn FnMut(u32, u32, &[IndexRuns], Option<u32>, bool) + 'a;
-
-/// A part of a unit bound for one receiver: (receiver, region, fixed round).
-type Leg<'a> = (u32, Cow<'a, [IndexRuns]>, Option<u32>);
-
-/// Deals `legs` to `candidates` round-robin from a rotated start; with fewer legs than
-/// candidates, each leg is split so every candidate sends a part.
-fn deal(
-    legs: &[Leg<'_>],
-    candidates: &[u32],
-    rotation: u64,
-    config: &Config,
-    bytes_of: &dyn Fn(&[IndexRuns]) -> u64,
-    out: &mut Emit<'_>,
-) {
-    let k = candidates.len() as u64;
-    let l = legs.len() as u64;
-    if k == 0 || l == 0 {
-        return;
-    }
-    let start = rotation % k;
-    let mut next = 0u64;
-    // Legs of one group share the unit's region: split it once.
-    let mut last_split: Option<(*const IndexRuns, u64, Vec<Vec<IndexRuns>>)> = None;
-    for (to, region, round) in legs {
-        let parts_wanted = if l >= k {
-            1
-        } else {
-            (k / l).min((bytes_of(region) / config.split_min_bytes).max(1))
-        };
-        if parts_wanted == 1 {
-            let from = candidates[((next + start) % k) as usize];
-            next += 1;
-            out(from, *to, region, *round, false);
-            continue;
-        }
-        let key = (region.as_ptr(), parts_wanted);
-        let parts = match &last_split {
-            Some((ptr, wanted, parts)) if (*ptr, *wanted) == key => parts,
-            _ => {
-                let parts = split_region(region, parts_wanted);
-                &last_split.insert((key.0, key.1, parts)).2
-            }
-        };
-        for part in parts {
-            let from = candidates[((next + start) % k) as usize];
-            next += 1;
-            out(from, *to, part, *round, false);
-        }
-    }
-}
+/// Receives one assignment: (from, to, region index, fixed round, relay).
+pub(crate) type Emit<'a> = dyn FnMut(u32, u32, u32, Option<u32>, bool) + 'a;
 
 /// Splits a region into at most `parts` non-empty parts along its outermost dim that has more
 /// than one index (row-major outer splits keep parts contiguous).

@@ -5,8 +5,7 @@
 //! the strided copy (sender's view → receiver's destination view) that moves it.
 
 use super::program::{Buffer, CopyDim, Loc, StridedCopy};
-use super::Assignment;
-use crate::layout::{next_index, RankView};
+use crate::layout::{next_index, IndexRuns, RankView};
 
 /// A box of an [`Assignment`](super::Assignment)'s region (`start`, `count` per dim, global
 /// indices) that is contiguous per dim in both ranks' local positions, with the
@@ -29,16 +28,42 @@ pub struct Block {
     pub round: Option<u32>,
 }
 
-/// The blocks of one assignment between the sender's view `src` and the receiver's view `dst`,
-/// in row-major order of the blocks.
+impl Block {
+    /// This block as it is for tensor `tensor` of the same class (same layouts, shape and
+    /// dtype), with the round its assignment fixed.
+    pub(crate) fn of_tensor(&self, tensor: u32, round: Option<u32>) -> Block {
+        let mut block = self.clone();
+        block.tensor = tensor;
+        block.copy.src.tensor = tensor;
+        block.copy.dst.tensor = tensor;
+        block.round = round;
+        block
+    }
+}
+
+/// Who moves one assignment's data: tensor, sender, receiver, the round the unit fixed, and
+/// whether the sender forwards from its destination view (a relay).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Movement {
+    pub tensor: u32,
+    pub from: u32,
+    pub to: u32,
+    pub round: Option<u32>,
+    pub relay: bool,
+}
+
+/// The blocks of one assignment — `region` moved as `movement` says — between the sender's
+/// view `src` and the receiver's view `dst`, in row-major order of the blocks.
 pub(crate) fn assignment_blocks(
-    assignment: &Assignment,
+    region: &[IndexRuns],
+    movement: Movement,
     src: &RankView,
     dst: &RankView,
 ) -> Vec<Block> {
-    let ndim = assignment.region.len();
+    let assignment = movement;
+    let ndim = region.len();
     let pieces: Vec<Vec<(u64, u64)>> = (0..ndim)
-        .map(|d| assignment.region[d].contiguous_pieces(&[&src.indices[d], &dst.indices[d]]))
+        .map(|d| region[d].contiguous_pieces(&[&src.indices[d], &dst.indices[d]]))
         .collect();
     if pieces.iter().any(Vec::is_empty) {
         return Vec::new();

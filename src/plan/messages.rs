@@ -88,64 +88,66 @@ fn for_each_piece(copy: &StridedCopy, mut f: impl FnMut(Piece)) {
     }
 }
 
-/// Dense byte strides for packing `dims` (outermost first) behind `chunk_bytes`.
-fn dense_strides(chunk_bytes: u64, dims: &[CopyDim]) -> Vec<u64> {
-    let mut strides = vec![0; dims.len()];
+/// A copy of `dims` behind `chunk_bytes`-byte chunks between a strided side and dense staging
+/// bytes: `dims` with the staging side's strides replaced by dense row-major ones
+/// (`staging_is_dst` says which side that is).
+fn dense_copy(
+    src: Loc,
+    dst: Loc,
+    chunk_bytes: u64,
+    dims: &[CopyDim],
+    staging_is_dst: bool,
+) -> StridedCopy {
+    // Copies have at most one dim per tensor dim: build them on the stack.
+    const STACK_DIMS: usize = 8;
+    let mut stack = [CopyDim {
+        count: 0,
+        src_stride: 0,
+        dst_stride: 0,
+    }; STACK_DIMS];
+    let mut heap = Vec::new();
+    let out: &mut [CopyDim] = if dims.len() <= STACK_DIMS {
+        &mut stack[..dims.len()]
+    } else {
+        heap.resize(dims.len(), stack[0]);
+        &mut heap
+    };
     let mut step = chunk_bytes;
-    for d in (0..dims.len()).rev() {
-        strides[d] = step;
-        step *= dims[d].count;
+    for (slot, d) in out.iter_mut().zip(dims).rev() {
+        *slot = if staging_is_dst {
+            CopyDim {
+                dst_stride: step,
+                ..*d
+            }
+        } else {
+            CopyDim {
+                src_stride: step,
+                ..*d
+            }
+        };
+        step *= d.count;
     }
-    strides
+    StridedCopy::new(src, dst, chunk_bytes, out)
 }
 
-/// A copy from `src` (strided as `copy`'s source) into `len` dense staging bytes at `at`.
+/// A copy from `src` (strided as `dims`' source side) into dense staging bytes at `at`.
 fn pack(copy_src: Loc, chunk_bytes: u64, dims: &[CopyDim], at: u64) -> StridedCopy {
-    let dense = dense_strides(chunk_bytes, dims);
-    let dims: Vec<CopyDim> = dims
-        .iter()
-        .zip(&dense)
-        .map(|(d, &s)| CopyDim {
-            count: d.count,
-            src_stride: d.src_stride,
-            dst_stride: s,
-        })
-        .collect();
-    StridedCopy::new(
-        copy_src,
-        Loc {
-            buffer: Buffer::Staging,
-            tensor: 0,
-            offset: at,
-        },
-        chunk_bytes,
-        &dims,
-    )
+    let staging = Loc {
+        buffer: Buffer::Staging,
+        tensor: 0,
+        offset: at,
+    };
+    dense_copy(copy_src, staging, chunk_bytes, dims, true)
 }
 
 /// A copy from dense staging bytes at `at` to `copy`'s destination.
 fn unpack(copy: &StridedCopy, at: u64) -> StridedCopy {
-    let dense = dense_strides(copy.chunk_bytes, &copy.dims);
-    let dims: Vec<CopyDim> = copy
-        .dims
-        .iter()
-        .zip(&dense)
-        .map(|(d, &s)| CopyDim {
-            count: d.count,
-            src_stride: s,
-            dst_stride: d.dst_stride,
-        })
-        .collect();
-    StridedCopy::new(
-        Loc {
-            buffer: Buffer::Staging,
-            tensor: 0,
-            offset: at,
-        },
-        copy.dst,
-        copy.chunk_bytes,
-        &dims,
-    )
+    let staging = Loc {
+        buffer: Buffer::Staging,
+        tensor: 0,
+        offset: at,
+    };
+    dense_copy(staging, copy.dst, copy.chunk_bytes, &copy.dims, false)
 }
 
 /// Which end of a pair this rank is.

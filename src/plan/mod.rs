@@ -30,12 +30,13 @@ pub use program::{
 pub use rounds::Transfer;
 
 use crate::error::{Error, Result};
-use crate::layout::{next_index, DType, DimPiece, IndexRuns, Layout, RankView, Side, TensorSpec};
-use assign::{assign, Unit};
-use blocks::assignment_blocks;
-use fxhash::{FxHashMap, FxHashSet};
+use crate::layout::{
+    next_index, DType, DimPiece, IndexRuns, Layout, Mesh, RankView, Side, TensorSpec,
+};
+use assign::Prepared;
+use blocks::{assignment_blocks, Movement};
+use fxhash::FxHashMap;
 use messages::{Emitter, End};
-use std::collections::BTreeMap;
 use std::rc::Rc;
 
 /// Validated inputs of a plan, ready to produce any rank's program.
@@ -47,6 +48,13 @@ pub struct Planner {
     /// Per tensor, ids of its (source, destination) layout among the plan's distinct layouts:
     /// tensors sharing a layout and shape share the geometry computed for them.
     layout_ids: Vec<[u32; 2]>,
+    /// Per distinct layout id, the mesh it is on.
+    meshes: Vec<Mesh>,
+    /// Per tensor, its class: tensors with the same two layouts, shape and dtype differ only
+    /// in their index, so a rank works out each class's units, views and blocks once.
+    classes: Vec<u32>,
+    /// Per class, its first tensor.
+    class_first: Vec<u32>,
     /// Rounds the data is spread over (1 in groupable mode); relays add one more.
     rounds: u32,
 }
@@ -122,29 +130,43 @@ impl Planner {
         }
         config.validate()?;
         // Identical layouts are interned (tensors sharing a layout share geometry), and
-        // identical tensors (a model's layers) are validated once.
+        // identical tensors (a model's layers) form one class, validated once.
+        let mut meshes: Vec<Mesh> = Vec::new();
         let layout_ids: Vec<[u32; 2]> = {
             let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
-            let mut id = |layout| {
-                let next = ids.len() as u32;
-                *ids.entry(layout).or_insert(next)
-            };
-            tensors.iter().map(|t| [id(&t.src), id(&t.dst)]).collect()
+            let mut out = Vec::with_capacity(tensors.len());
+            for t in &tensors {
+                let mut id = |layout| {
+                    *ids.entry(layout).or_insert_with(|| {
+                        meshes.push(layout.mesh.clone());
+                        meshes.len() as u32 - 1
+                    })
+                };
+                out.push([id(&t.src), id(&t.dst)]);
+            }
+            out
         };
-        let mut valid: FxHashSet<([u32; 2], &[u64], DType)> = FxHashSet::default();
+        let mut class_of: FxHashMap<([u32; 2], &[u64], DType), u32> = FxHashMap::default();
+        let mut classes = Vec::with_capacity(tensors.len());
+        let mut class_first: Vec<u32> = Vec::new();
         for (i, (t, ids)) in tensors.iter().zip(&layout_ids).enumerate() {
             let key = (*ids, t.shape.as_slice(), t.dtype);
-            if valid.contains(&key) {
-                continue;
-            }
-            t.validate()
-                .map_err(|e| e.context(format!("tensors[{i}]")))?;
-            valid.insert(key);
+            let class = match class_of.get(&key) {
+                Some(&class) => class,
+                None => {
+                    t.validate()
+                        .map_err(|e| e.context(format!("tensors[{i}]")))?;
+                    class_first.push(i as u32);
+                    let class = class_of.len() as u32;
+                    class_of.insert(key, class);
+                    class
+                }
+            };
+            classes.push(class);
         }
+        drop(class_of);
         if let Topology::NodeTable(table) = &config.topology {
-            let ranks = tensors
-                .iter()
-                .flat_map(|t| t.src.mesh.ranks().iter().chain(t.dst.mesh.ranks()));
+            let ranks = meshes.iter().flat_map(|m| m.ranks());
             if let Some(&rank) = ranks.max() {
                 if rank as usize >= table.len() {
                     return Err(Error::invalid_argument(format!(
@@ -161,6 +183,9 @@ impl Planner {
             config,
             fingerprint,
             layout_ids,
+            meshes,
+            classes,
+            class_first,
             rounds,
         })
     }
@@ -185,9 +210,9 @@ impl Planner {
     /// Every rank that appears in a source or destination mesh, ascending.
     pub fn ranks(&self) -> Vec<u32> {
         let mut ranks: Vec<u32> = self
-            .tensors
+            .meshes
             .iter()
-            .flat_map(|t| t.src.mesh.ranks().iter().chain(t.dst.mesh.ranks()).copied())
+            .flat_map(|m| m.ranks().iter().copied())
             .collect();
         ranks.sort_unstable();
         ranks.dedup();
@@ -197,83 +222,195 @@ impl Planner {
     /// This rank's assignments: those it receives (local copies included) and those it sends,
     /// each list in canonical order (tensor, then region corner).
     pub fn assignments(&self, rank: u32) -> Vec<Assignment> {
-        self.assignments_with(rank, &mut Memo::default())
+        let mut cache = RankCache::new(self.class_first.len());
+        let mut picks = Vec::new();
+        let mut out = Vec::new();
+        for t in 0..self.tensors.len() as u32 {
+            let sides = self.tensor_picks(rank, t, &mut cache, &mut picks);
+            out.extend(picks.iter().map(|pick| Assignment {
+                tensor: t,
+                from: pick.from,
+                to: pick.to,
+                region: sides.unit(pick).regions[pick.region as usize].clone(),
+                round: pick.round,
+                relay: pick.relay,
+            }));
+        }
+        out
     }
 
-    fn assignments_with<'a>(&'a self, rank: u32, memo: &mut Memo<'a>) -> Vec<Assignment> {
-        let mut out = Vec::new();
-        for (t, spec) in self.tensors.iter().enumerate() {
-            let [src_id, dst_id] = self.layout_ids[t];
-            let t = t as u32;
-            let sides = [
-                (true, dst_id, &spec.dst, src_id, &spec.src),
-                (false, src_id, &spec.src, dst_id, &spec.dst),
-            ];
-            for (own_is_dst, own_id, own, other_id, other) in sides {
-                let Some(coord) = own.mesh.coord_of(rank) else {
-                    continue;
-                };
-                let Some(mine) = memo.indices(own_id, own, &spec.shape, rank) else {
-                    continue;
-                };
-                let other_pieces: Vec<Rc<Vec<DimPiece>>> = (0..spec.shape.len())
-                    .map(|d| memo.pieces(other_id, other, &spec.shape, d))
-                    .collect();
-                units(
-                    spec,
-                    t,
-                    &other_pieces,
-                    own,
-                    &mine,
-                    &coord,
-                    own_is_dst,
-                    &self.config,
-                    self.rounds,
-                    &|from, to, relay| {
-                        if own_is_dst {
-                            to == rank || (relay && from == rank)
-                        } else {
-                            from == rank && to != rank && !relay
-                        }
-                    },
-                    |tr| out.push(tr),
-                );
+    /// The assignments of tensor `t` that concern `rank`, in canonical order (region corner),
+    /// into `picks`; returns the class's units they refer to.
+    fn tensor_picks<'a>(
+        &'a self,
+        rank: u32,
+        t: u32,
+        cache: &mut RankCache<'a>,
+        picks: &mut Vec<Pick>,
+    ) -> Sides {
+        picks.clear();
+        let class = self.classes[t as usize];
+        let sides = Sides([
+            self.class_units(rank, class, true, cache),
+            self.class_units(rank, class, false, cache),
+        ]);
+        // Units whose choices do not rotate deal the same assignments for every tensor.
+        let fixed = match &cache.picks[class as usize] {
+            ClassPicks::Fixed(known) => {
+                picks.extend_from_slice(known);
+                return sides;
+            }
+            ClassPicks::Rotating => false,
+            ClassPicks::Unknown => sides
+                .0
+                .iter()
+                .flatten()
+                .all(|units| units.iter().all(|u| !u.rotates())),
+        };
+        for (side, own_is_dst) in [(0usize, true), (1, false)] {
+            let Some(units) = &sides.0[side] else {
+                continue;
+            };
+            for (u, unit) in units.iter().enumerate() {
+                unit.deal(unit.rotation(t), &mut |from, to, region, round, relay| {
+                    let keep = if own_is_dst {
+                        to == rank || (relay && from == rank)
+                    } else {
+                        from == rank && to != rank && !relay
+                    };
+                    if keep {
+                        picks.push(Pick {
+                            side: side as u8,
+                            unit: u as u32,
+                            region,
+                            from,
+                            to,
+                            round,
+                            relay,
+                        });
+                    }
+                });
             }
         }
-        out.sort_by_cached_key(|t| (t.tensor, t.corner()));
-        out
+        if picks.len() > 1 {
+            // Stable: assignments with one corner keep the order they were dealt in.
+            picks.sort_by(|a, b| sides.corner(a).cmp(sides.corner(b)));
+        }
+        cache.picks[class as usize] = if fixed {
+            ClassPicks::Fixed(picks.clone())
+        } else {
+            ClassPicks::Rotating
+        };
+        sides
+    }
+
+    /// The units `rank` takes part in for tensors of `class`, as a receiver (`own_is_dst`) or
+    /// as a sender; `None` when it has no part on that side. Computed once per rank call.
+    fn class_units<'a>(
+        &'a self,
+        rank: u32,
+        class: u32,
+        own_is_dst: bool,
+        cache: &mut RankCache<'a>,
+    ) -> Option<Rc<Vec<Prepared>>> {
+        let slot = &cache.classes[class as usize][usize::from(!own_is_dst)];
+        if let Some(known) = slot {
+            return known.clone();
+        }
+        let t = self.class_first[class as usize] as usize;
+        let spec = &self.tensors[t];
+        let [src_id, dst_id] = self.layout_ids[t];
+        let (own_id, own, other_id, other) = if own_is_dst {
+            (dst_id, &spec.dst, src_id, &spec.src)
+        } else {
+            (src_id, &spec.src, dst_id, &spec.dst)
+        };
+        let units = own.mesh.coord_of(rank).and_then(|coord| {
+            let mine = cache.memo.indices(own_id, own, &spec.shape, rank)?;
+            let other_pieces: Vec<Rc<Vec<DimPiece>>> = (0..spec.shape.len())
+                .map(|d| cache.memo.pieces(other_id, other, &spec.shape, d))
+                .collect();
+            let units = units(
+                spec,
+                &other_pieces,
+                own,
+                &mine,
+                &coord,
+                own_is_dst,
+                &self.config,
+                self.rounds,
+            );
+            (!units.is_empty()).then(|| Rc::new(units))
+        });
+        cache.classes[class as usize][usize::from(!own_is_dst)] = Some(units.clone());
+        units
+    }
+
+    /// The blocks of `pick` (an assignment of a tensor of `class`) as that class's first
+    /// tensor has them: a tensor's own are these with its index and the pick's round.
+    fn pick_blocks<'a>(
+        &'a self,
+        class: u32,
+        sides: &Sides,
+        pick: &Pick,
+        cache: &mut RankCache<'a>,
+    ) -> Result<Rc<[Block]>> {
+        let key = (
+            class,
+            pick.side,
+            pick.unit,
+            pick.region,
+            pick.from,
+            pick.to,
+            pick.relay,
+        );
+        if let Some(hit) = cache.blocks.get(&key) {
+            return Ok(hit.clone());
+        }
+        let t = self.class_first[class as usize];
+        let spec = &self.tensors[t as usize];
+        let [src_id, dst_id] = self.layout_ids[t as usize];
+        let missing = |who: u32| Error::internal(format!("rank {who} is not in tensor {t}'s mesh"));
+        let memo = &mut cache.memo;
+        // A relay reads the data where it arrived: the sender's destination view.
+        let from = if pick.relay {
+            memo.view(dst_id, spec, Side::Dst, pick.from)
+        } else {
+            memo.view(src_id, spec, Side::Src, pick.from)
+        }
+        .ok_or_else(|| missing(pick.from))?;
+        let to = memo
+            .view(dst_id, spec, Side::Dst, pick.to)
+            .ok_or_else(|| missing(pick.to))?;
+        let movement = Movement {
+            tensor: t,
+            from: pick.from,
+            to: pick.to,
+            round: None,
+            relay: pick.relay,
+        };
+        let region = &sides.unit(pick).regions[pick.region as usize];
+        let blocks: Rc<[Block]> = assignment_blocks(region, movement, &from, &to)
+            .into_iter()
+            .filter(|b| b.copy.bytes() > 0)
+            .collect();
+        cache.blocks.insert(key, blocks.clone());
+        Ok(blocks)
     }
 
     /// This rank's blocks — every box of data it receives, sends or copies locally, with the
     /// copy geometry on both ends — in canonical order (tensor, region corner, block order).
     pub fn rank_blocks(&self, rank: u32) -> Result<Vec<Block>> {
-        let mut memo = Memo::default();
-        let assignments = self.assignments_with(rank, &mut memo);
+        let mut cache = RankCache::new(self.class_first.len());
+        let mut picks = Vec::new();
         let mut blocks = Vec::new();
-        for assignment in &assignments {
-            let spec = &self.tensors[assignment.tensor as usize];
-            let [src_id, dst_id] = self.layout_ids[assignment.tensor as usize];
-            let missing = |who: u32| {
-                Error::internal(format!(
-                    "rank {who} is not in tensor {}'s mesh",
-                    assignment.tensor
-                ))
-            };
-            // A relay reads the data where it arrived: the sender's destination view.
-            let from = if assignment.relay {
-                memo.view(dst_id, spec, Side::Dst, assignment.from)
-            } else {
-                memo.view(src_id, spec, Side::Src, assignment.from)
+        for t in 0..self.tensors.len() as u32 {
+            let sides = self.tensor_picks(rank, t, &mut cache, &mut picks);
+            let class = self.classes[t as usize];
+            for pick in &picks {
+                let templates = self.pick_blocks(class, &sides, pick, &mut cache)?;
+                blocks.extend(templates.iter().map(|b| b.of_tensor(t, pick.round)));
             }
-            .ok_or_else(|| missing(assignment.from))?;
-            let to = memo
-                .view(dst_id, spec, Side::Dst, assignment.to)
-                .ok_or_else(|| missing(assignment.to))?;
-            blocks.extend(
-                assignment_blocks(assignment, &from, &to)
-                    .into_iter()
-                    .filter(|b| b.copy.bytes() > 0),
-            );
         }
         Ok(blocks)
     }
@@ -297,10 +434,10 @@ impl Planner {
     /// then each pair's transfers (pairs ascending) by round, in the order its messages are
     /// formed from.
     pub fn transfers(&self, blocks: &[Block]) -> Vec<Transfer> {
-        type PairBlocks<'b> = BTreeMap<(u32, u32), Vec<(usize, Option<u32>, &'b StridedCopy)>>;
         let mut transfers = Vec::new();
-        // Per (sender, receiver): (block index, fixed round, copy) in canonical order.
-        let mut pairs: PairBlocks<'_> = BTreeMap::new();
+        // (sender, receiver, block index) of every message block; a stable sort by pair keeps
+        // each pair's blocks in canonical order.
+        let mut paired: Vec<(u32, u32, usize)> = Vec::new();
         for (i, block) in blocks.iter().enumerate() {
             if block.from == block.to && !self.config.local_via_messages {
                 transfers.push(Transfer {
@@ -310,16 +447,19 @@ impl Planner {
                     copy: block.copy.clone(),
                 });
             } else {
-                pairs.entry((block.from, block.to)).or_default().push((
-                    i,
-                    block.round,
-                    &block.copy,
-                ));
+                paired.push((block.from, block.to, i));
             }
         }
-        for (pair, list) in pairs {
+        paired.sort_by_key(|&(from, to, _)| (from, to));
+        let mut list: Vec<(usize, Option<u32>, &StridedCopy)> = Vec::new();
+        for run in paired.chunk_by(|a, b| (a.0, a.1) == (b.0, b.1)) {
+            list.clear();
+            list.extend(
+                run.iter()
+                    .map(|&(_, _, i)| (i, blocks[i].round, &blocks[i].copy)),
+            );
             transfers.extend(rounds::spread(
-                pair,
+                (run[0].0, run[0].1),
                 &list,
                 self.rounds,
                 self.config.split_min_bytes,
@@ -341,11 +481,11 @@ impl Planner {
             fingerprint: self.fingerprint,
             ..Default::default()
         };
-        // Per (round, peer), per direction: the transfers' copies, in the order the pair's transfers
-        // come (one function both ends ran).
-        let mut sends: BTreeMap<(u32, u32), Vec<&StridedCopy>> = BTreeMap::new();
-        let mut recvs: BTreeMap<(u32, u32), Vec<&StridedCopy>> = BTreeMap::new();
-        for transfer in transfers {
+        // Per direction, (round, peer, transfer index); a stable sort by (round, peer) keeps
+        // each pair's transfers in the order they come (one function both ends ran).
+        let mut sends: Vec<(u32, u32, usize)> = Vec::new();
+        let mut recvs: Vec<(u32, u32, usize)> = Vec::new();
+        for (i, transfer) in transfers.iter().enumerate() {
             let block = blocks.get(transfer.block).ok_or_else(|| {
                 Error::internal(format!(
                     "a transfer names block {} of {}",
@@ -359,37 +499,45 @@ impl Planner {
             }
             // A message to itself (local_via_messages) is both.
             if block.from == rank {
-                sends
-                    .entry((transfer.round, block.to))
-                    .or_default()
-                    .push(&transfer.copy);
+                sends.push((transfer.round, block.to, i));
             }
             if block.to == rank {
-                recvs
-                    .entry((transfer.round, block.from))
-                    .or_default()
-                    .push(&transfer.copy);
+                recvs.push((transfer.round, block.from, i));
             }
         }
-        let mut round_ids: Vec<u32> = sends.keys().chain(recvs.keys()).map(|k| k.0).collect();
-        round_ids.dedup();
+        sends.sort_by_key(|&(round, peer, _)| (round, peer));
+        recvs.sort_by_key(|&(round, peer, _)| (round, peer));
+        let mut round_ids: Vec<u32> = sends.iter().chain(&recvs).map(|k| k.0).collect();
         round_ids.sort_unstable();
         round_ids.dedup();
         // A plan of several rounds is not groupable anyway: auto coalesces every pair. (Only
         // plan-wide facts may decide how a pair is formed: both ends must agree.)
         let coalesce = self.rounds > 1;
+        let (mut next_send, mut next_recv) = (0, 0);
+        let mut copies: Vec<&StridedCopy> = Vec::new();
         for round in round_ids {
             let mut emitter = Emitter::default();
-            for ((_, peer), copies) in sends.range((round, 0)..=(round, u32::MAX)) {
-                let pair = (rank, *peer);
-                emitter.pair(End::Sender, pair, copies, self.config.mode, coalesce)?;
+            for (end, list, next) in [
+                (End::Sender, &sends, &mut next_send),
+                (End::Receiver, &recvs, &mut next_recv),
+            ] {
+                let count = list[*next..].partition_point(|k| k.0 == round);
+                for run in list[*next..*next + count].chunk_by(|a, b| a.1 == b.1) {
+                    let peer = run[0].1;
+                    let pair = match end {
+                        End::Sender => (rank, peer),
+                        End::Receiver => (peer, rank),
+                    };
+                    copies.clear();
+                    copies.extend(run.iter().map(|&(_, _, i)| &transfers[i].copy));
+                    emitter.pair(end, pair, &copies, self.config.mode, coalesce)?;
+                }
+                *next += count;
+                match end {
+                    End::Sender => program.sends.append(&mut emitter.messages),
+                    End::Receiver => program.recvs.append(&mut emitter.messages),
+                }
             }
-            program.sends.append(&mut emitter.messages);
-            for ((_, peer), copies) in recvs.range((round, 0)..=(round, u32::MAX)) {
-                let pair = (*peer, rank);
-                emitter.pair(End::Receiver, pair, copies, self.config.mode, coalesce)?;
-            }
-            program.recvs.append(&mut emitter.messages);
             program.packs.append(&mut emitter.packs);
             program.unpacks.append(&mut emitter.unpacks);
             program.staging_bytes = program.staging_bytes.max(emitter.staging_bytes);
@@ -449,13 +597,72 @@ fn rounds_for(tensors: &[TensorSpec], layout_ids: &[[u32; 2]], config: &Config) 
     rounds.clamp(1, u128::from(AUTO_MAX_ROUNDS)) as u32
 }
 
-/// Enumerates the units between `mine` (this rank's shard on `own`) and every overlapping shard
-/// of `other`, and feeds the assignments of each unit to `sink`. `own_is_dst` says which side
-/// `own` is.
+/// One assignment of a tensor that concerns the rank being planned: which side's units it
+/// comes from (0 receiving, 1 sending), the unit, the unit's region index, and how it moves.
+#[derive(Clone, Copy)]
+struct Pick {
+    side: u8,
+    unit: u32,
+    region: u32,
+    from: u32,
+    to: u32,
+    round: Option<u32>,
+    relay: bool,
+}
+
+/// A class's units on the receiving and the sending side of one rank.
+struct Sides([Option<Rc<Vec<Prepared>>>; 2]);
+
+impl Sides {
+    fn unit(&self, pick: &Pick) -> &Prepared {
+        let units = self.0[usize::from(pick.side)]
+            .as_ref()
+            .expect("a pick comes from a side with units");
+        &units[pick.unit as usize]
+    }
+
+    fn corner(&self, pick: &Pick) -> &[u64] {
+        &self.unit(pick).corners[pick.region as usize]
+    }
+}
+
+/// Blocks of one assignment, by (class, side, unit, region, from, to, relay).
+type BlockKey = (u32, u8, u32, u32, u32, u32, bool);
+
+/// What one rank call computes once and reuses across tensors.
+struct RankCache<'a> {
+    memo: Memo<'a>,
+    /// Per class, per side (receiving, sending): its units once known (`Some(None)`: none).
+    classes: Vec<[Option<Option<Rc<Vec<Prepared>>>>; 2]>,
+    /// Per class: its tensors' picks when they do not depend on the tensor.
+    picks: Vec<ClassPicks>,
+    blocks: FxHashMap<BlockKey, Rc<[Block]>>,
+}
+
+#[derive(Clone)]
+enum ClassPicks {
+    Unknown,
+    /// No unit of the class rotates: every tensor has these picks.
+    Fixed(Vec<Pick>),
+    Rotating,
+}
+
+impl RankCache<'_> {
+    fn new(classes: usize) -> Self {
+        RankCache {
+            memo: Memo::default(),
+            classes: vec![[None, None]; classes],
+            picks: vec![ClassPicks::Unknown; classes],
+            blocks: FxHashMap::default(),
+        }
+    }
+}
+
+/// The units between `mine` (this rank's shard on `own`) and every overlapping shard of
+/// `other`, prepared for dealing. `own_is_dst` says which side `own` is.
 #[allow(clippy::too_many_arguments)]
 fn units(
     spec: &TensorSpec,
-    tensor: u32,
     other_pieces: &[Rc<Vec<DimPiece>>],
     own: &Layout,
     mine: &[IndexRuns],
@@ -463,12 +670,11 @@ fn units(
     own_is_dst: bool,
     config: &Config,
     rounds: u32,
-    keep: &dyn Fn(u32, u32, bool) -> bool,
-    mut sink: impl FnMut(Assignment),
-) {
+) -> Vec<Prepared> {
     let ndim = spec.shape.len();
+    let mut out = Vec::new();
     if mine.iter().any(IndexRuns::is_empty) {
-        return;
+        return out;
     }
     // Per dim: the other side's pieces overlapping mine, as (coords, overlap).
     let mut overlaps: Vec<Vec<(&[u64], IndexRuns)>> = Vec::with_capacity(ndim);
@@ -481,7 +687,7 @@ fn units(
             })
             .collect();
         if list.is_empty() {
-            return;
+            return out;
         }
         overlaps.push(list);
     }
@@ -496,20 +702,15 @@ fn units(
             .map(|d| overlaps[d][choice[d]].1.clone())
             .collect();
         let (src_coords, dst_coords) = if own_is_dst {
-            (other_refs, own_refs.clone())
+            (&other_refs, &own_refs)
         } else {
-            (own_refs.clone(), other_refs)
+            (&own_refs, &other_refs)
         };
-        let unit = Unit {
-            tensor,
-            spec,
-            src_coords,
-            dst_coords,
-            region,
-        };
-        assign(&unit, config, rounds, keep, &mut sink);
+        out.push(Prepared::new(
+            spec, src_coords, dst_coords, region, config, rounds,
+        ));
         if !next_index(&mut choice, |d| overlaps[d].len()) {
-            return;
+            return out;
         }
     }
 }

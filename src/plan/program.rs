@@ -54,9 +54,7 @@ pub struct StridedCopy {
 impl StridedCopy {
     /// Builds a normalised copy of `elem_size`-byte elements over `dims` (outermost first).
     pub fn new(src: Loc, dst: Loc, elem_size: u64, dims: &[CopyDim]) -> StridedCopy {
-        let mut chunk_bytes = elem_size;
-        let mut kept: Vec<CopyDim> = dims.iter().copied().filter(|d| d.count != 1).collect();
-        if kept.iter().any(|d| d.count == 0) {
+        if dims.iter().any(|d| d.count == 0) {
             return StridedCopy {
                 src,
                 dst,
@@ -64,16 +62,23 @@ impl StridedCopy {
                 dims: Vec::new(),
             };
         }
-        while let Some(inner) = kept.last() {
-            if inner.src_stride == chunk_bytes && inner.dst_stride == chunk_bytes {
+        // The innermost dims contiguous on both sides fold into the chunk (count-1 dims are
+        // skipped wherever they are)…
+        let mut chunk_bytes = elem_size;
+        let mut end = dims.len();
+        while let Some(inner) = end.checked_sub(1).map(|i| dims[i]) {
+            if inner.count == 1 {
+                end -= 1;
+            } else if inner.src_stride == chunk_bytes && inner.dst_stride == chunk_bytes {
                 chunk_bytes *= inner.count;
-                kept.pop();
+                end -= 1;
             } else {
                 break;
             }
         }
-        let mut merged: Vec<CopyDim> = Vec::with_capacity(kept.len());
-        for dim in kept {
+        // …and adjacent dims contiguous across each other merge.
+        let mut merged: Vec<CopyDim> = Vec::with_capacity(end);
+        for &dim in dims[..end].iter().filter(|d| d.count != 1) {
             if let Some(inner) = merged.last_mut() {
                 // `merged` holds outer dims; `dim` is the next inner one.
                 if inner.src_stride == dim.src_stride * dim.count
