@@ -28,6 +28,14 @@ pub const AUTO_STAGE_MIN_MESSAGES: u64 = 4;
 pub const AUTO_STAGE_MAX_AVG_BYTES: u64 = 1 << 20;
 /// …or there are more of them than this.
 pub const AUTO_STAGE_MAX_MESSAGES: u64 = 256;
+/// In an `Auto` plan of several rounds, a piece contiguous on both ends travels as it is (no
+/// pack, no unpack) when it has at least [`AUTO_STAGE_MAX_AVG_BYTES`] and at least this
+/// fraction of the plan's smallest pair part (see [`AUTO_MESSAGES_PER_RANK`]); smaller ones
+/// join the pair's staged message of that round. Pieces far smaller than a part would each
+/// cost a message of their own where the budget allows about one per part: a model that keeps
+/// thousands of 1.8 MB per-expert tensors (Kimi-K2, parts of about 38 MB) would post one
+/// message per tensor and peer, 61,725 on one inference rank.
+pub const AUTO_DIRECT_PART_FRACTION: u64 = 8;
 /// Groupable mode refuses a pair whose regions split into more runs than this before adjacent
 /// runs are merged (planning them would take too much memory); auto and staged modes coalesce
 /// such pairs.
@@ -43,6 +51,14 @@ pub const GROUPABLE_MAX_MESSAGES_PER_RANK: u64 = 16384;
 pub const ROUND_TARGET_BYTES: u64 = 4 << 30;
 /// …with at most this many rounds (a config may ask for up to [`MAX_ROUNDS`]).
 pub const AUTO_MAX_ROUNDS: u32 = 32;
+/// Staged and auto plans of several rounds keep a rank's messages under about this many. A
+/// pair's data is cut across rounds into parts, each one staged message (or part of one):
+/// without a bound a rank with 512 peers and 31 rounds would post 512 × 31. Parts are
+/// therefore at least the busiest rank's bytes over (this − the plan's other ranks, which
+/// bounds any rank's peers), and at least [`Config::split_min_bytes`]: a rank then has at
+/// most one message per peer plus one per part. Pieces sent as they are
+/// ([`AUTO_DIRECT_PART_FRACTION`]) and relays come on top.
+pub const AUTO_MESSAGES_PER_RANK: u64 = 4096;
 /// The most rounds a config may ask for.
 pub const MAX_ROUNDS: u32 = 1024;
 /// Default for [`Config::split_min_bytes`].

@@ -7,8 +7,8 @@
 //! receiver unpacks.
 
 use super::config::{
-    Mode, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES,
-    GROUPABLE_MAX_MESSAGES_PER_RANK, GROUPABLE_MAX_PIECES_PER_PAIR,
+    Mode, AUTO_DIRECT_PART_FRACTION, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES,
+    AUTO_STAGE_MIN_MESSAGES, GROUPABLE_MAX_MESSAGES_PER_RANK, GROUPABLE_MAX_PIECES_PER_PAIR,
 };
 use super::fxhash::FxHashMap;
 use super::program::{Buffer, CopyDim, Loc, Message, StridedCopy};
@@ -180,9 +180,10 @@ impl Emitter {
 
     /// Emits this rank's half of the pair whose copies (canonical order) are given.
     /// `pair` is (sender, receiver), for messages. `coalesce`: in auto mode, the plan has
-    /// several rounds (so it is not groupable anyway): pieces of at least
-    /// [`AUTO_STAGE_MAX_AVG_BYTES`] contiguous on both ends go as they are, the rest as one
-    /// staged message.
+    /// several rounds (so it is not groupable anyway): pieces contiguous on both ends of at
+    /// least [`AUTO_STAGE_MAX_AVG_BYTES`] and 1/[`AUTO_DIRECT_PART_FRACTION`] of
+    /// `part_bytes` (the plan's smallest pair part) go as they are, the rest as one staged
+    /// message.
     pub fn pair(
         &mut self,
         end: End,
@@ -190,6 +191,7 @@ impl Emitter {
         copies: &[&StridedCopy],
         mode: Mode,
         coalesce: bool,
+        part_bytes: u64,
     ) -> Result<()> {
         let peer = match end {
             End::Sender => pair.1,
@@ -237,9 +239,10 @@ impl Emitter {
             Mode::Auto if coalesce => {
                 // Large pieces contiguous on both ends go as they are (no copy); the rest
                 // travels as one staged message when it would take several.
+                let min = AUTO_STAGE_MAX_AVG_BYTES.max(part_bytes / AUTO_DIRECT_PART_FRACTION);
                 let (direct, rest): (Vec<&StridedCopy>, Vec<&StridedCopy>) = copies
                     .iter()
-                    .partition(|c| c.is_contiguous() && c.bytes() >= AUTO_STAGE_MAX_AVG_BYTES);
+                    .partition(|c| c.is_contiguous() && c.bytes() >= min);
                 let pieces: u64 = rest
                     .iter()
                     .map(|c| groupable_piece_count(c))

@@ -18,9 +18,10 @@ mod rounds;
 pub use assign::Assignment;
 pub use blocks::Block;
 pub use config::{
-    Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES,
-    AUTO_STAGE_MIN_MESSAGES, DEFAULT_SPLIT_MIN_BYTES, GROUPABLE_MAX_MESSAGES_PER_RANK,
-    GROUPABLE_MAX_PIECES_PER_PAIR, MAX_ROUNDS, ROUND_TARGET_BYTES,
+    Config, Mode, Topology, AUTO_DIRECT_PART_FRACTION, AUTO_MAX_ROUNDS, AUTO_MESSAGES_PER_RANK,
+    AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES,
+    DEFAULT_SPLIT_MIN_BYTES, GROUPABLE_MAX_MESSAGES_PER_RANK, GROUPABLE_MAX_PIECES_PER_PAIR,
+    MAX_ROUNDS, ROUND_TARGET_BYTES,
 };
 pub use fingerprint::fingerprint;
 pub use messages::STAGING_ALIGN;
@@ -48,7 +49,7 @@ pub struct Planner {
     /// Per tensor, ids of its (source, destination) layout among the plan's distinct layouts:
     /// tensors sharing a layout and shape share the geometry computed for them.
     layout_ids: Vec<[u32; 2]>,
-    /// Per distinct layout id, the mesh it is on.
+    /// The distinct meshes of the tensors.
     meshes: Vec<Mesh>,
     /// Per tensor, its class: tensors with the same two layouts, shape and dtype differ only
     /// in their index, so a rank works out each class's units, views and blocks once.
@@ -57,6 +58,8 @@ pub struct Planner {
     class_first: Vec<u32>,
     /// Rounds the data is spread over (1 in groupable mode); relays add one more.
     rounds: u32,
+    /// The smallest part a pair's data is cut into across rounds ([`pair_part_bytes`]).
+    pair_part_bytes: u64,
 }
 
 /// Geometry computed once per rank call and shared by every tensor with the same layout,
@@ -131,20 +134,27 @@ impl Planner {
         config.validate()?;
         // Identical layouts are interned (tensors sharing a layout share geometry), and
         // identical tensors (a model's layers) form one class, validated once.
-        let mut meshes: Vec<Mesh> = Vec::new();
         let layout_ids: Vec<[u32; 2]> = {
             let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
             let mut out = Vec::with_capacity(tensors.len());
             for t in &tensors {
                 let mut id = |layout| {
-                    *ids.entry(layout).or_insert_with(|| {
-                        meshes.push(layout.mesh.clone());
-                        meshes.len() as u32 - 1
-                    })
+                    let next = ids.len() as u32;
+                    *ids.entry(layout).or_insert(next)
                 };
                 out.push([id(&t.src), id(&t.dst)]);
             }
             out
+        };
+        // The distinct meshes (a mesh serves several layouts).
+        let meshes: Vec<Mesh> = {
+            let mut seen: FxHashMap<&Mesh, ()> = FxHashMap::default();
+            tensors
+                .iter()
+                .flat_map(|t| [&t.src.mesh, &t.dst.mesh])
+                .filter(|&m| seen.insert(m, ()).is_none())
+                .cloned()
+                .collect()
         };
         let mut class_of: FxHashMap<([u32; 2], &[u64], DType), u32> = FxHashMap::default();
         let mut classes = Vec::with_capacity(tensors.len());
@@ -177,7 +187,9 @@ impl Planner {
             }
         }
         let fingerprint = fingerprint(&tensors, &config);
-        let rounds = rounds_for(&tensors, &layout_ids, &config);
+        let busiest = busiest_rank_bytes(&tensors, &layout_ids);
+        let rounds = rounds_for(busiest, &config);
+        let pair_part_bytes = pair_part_bytes(busiest, distinct_ranks(&meshes).len(), &config);
         Ok(Planner {
             tensors,
             config,
@@ -187,6 +199,7 @@ impl Planner {
             classes,
             class_first,
             rounds,
+            pair_part_bytes,
         })
     }
 
@@ -209,14 +222,7 @@ impl Planner {
 
     /// Every rank that appears in a source or destination mesh, ascending.
     pub fn ranks(&self) -> Vec<u32> {
-        let mut ranks: Vec<u32> = self
-            .meshes
-            .iter()
-            .flat_map(|m| m.ranks().iter().copied())
-            .collect();
-        ranks.sort_unstable();
-        ranks.dedup();
-        ranks
+        distinct_ranks(&self.meshes)
     }
 
     /// This rank's assignments: those it receives (local copies included) and those it sends,
@@ -462,7 +468,7 @@ impl Planner {
                 (run[0].0, run[0].1),
                 &list,
                 self.rounds,
-                self.config.split_min_bytes,
+                self.pair_part_bytes,
             ));
         }
         transfers
@@ -530,7 +536,14 @@ impl Planner {
                     };
                     copies.clear();
                     copies.extend(run.iter().map(|&(_, _, i)| &transfers[i].copy));
-                    emitter.pair(end, pair, &copies, self.config.mode, coalesce)?;
+                    emitter.pair(
+                        end,
+                        pair,
+                        &copies,
+                        self.config.mode,
+                        coalesce,
+                        self.pair_part_bytes,
+                    )?;
                 }
                 *next += count;
                 match end {
@@ -556,18 +569,22 @@ impl Planner {
     }
 }
 
-/// Rounds for a plan: 1 in groupable mode, the config's count, or enough that the busiest
-/// rank moves about [`ROUND_TARGET_BYTES`] per round, estimated from the tensors alone (every
-/// rank must get the same count): a destination rank receives its shard of each tensor, a
-/// source rank sends its share of what every destination replica needs. Per-rank sums are
-/// taken per distinct layout, so the cost is tensors + ranks × layouts.
-fn rounds_for(tensors: &[TensorSpec], layout_ids: &[[u32; 2]], config: &Config) -> u32 {
-    if config.mode == Mode::Groupable {
-        return 1;
-    }
-    if config.rounds > 0 {
-        return config.rounds;
-    }
+/// Every rank of `meshes`, ascending.
+fn distinct_ranks(meshes: &[Mesh]) -> Vec<u32> {
+    let mut ranks: Vec<u32> = meshes
+        .iter()
+        .flat_map(|m| m.ranks().iter().copied())
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    ranks
+}
+
+/// Bytes the busiest rank moves, estimated from the tensors alone (every rank gets the same
+/// value): a destination rank receives its shard of each tensor, a source rank sends its
+/// share of what every destination replica needs. Per-rank sums are taken per distinct
+/// layout, so the cost is tensors + ranks × layouts.
+fn busiest_rank_bytes(tensors: &[TensorSpec], layout_ids: &[[u32; 2]]) -> u128 {
     let shards = |layout: &Layout| -> u128 {
         (0..layout.placements.len())
             .filter(|&a| layout.placements[a].dim().is_some())
@@ -592,9 +609,38 @@ fn rounds_for(tensors: &[TensorSpec], layout_ids: &[[u32; 2]], config: &Config) 
             *per_rank.entry(rank).or_default() += bytes;
         }
     }
-    let busiest = per_rank.values().copied().max().unwrap_or(0);
+    per_rank.values().copied().max().unwrap_or(0)
+}
+
+/// Rounds for a plan whose busiest rank moves `busiest` bytes: 1 in groupable mode, the
+/// config's count, or enough that the busiest rank moves about [`ROUND_TARGET_BYTES`] per
+/// round.
+fn rounds_for(busiest: u128, config: &Config) -> u32 {
+    if config.mode == Mode::Groupable {
+        return 1;
+    }
+    if config.rounds > 0 {
+        return config.rounds;
+    }
     let rounds = busiest.div_ceil(u128::from(ROUND_TARGET_BYTES));
     rounds.clamp(1, u128::from(AUTO_MAX_ROUNDS)) as u32
+}
+
+/// The smallest part a pair's data is cut into across rounds: `split_min_bytes`, or the
+/// busiest rank's bytes over the parts [`AUTO_MESSAGES_PER_RANK`] leaves once every other
+/// rank of the plan is a peer (at least a quarter of it), when that is larger. A rank's
+/// pairs then have at most one part each plus that many in all, however many peers and
+/// rounds it has: a rank receiving from 512 peers over 31 rounds posts a few thousand
+/// messages, not 512 × 31.
+fn pair_part_bytes(busiest: u128, ranks: usize, config: &Config) -> u64 {
+    let others = (ranks as u64).saturating_sub(1);
+    let parts = AUTO_MESSAGES_PER_RANK
+        .saturating_sub(others)
+        .max(AUTO_MESSAGES_PER_RANK / 4);
+    let share = busiest / u128::from(parts);
+    config
+        .split_min_bytes
+        .max(u64::try_from(share).unwrap_or(u64::MAX))
 }
 
 /// One assignment of a tensor that concerns the rank being planned: which side's units it

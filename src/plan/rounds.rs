@@ -8,7 +8,6 @@
 //! A block cut by a chunk boundary moves in several rounds, as the pieces [`StridedCopy::slice`]
 //! gives: the [`Transfer`]s that both the programs and the exported transfer list are made of.
 
-use super::fingerprint::mix;
 use super::program::StridedCopy;
 
 /// Chunk boundaries fall on multiples of this many bytes of the pair's stream.
@@ -74,7 +73,7 @@ pub(crate) fn spread(
     } else {
         1
     };
-    let first = mix([u64::from(pair.0), u64::from(pair.1)]) % rounds;
+    let first = first_round(pair, rounds);
     let round_of = |c: u64| ((first + c * rounds / chunks) % rounds) as u32;
     // Boundary of chunk c: c/chunks of the stream, rounded down to CUT_ALIGN (the last one
     // is the end).
@@ -133,6 +132,18 @@ pub(crate) fn spread(
     }
     out.sort_by_key(|(r, _)| *r);
     out.into_iter().flat_map(|(_, list)| list).collect()
+}
+
+/// The first round of pair (sender, receiver): a Weyl sequence over each rank number, so that
+/// the pairs of one rank start in rounds spread evenly (low discrepancy) whether its peers are
+/// consecutive ranks or every k-th.
+fn first_round((from, to): (u32, u32), rounds: u64) -> u64 {
+    const SENDER: u64 = 0x9e37_79b9_7f4a_7c15; // 2^64 / golden ratio
+    const RECEIVER: u64 = 0x6a09_e667_f3bc_c909; // 2^64 · (sqrt 2 - 1)
+    let x = u64::from(from)
+        .wrapping_mul(SENDER)
+        .wrapping_add(u64::from(to).wrapping_mul(RECEIVER));
+    ((u128::from(x) * u128::from(rounds)) >> 64) as u64
 }
 
 #[cfg(test)]

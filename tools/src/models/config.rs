@@ -66,8 +66,9 @@ pub struct ModelConfig {
 }
 
 /// The names [`ModelConfig::preset`] knows.
-pub const PRESETS: [&str; 5] = [
+pub const PRESETS: [&str; 6] = [
     "deepseek-v3",
+    "kimi-k2",
     "qwen3-235b-a22b",
     "qwen3-32b",
     "llama-3.1-70b",
@@ -166,8 +167,18 @@ impl<F: Fn(&str) -> Option<HfValue>> Fields<F> {
 
 impl ModelConfig {
     /// A public model by name (see [`PRESETS`]). Hyper-parameters are those of the models'
-    /// published `config.json` files; DeepSeek-V3 excludes its multi-token-prediction layer
-    /// and is listed in the training dtype (no FP8 block scales).
+    /// published `config.json` files; DeepSeek-V3 excludes its multi-token-prediction layer,
+    /// and DeepSeek-V3 and Kimi-K2 are listed in the training dtype (their checkpoints are
+    /// block-FP8; no scales here).
+    ///
+    /// `kimi-k2` is Moonshot AI's Kimi-K2 (`moonshotai/Kimi-K2-Instruct`, `model_type`
+    /// `kimi_k2`, architecture `DeepseekV3ForCausalLM`): DeepSeek-V3's layout — 61 layers,
+    /// hidden 7168, MLA with `q_lora_rank` 1536, `kv_lora_rank` 512, head dims 128 + 64 and
+    /// v 128, dense MLP intermediate 18432, expert intermediate 2048, one shared expert, the
+    /// `noaux_tc` router bias — with 64 attention heads (DeepSeek-V3: 128), 384 routed
+    /// experts (256), one dense first layer (`first_k_dense_replace` 1; DeepSeek-V3: 3),
+    /// a 163,840-token vocabulary (129,280), untied embeddings and no MTP layer
+    /// (`num_nextn_predict_layers` 0).
     pub fn preset(name: &str) -> Result<ModelConfig> {
         let dense = |name: &str| ModelConfig {
             name: name.to_string(),
@@ -211,6 +222,19 @@ impl ModelConfig {
         };
         let config = match name {
             "deepseek-v3" => deepseek_v3(),
+            "kimi-k2" => ModelConfig {
+                num_heads: 64,
+                num_kv_heads: 64,
+                vocab_size: 163840,
+                moe: Some(MoeConfig {
+                    num_experts: 384,
+                    moe_intermediate_size: 2048,
+                    first_k_dense_layers: 1,
+                    shared_experts: 1,
+                    router_bias: true,
+                }),
+                ..deepseek_v3()
+            },
             "dsv3-toy" => ModelConfig {
                 num_layers: 1,
                 moe: Some(MoeConfig {

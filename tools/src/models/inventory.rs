@@ -550,6 +550,7 @@ impl Builder<'_> {
 /// | preset | total | published |
 /// |---|---|---|
 /// | `deepseek-v3` | 671,026,419,200 | 671B (685B on the Hub includes the 14B MTP layer) |
+/// | `kimi-k2` | 1,026,408,232,448 | 1T total, 32B activated |
 /// | `qwen3-235b-a22b` | 235,093,634,560 | 235B |
 /// | `qwen3-32b` | 32,762,123,264 | 32.8B |
 /// | `llama-3.1-70b` | 70,553,706,496 | 70.6B |
@@ -557,7 +558,8 @@ impl Builder<'_> {
 /// Each total rounds to the published figure, so the inventories hold no extra or missing
 /// tensor a published count would reveal. DeepSeek-V3's routed experts are 58 × 256 × 3 ×
 /// 7168 × 2048 = 653,908,770,816 and the rest 17,117,648,384 (the router bias
-/// `e_score_correction_bias`, 58 × 256, included).
+/// `e_score_correction_bias`, 58 × 256, included). Kimi-K2's are 60 × 384 × 3 × 7168 × 2048
+/// = 1,014,686,023,680; with experts stored per expert its inventory has 69,975 tensors.
 pub fn inventory(config: &ModelConfig, storage: ExpertStorage) -> Vec<Param> {
     let mut b = Builder {
         config,

@@ -15,6 +15,7 @@ fn total(name: &str) -> u64 {
 fn preset_parameter_totals_match_the_published_sizes() {
     // Exact totals (see `inventory`'s doc for the comparison with the published numbers).
     assert_eq!(total("deepseek-v3"), 671_026_419_200);
+    assert_eq!(total("kimi-k2"), 1_026_408_232_448);
     assert_eq!(total("qwen3-235b-a22b"), 235_093_634_560);
     assert_eq!(total("qwen3-32b"), 32_762_123_264);
     assert_eq!(total("llama-3.1-70b"), 70_553_706_496);
@@ -106,6 +107,67 @@ fn names_classify_back_to_their_roles() {
         err.message.contains("vision_tower.blocks.0.attn.weight"),
         "{err}"
     );
+}
+
+#[test]
+fn kimi_k2_is_deepseek_v3_with_384_experts_64_heads_and_one_dense_layer() {
+    // The fields of moonshotai/Kimi-K2-Instruct's config.json that shape the inventory.
+    let kimi = [
+        ("model_type", HfValue::Str("kimi_k2".into())),
+        ("hidden_size", int(7168)),
+        ("num_hidden_layers", int(61)),
+        ("num_attention_heads", int(64)),
+        ("num_key_value_heads", int(64)),
+        ("intermediate_size", int(18432)),
+        ("moe_intermediate_size", int(2048)),
+        ("n_routed_experts", int(384)),
+        ("n_shared_experts", int(1)),
+        ("first_k_dense_replace", int(1)),
+        ("moe_layer_freq", int(1)),
+        ("topk_method", HfValue::Str("noaux_tc".into())),
+        ("q_lora_rank", int(1536)),
+        ("kv_lora_rank", int(512)),
+        ("qk_nope_head_dim", int(128)),
+        ("qk_rope_head_dim", int(64)),
+        ("v_head_dim", int(128)),
+        ("vocab_size", int(163840)),
+        ("tie_word_embeddings", HfValue::Bool(false)),
+        ("attention_bias", HfValue::Bool(false)),
+        ("num_nextn_predict_layers", int(0)),
+    ];
+    let mut want = preset("kimi-k2");
+    want.name = "kimi_k2".into();
+    // head_dim is unused by MLA; from_hf derives it from hidden / heads.
+    want.head_dim = 7168 / 64;
+    assert_eq!(ModelConfig::from_hf(hf(&kimi)).unwrap(), want);
+
+    let params = inventory(&preset("kimi-k2"), ExpertStorage::PerExpert);
+    assert_eq!(params.len(), 69_975);
+    let routed: Vec<&Param> = params
+        .iter()
+        .filter(|p| matches!(p.role, Role::Expert { .. }))
+        .collect();
+    assert_eq!(routed.len(), 60 * 384 * 3);
+    assert_eq!(
+        routed.iter().map(|p| p.elements()).sum::<u64>(),
+        60 * 384 * 3 * 7168 * 2048
+    );
+    let names: HashSet<&str> = params.iter().map(|p| p.name.as_str()).collect();
+    for name in [
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.1.mlp.experts.383.down_proj.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+        "model.layers.60.mlp.shared_experts.gate_proj.weight",
+        "lm_head.weight",
+    ] {
+        assert!(names.contains(name), "{name}");
+    }
+    assert!(!names.contains("model.layers.0.mlp.gate.weight"));
+    let q_b = params
+        .iter()
+        .find(|p| p.name == "model.layers.0.self_attn.q_b_proj.weight")
+        .unwrap();
+    assert_eq!(q_b.shape, vec![64 * (128 + 64), 1536]);
 }
 
 fn hf(fields: &[(&str, HfValue)]) -> impl Fn(&str) -> Option<HfValue> {
