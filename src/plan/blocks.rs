@@ -32,12 +32,69 @@ impl Block {
     /// This block as it is for tensor `tensor` of the same class (same layouts, shape and
     /// dtype), with the round its assignment fixed.
     pub(crate) fn of_tensor(&self, tensor: u32, round: Option<u32>) -> Block {
-        let mut block = self.clone();
-        block.tensor = tensor;
-        block.copy.src.tensor = tensor;
-        block.copy.dst.tensor = tensor;
-        block.round = round;
-        block
+        Block {
+            tensor,
+            from: self.from,
+            to: self.to,
+            start: self.start.clone(),
+            count: self.count.clone(),
+            copy: self.copy_of_tensor(tensor),
+            round,
+        }
+    }
+
+    /// This block's copy as it is for tensor `tensor` of the same class.
+    pub(crate) fn copy_of_tensor(&self, tensor: u32) -> StridedCopy {
+        let mut copy = self.copy.clone();
+        copy.src.tensor = tensor;
+        copy.dst.tensor = tensor;
+        copy
+    }
+}
+
+/// What a rank's transfers and program need of a block: its two ranks, the round its unit
+/// fixed, and its copy. [`Block`] has it, and so does the lighter [`Move`] that a rank's
+/// program is planned from (the box of the tensor only the transfer export needs).
+pub(crate) trait Moved {
+    fn ends(&self) -> (u32, u32);
+    fn fixed_round(&self) -> Option<u32>;
+    fn copy(&self) -> &StridedCopy;
+}
+
+impl Moved for Block {
+    fn ends(&self) -> (u32, u32) {
+        (self.from, self.to)
+    }
+
+    fn fixed_round(&self) -> Option<u32> {
+        self.round
+    }
+
+    fn copy(&self) -> &StridedCopy {
+        &self.copy
+    }
+}
+
+/// A [`Block`] without its box: what [`Planner::rank_program`](super::Planner::rank_program)
+/// plans with.
+pub(crate) struct Move {
+    pub from: u32,
+    pub to: u32,
+    pub round: Option<u32>,
+    pub copy: StridedCopy,
+}
+
+impl Moved for Move {
+    fn ends(&self) -> (u32, u32) {
+        (self.from, self.to)
+    }
+
+    fn fixed_round(&self) -> Option<u32> {
+        self.round
+    }
+
+    fn copy(&self) -> &StridedCopy {
+        &self.copy
     }
 }
 

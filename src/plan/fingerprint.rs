@@ -10,20 +10,47 @@ use crate::layout::{Layout, Placement, TensorSpec};
 /// FNV-1a over a canonical encoding of the inputs: equal on all ranks iff they passed the same
 /// descriptors and config (the rank itself is not part of it).
 pub fn fingerprint(tensors: &[TensorSpec], config: &Config) -> u64 {
+    let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
+    let mut layouts: Vec<&Layout> = Vec::new();
+    let layout_ids: Vec<[u32; 2]> = tensors
+        .iter()
+        .map(|t| {
+            [&t.src, &t.dst].map(|layout| {
+                let next = layouts.len() as u32;
+                *ids.entry(layout).or_insert_with(|| {
+                    layouts.push(layout);
+                    next
+                })
+            })
+        })
+        .collect();
+    of_interned(tensors, &layout_ids, &layouts, config)
+}
+
+/// [`fingerprint`] of tensors whose layouts are interned: `layout_ids` per tensor (source,
+/// destination) index `layouts`. A model repeats a few layouts over thousands of tensors:
+/// each distinct one is digested once.
+pub(crate) fn of_interned(
+    tensors: &[TensorSpec],
+    layout_ids: &[[u32; 2]],
+    layouts: &[&Layout],
+    config: &Config,
+) -> u64 {
+    let digests: Vec<u64> = layouts
+        .iter()
+        .map(|layout| {
+            let mut d = Fnv::default();
+            layout_hash(&mut d, layout);
+            d.0
+        })
+        .collect();
     let mut h = Fnv::default();
     h.u64(tensors.len() as u64);
-    // A model repeats a few layouts over thousands of tensors: digest each distinct one once.
-    let mut digests: FxHashMap<&Layout, u64> = FxHashMap::default();
-    for t in tensors {
+    for (t, ids) in tensors.iter().zip(layout_ids) {
         h.list(&t.shape);
         h.u64(t.dtype.nccl_code() as u64);
-        for layout in [&t.src, &t.dst] {
-            let digest = *digests.entry(layout).or_insert_with(|| {
-                let mut d = Fnv::default();
-                layout_hash(&mut d, layout);
-                d.0
-            });
-            h.u64(digest);
+        for &id in ids {
+            h.u64(digests[id as usize]);
         }
     }
     h.u64(match config.mode {

@@ -157,25 +157,42 @@ pub(crate) enum End {
     Receiver,
 }
 
-/// Where a rank's program is being assembled: the parts one pair contributes go here.
+/// Where a rank's program is being assembled, round after round: the parts each pair
+/// contributes go here, in order.
 #[derive(Default)]
 pub(crate) struct Emitter {
     pub packs: Vec<StridedCopy>,
     pub unpacks: Vec<StridedCopy>,
-    pub messages: Vec<Message>,
+    pub sends: Vec<Message>,
+    pub recvs: Vec<Message>,
+    /// Staging the current round addresses.
     pub staging_bytes: u64,
-    /// Staged sends already packed, by their source side: a relay forwards the same data to
-    /// every replica on its node, so it packs once and sends that region to each.
+    /// Staged sends of the current round already packed, by their source side: a relay
+    /// forwards the same data to every replica on its node, so it packs once and sends that
+    /// region to each.
     packed: FxHashMap<Vec<(Loc, u64, Vec<CopyDim>)>, Loc>,
     /// Messages (sends and receives) groupable pairs have formed so far on this rank.
     groupable_messages: u64,
 }
 
 impl Emitter {
+    /// Starts a round: its staging starts at 0 (each round reuses the arena).
+    pub fn start_round(&mut self) {
+        self.staging_bytes = 0;
+        self.packed.clear();
+    }
+
     fn reserve(&mut self, bytes: u64) -> u64 {
         let at = self.staging_bytes.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
         self.staging_bytes = at + bytes;
         at
+    }
+
+    fn messages(&mut self, end: End) -> &mut Vec<Message> {
+        match end {
+            End::Sender => &mut self.sends,
+            End::Receiver => &mut self.recvs,
+        }
     }
 
     /// Emits this rank's half of the pair whose copies (canonical order) are given.
@@ -197,7 +214,13 @@ impl Emitter {
             End::Sender => pair.1,
             End::Receiver => pair.0,
         };
-        let copies: Vec<&StridedCopy> = copies.iter().copied().filter(|c| c.bytes() > 0).collect();
+        let nonempty: Vec<&StridedCopy>;
+        let copies = if copies.iter().all(|c| c.bytes() > 0) {
+            copies
+        } else {
+            nonempty = copies.iter().copied().filter(|c| c.bytes() > 0).collect();
+            &nonempty
+        };
         if copies.is_empty() {
             return Ok(());
         }
@@ -219,11 +242,10 @@ impl Emitter {
                         pair.0, pair.1
                     )));
                 }
-                let before = self.messages.len();
-                self.direct_pair(end, peer, &copies);
-                self.groupable_messages = self
-                    .groupable_messages
-                    .saturating_add((self.messages.len() - before) as u64);
+                let before = self.messages(end).len();
+                self.direct_pair(end, peer, copies);
+                let formed = self.messages(end).len() - before;
+                self.groupable_messages = self.groupable_messages.saturating_add(formed as u64);
                 if self.groupable_messages > GROUPABLE_MAX_MESSAGES_PER_RANK {
                     let rank = match end {
                         End::Sender => pair.0,
@@ -240,20 +262,28 @@ impl Emitter {
                 // Large pieces contiguous on both ends go as they are (no copy); the rest
                 // travels as one staged message when it would take several.
                 let min = AUTO_STAGE_MAX_AVG_BYTES.max(part_bytes / AUTO_DIRECT_PART_FRACTION);
-                let (direct, rest): (Vec<&StridedCopy>, Vec<&StridedCopy>) = copies
-                    .iter()
-                    .partition(|c| c.is_contiguous() && c.bytes() >= min);
+                let is_direct = |c: &&StridedCopy| c.is_contiguous() && c.bytes() >= min;
+                let split: (Vec<&StridedCopy>, Vec<&StridedCopy>);
+                let (direct, rest): (&[&StridedCopy], &[&StridedCopy]) =
+                    match copies.iter().filter(|c| is_direct(c)).count() {
+                        0 => (&[], copies),
+                        n if n == copies.len() => (copies, &[]),
+                        _ => {
+                            split = copies.iter().partition(|c| is_direct(c));
+                            (&split.0, &split.1)
+                        }
+                    };
                 let pieces: u64 = rest
                     .iter()
                     .map(|c| groupable_piece_count(c))
                     .fold(0u64, u64::saturating_add);
                 if pieces >= 2 {
-                    self.staged_pair(end, peer, &rest);
+                    self.staged_pair(end, peer, rest);
                 } else if !rest.is_empty() {
-                    self.groupable_pair(end, peer, &rest);
+                    self.groupable_pair(end, peer, rest);
                 }
                 if !direct.is_empty() {
-                    self.groupable_pair(end, peer, &direct);
+                    self.groupable_pair(end, peer, direct);
                 }
                 return Ok(());
             }
@@ -265,9 +295,9 @@ impl Emitter {
             }
         };
         if staged {
-            self.staged_pair(end, peer, &copies);
+            self.staged_pair(end, peer, copies);
         } else {
-            self.groupable_pair(end, peer, &copies);
+            self.groupable_pair(end, peer, copies);
         }
         Ok(())
     }
@@ -317,7 +347,7 @@ impl Emitter {
             End::Sender => src,
             End::Receiver => dst,
         };
-        self.messages.push(Message { peer, loc, bytes });
+        self.messages(end).push(Message { peer, loc, bytes });
     }
 
     /// One message for the whole pair; zero-copy on a side where it is one contiguous run.
@@ -362,7 +392,7 @@ impl Emitter {
                 loc
             }
         };
-        self.messages.push(Message {
+        self.messages(end).push(Message {
             peer,
             loc,
             bytes: total,
@@ -432,6 +462,6 @@ impl Emitter {
             }
         };
         packs.clear();
-        self.messages.push(Message { peer, loc, bytes });
+        self.messages(end).push(Message { peer, loc, bytes });
     }
 }

@@ -24,6 +24,7 @@ pub use config::{
     MAX_ROUNDS, ROUND_TARGET_BYTES,
 };
 pub use fingerprint::fingerprint;
+
 pub use messages::STAGING_ALIGN;
 pub use program::{
     Buffer, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan, StridedCopy,
@@ -32,10 +33,11 @@ pub use rounds::Transfer;
 
 use crate::error::{Error, Result};
 use crate::layout::{
-    next_index, DType, DimPiece, IndexRuns, Layout, Mesh, RankView, Side, TensorSpec,
+    next_index, validate_shape, DType, DimPiece, IndexRuns, Layout, Mesh, RankView, Side,
+    TensorSpec,
 };
 use assign::Prepared;
-use blocks::{assignment_blocks, Movement};
+use blocks::{assignment_blocks, Move, Moved, Movement};
 use fxhash::FxHashMap;
 use messages::{Emitter, End};
 use std::rc::Rc;
@@ -134,24 +136,13 @@ impl Planner {
         config.validate()?;
         // Identical layouts are interned (tensors sharing a layout share geometry), and
         // identical tensors (a model's layers) form one class, validated once.
-        let layout_ids: Vec<[u32; 2]> = {
-            let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
-            let mut out = Vec::with_capacity(tensors.len());
-            for t in &tensors {
-                let mut id = |layout| {
-                    let next = ids.len() as u32;
-                    *ids.entry(layout).or_insert(next)
-                };
-                out.push([id(&t.src), id(&t.dst)]);
-            }
-            out
-        };
+        let (layout_ids, layouts) = intern_layouts(&tensors);
         // The distinct meshes (a mesh serves several layouts).
         let meshes: Vec<Mesh> = {
             let mut seen: FxHashMap<&Mesh, ()> = FxHashMap::default();
-            tensors
+            layouts
                 .iter()
-                .flat_map(|t| [&t.src.mesh, &t.dst.mesh])
+                .map(|l| &l.mesh)
                 .filter(|&m| seen.insert(m, ()).is_none())
                 .cloned()
                 .collect()
@@ -159,22 +150,33 @@ impl Planner {
         let mut class_of: FxHashMap<([u32; 2], &[u64], DType), u32> = FxHashMap::default();
         let mut classes = Vec::with_capacity(tensors.len());
         let mut class_first: Vec<u32> = Vec::new();
+        // What validation already accepted: shapes, and layouts for a shape.
+        let mut valid_shapes: FxHashMap<(&[u64], u32), ()> = FxHashMap::default();
+        let mut valid_layouts: FxHashMap<(u32, &[u64], u32), ()> = FxHashMap::default();
         for (i, (t, ids)) in tensors.iter().zip(&layout_ids).enumerate() {
             let key = (*ids, t.shape.as_slice(), t.dtype);
-            let class = match class_of.get(&key) {
-                Some(&class) => class,
-                None => {
-                    t.validate()
-                        .map_err(|e| e.context(format!("tensors[{i}]")))?;
-                    class_first.push(i as u32);
-                    let class = class_of.len() as u32;
-                    class_of.insert(key, class);
-                    class
+            if let Some(&class) = class_of.get(&key) {
+                classes.push(class);
+                continue;
+            }
+            // TensorSpec::validate, each part checked once per shape.
+            let context = |e: Error| e.context(format!("tensors[{i}]"));
+            let (shape, elem_size) = (t.shape.as_slice(), t.elem_size());
+            // (A failed check returns at once, so marking before checking is fine.)
+            if valid_shapes.insert((shape, elem_size), ()).is_none() {
+                validate_shape(shape, elem_size).map_err(context)?;
+            }
+            for (id, layout, field) in [(ids[0], &t.src, "src"), (ids[1], &t.dst, "dst")] {
+                if valid_layouts.insert((id, shape, elem_size), ()).is_none() {
+                    layout.validate(shape, elem_size, field).map_err(context)?;
                 }
-            };
+            }
+            let class = class_first.len() as u32;
+            class_first.push(i as u32);
+            class_of.insert(key, class);
             classes.push(class);
         }
-        drop(class_of);
+        drop((class_of, valid_shapes, valid_layouts));
         if let Topology::NodeTable(table) = &config.topology {
             let ranks = meshes.iter().flat_map(|m| m.ranks());
             if let Some(&rank) = ranks.max() {
@@ -186,8 +188,9 @@ impl Planner {
                 }
             }
         }
-        let fingerprint = fingerprint(&tensors, &config);
-        let busiest = busiest_rank_bytes(&tensors, &layout_ids);
+        let fingerprint = fingerprint::of_interned(&tensors, &layout_ids, &layouts, &config);
+        let busiest = busiest_rank_bytes(&tensors, &layout_ids, &layouts);
+        drop(layouts);
         let rounds = rounds_for(busiest, &config);
         let pair_part_bytes = pair_part_bytes(busiest, distinct_ranks(&meshes).len(), &config);
         Ok(Planner {
@@ -318,7 +321,7 @@ impl Planner {
         class: u32,
         own_is_dst: bool,
         cache: &mut RankCache<'a>,
-    ) -> Option<Rc<Vec<Prepared>>> {
+    ) -> ClassUnits {
         let slot = &cache.classes[class as usize][usize::from(!own_is_dst)];
         if let Some(known) = slot {
             return known.clone();
@@ -407,23 +410,40 @@ impl Planner {
     /// This rank's blocks — every box of data it receives, sends or copies locally, with the
     /// copy geometry on both ends — in canonical order (tensor, region corner, block order).
     pub fn rank_blocks(&self, rank: u32) -> Result<Vec<Block>> {
+        self.rank_items(rank, |block, t, round| block.of_tensor(t, round))
+    }
+
+    /// `item(block as the class's first tensor has it, tensor, fixed round)` for every block
+    /// of this rank, in canonical order.
+    fn rank_items<T>(
+        &self,
+        rank: u32,
+        item: impl Fn(&Block, u32, Option<u32>) -> T,
+    ) -> Result<Vec<T>> {
         let mut cache = RankCache::new(self.class_first.len());
         let mut picks = Vec::new();
-        let mut blocks = Vec::new();
+        let mut items = Vec::new();
         for t in 0..self.tensors.len() as u32 {
             let sides = self.tensor_picks(rank, t, &mut cache, &mut picks);
             let class = self.classes[t as usize];
             for pick in &picks {
                 let templates = self.pick_blocks(class, &sides, pick, &mut cache)?;
-                blocks.extend(templates.iter().map(|b| b.of_tensor(t, pick.round)));
+                items.extend(templates.iter().map(|b| item(b, t, pick.round)));
             }
         }
-        Ok(blocks)
+        Ok(items)
     }
 
     /// The program `rank` runs. A rank outside every mesh gets an empty program.
     pub fn rank_program(&self, rank: u32) -> Result<RankProgram> {
-        self.program_from_blocks(rank, &self.rank_blocks(rank)?)
+        // The same as program_from_blocks(rank_blocks(rank)), without the boxes.
+        let moves = self.rank_items(rank, |block, t, round| Move {
+            from: block.from,
+            to: block.to,
+            round,
+            copy: block.copy_of_tensor(t),
+        })?;
+        self.program_of(rank, &moves, &self.transfers_of(&moves))
     }
 
     /// Forms `rank`'s program from its blocks (as [`Planner::rank_blocks`] returns them).
@@ -440,36 +460,43 @@ impl Planner {
     /// then each pair's transfers (pairs ascending) by round, in the order its messages are
     /// formed from.
     pub fn transfers(&self, blocks: &[Block]) -> Vec<Transfer> {
+        self.transfers_of(blocks)
+    }
+
+    fn transfers_of<B: Moved>(&self, blocks: &[B]) -> Vec<Transfer> {
         let mut transfers = Vec::new();
-        // (sender, receiver, block index) of every message block; a stable sort by pair keeps
-        // each pair's blocks in canonical order.
-        let mut paired: Vec<(u32, u32, usize)> = Vec::new();
+        // Per (sender, receiver): its blocks' indices in canonical (block) order.
+        let mut pairs: FxHashMap<(u32, u32), Vec<usize>> = FxHashMap::default();
         for (i, block) in blocks.iter().enumerate() {
-            if block.from == block.to && !self.config.local_via_messages {
+            let (from, to) = block.ends();
+            if from == to && !self.config.local_via_messages {
                 transfers.push(Transfer {
                     block: i,
                     round: 0,
                     offset: 0,
-                    copy: block.copy.clone(),
+                    copy: block.copy().clone(),
                 });
             } else {
-                paired.push((block.from, block.to, i));
+                pairs.entry((from, to)).or_default().push(i);
             }
         }
-        paired.sort_by_key(|&(from, to, _)| (from, to));
+        let mut pairs: Vec<((u32, u32), Vec<usize>)> = pairs.into_iter().collect();
+        pairs.sort_unstable_by_key(|&(pair, _)| pair);
         let mut list: Vec<(usize, Option<u32>, &StridedCopy)> = Vec::new();
-        for run in paired.chunk_by(|a, b| (a.0, a.1) == (b.0, b.1)) {
+        for (pair, indices) in pairs {
             list.clear();
             list.extend(
-                run.iter()
-                    .map(|&(_, _, i)| (i, blocks[i].round, &blocks[i].copy)),
+                indices
+                    .into_iter()
+                    .map(|i| (i, blocks[i].fixed_round(), blocks[i].copy())),
             );
-            transfers.extend(rounds::spread(
-                (run[0].0, run[0].1),
+            rounds::spread_into(
+                &mut transfers,
+                pair,
                 &list,
                 self.rounds,
                 self.pair_part_bytes,
-            ));
+            );
         }
         transfers
     }
@@ -482,15 +509,24 @@ impl Planner {
         blocks: &[Block],
         transfers: &[Transfer],
     ) -> Result<RankProgram> {
+        self.program_of(rank, blocks, transfers)
+    }
+
+    fn program_of<B: Moved>(
+        &self,
+        rank: u32,
+        blocks: &[B],
+        transfers: &[Transfer],
+    ) -> Result<RankProgram> {
         let mut program = RankProgram {
             rank,
             fingerprint: self.fingerprint,
             ..Default::default()
         };
-        // Per direction, (round, peer, transfer index); a stable sort by (round, peer) keeps
-        // each pair's transfers in the order they come (one function both ends ran).
-        let mut sends: Vec<(u32, u32, usize)> = Vec::new();
-        let mut recvs: Vec<(u32, u32, usize)> = Vec::new();
+        // Per direction, per (round, peer): the transfers' indices in the order they come
+        // (one function both ends ran).
+        type Groups = FxHashMap<(u32, u32), Vec<u32>>;
+        let (mut sends, mut recvs): (Groups, Groups) = Default::default();
         for (i, transfer) in transfers.iter().enumerate() {
             let block = blocks.get(transfer.block).ok_or_else(|| {
                 Error::internal(format!(
@@ -499,21 +535,32 @@ impl Planner {
                     blocks.len()
                 ))
             })?;
-            if block.from == block.to && !self.config.local_via_messages {
+            let (from, to) = block.ends();
+            if from == to && !self.config.local_via_messages {
                 program.local_copies.push(transfer.copy.clone());
                 continue;
             }
             // A message to itself (local_via_messages) is both.
-            if block.from == rank {
-                sends.push((transfer.round, block.to, i));
+            if from == rank {
+                sends
+                    .entry((transfer.round, to))
+                    .or_default()
+                    .push(i as u32);
             }
-            if block.to == rank {
-                recvs.push((transfer.round, block.from, i));
+            if to == rank {
+                recvs
+                    .entry((transfer.round, from))
+                    .or_default()
+                    .push(i as u32);
             }
         }
-        sends.sort_by_key(|&(round, peer, _)| (round, peer));
-        recvs.sort_by_key(|&(round, peer, _)| (round, peer));
-        let mut round_ids: Vec<u32> = sends.iter().chain(&recvs).map(|k| k.0).collect();
+        let sorted = |groups: Groups| {
+            let mut groups: Vec<((u32, u32), Vec<u32>)> = groups.into_iter().collect();
+            groups.sort_unstable_by_key(|&(key, _)| key);
+            groups
+        };
+        let (sends, recvs) = (sorted(sends), sorted(recvs));
+        let mut round_ids: Vec<u32> = sends.iter().chain(&recvs).map(|g| g.0 .0).collect();
         round_ids.sort_unstable();
         round_ids.dedup();
         // A plan of several rounds is not groupable anyway: auto coalesces every pair. (Only
@@ -521,21 +568,21 @@ impl Planner {
         let coalesce = self.rounds > 1;
         let (mut next_send, mut next_recv) = (0, 0);
         let mut copies: Vec<&StridedCopy> = Vec::new();
+        let mut emitter = Emitter::default();
         for round in round_ids {
-            let mut emitter = Emitter::default();
-            for (end, list, next) in [
+            emitter.start_round();
+            for (end, groups, next) in [
                 (End::Sender, &sends, &mut next_send),
                 (End::Receiver, &recvs, &mut next_recv),
             ] {
-                let count = list[*next..].partition_point(|k| k.0 == round);
-                for run in list[*next..*next + count].chunk_by(|a, b| a.1 == b.1) {
-                    let peer = run[0].1;
+                while let Some(((_, peer), indices)) = groups.get(*next).filter(|g| g.0 .0 == round)
+                {
                     let pair = match end {
-                        End::Sender => (rank, peer),
-                        End::Receiver => (peer, rank),
+                        End::Sender => (rank, *peer),
+                        End::Receiver => (*peer, rank),
                     };
                     copies.clear();
-                    copies.extend(run.iter().map(|&(_, _, i)| &transfers[i].copy));
+                    copies.extend(indices.iter().map(|&i| &transfers[i as usize].copy));
                     emitter.pair(
                         end,
                         pair,
@@ -544,24 +591,22 @@ impl Planner {
                         coalesce,
                         self.pair_part_bytes,
                     )?;
-                }
-                *next += count;
-                match end {
-                    End::Sender => program.sends.append(&mut emitter.messages),
-                    End::Receiver => program.recvs.append(&mut emitter.messages),
+                    *next += 1;
                 }
             }
-            program.packs.append(&mut emitter.packs);
-            program.unpacks.append(&mut emitter.unpacks);
             program.staging_bytes = program.staging_bytes.max(emitter.staging_bytes);
             program.round_spans.push(RoundSpan {
                 round,
-                packs_end: program.packs.len(),
-                sends_end: program.sends.len(),
-                recvs_end: program.recvs.len(),
-                unpacks_end: program.unpacks.len(),
+                packs_end: emitter.packs.len(),
+                sends_end: emitter.sends.len(),
+                recvs_end: emitter.recvs.len(),
+                unpacks_end: emitter.unpacks.len(),
             });
         }
+        program.packs = emitter.packs;
+        program.sends = emitter.sends;
+        program.recvs = emitter.recvs;
+        program.unpacks = emitter.unpacks;
         if program.round_spans.iter().all(|s| s.round == 0) {
             program.round_spans.clear();
         }
@@ -580,31 +625,68 @@ fn distinct_ranks(meshes: &[Mesh]) -> Vec<u32> {
     ranks
 }
 
+/// Every tensor's (source, destination) layout ids, and the distinct layouts by id. A model
+/// lists tensors of one layout in a row, so each side tries the previous tensor's first.
+fn intern_layouts(tensors: &[TensorSpec]) -> (Vec<[u32; 2]>, Vec<&Layout>) {
+    let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
+    let mut layouts: Vec<&Layout> = Vec::new();
+    let mut last: [Option<(&Layout, u32)>; 2] = [None, None];
+    let layout_ids = tensors
+        .iter()
+        .map(|t| {
+            let mut pair = [0u32; 2];
+            for (side, layout) in [&t.src, &t.dst].into_iter().enumerate() {
+                pair[side] = match last[side] {
+                    Some((previous, id)) if previous == layout => id,
+                    _ => {
+                        let next = layouts.len() as u32;
+                        let id = *ids.entry(layout).or_insert_with(|| {
+                            layouts.push(layout);
+                            next
+                        });
+                        last[side] = Some((layout, id));
+                        id
+                    }
+                };
+            }
+            pair
+        })
+        .collect();
+    (layout_ids, layouts)
+}
+
 /// Bytes the busiest rank moves, estimated from the tensors alone (every rank gets the same
 /// value): a destination rank receives its shard of each tensor, a source rank sends its
 /// share of what every destination replica needs. Per-rank sums are taken per distinct
 /// layout, so the cost is tensors + ranks × layouts.
-fn busiest_rank_bytes(tensors: &[TensorSpec], layout_ids: &[[u32; 2]]) -> u128 {
-    let shards = |layout: &Layout| -> u128 {
-        (0..layout.placements.len())
-            .filter(|&a| layout.placements[a].dim().is_some())
-            .map(|a| u128::from(layout.mesh.shape()[a]))
-            .product::<u128>()
-            .max(1)
-    };
-    // Bytes each rank of a layout moves, per distinct layout (and the layout itself).
-    let mut per_layout: FxHashMap<u32, (&Layout, u128)> = FxHashMap::default();
-    for (t, ids) in tensors.iter().zip(layout_ids) {
+fn busiest_rank_bytes(
+    tensors: &[TensorSpec],
+    layout_ids: &[[u32; 2]],
+    layouts: &[&Layout],
+) -> u128 {
+    let shards: Vec<u128> = layouts
+        .iter()
+        .map(|layout| {
+            (0..layout.placements.len())
+                .filter(|&a| layout.placements[a].dim().is_some())
+                .map(|a| u128::from(layout.mesh.shape()[a]))
+                .product::<u128>()
+                .max(1)
+        })
+        .collect();
+    // Bytes each rank of a layout moves, per distinct layout.
+    let mut per_layout = vec![0u128; layouts.len()];
+    for (t, &[src, dst]) in tensors.iter().zip(layout_ids) {
         let bytes = u128::from(t.shape.iter().product::<u64>()) * u128::from(t.elem_size());
-        let dst_ranks = t.dst.mesh.ranks().len() as u128;
-        let dst_shards = shards(&t.dst);
-        let src_ranks = (t.src.mesh.ranks().len() as u128).max(1);
+        let dst_ranks = t.dst.mesh.size() as u128;
+        let dst_shards = shards[dst as usize];
+        let src_ranks = (t.src.mesh.size() as u128).max(1);
         let replicas = (dst_ranks / dst_shards).max(1);
-        per_layout.entry(ids[0]).or_insert((&t.src, 0)).1 += bytes * replicas / src_ranks;
-        per_layout.entry(ids[1]).or_insert((&t.dst, 0)).1 += bytes / dst_shards;
+        per_layout[src as usize] += bytes * replicas / src_ranks;
+        per_layout[dst as usize] += bytes / dst_shards;
     }
     let mut per_rank: FxHashMap<u32, u128> = FxHashMap::default();
-    for (layout, bytes) in per_layout.values() {
+    for (layout, bytes) in layouts.iter().zip(per_layout) {
         for &rank in layout.mesh.ranks() {
             *per_rank.entry(rank).or_default() += bytes;
         }
@@ -657,7 +739,7 @@ struct Pick {
 }
 
 /// A class's units on the receiving and the sending side of one rank.
-struct Sides([Option<Rc<Vec<Prepared>>>; 2]);
+struct Sides([ClassUnits; 2]);
 
 impl Sides {
     fn unit(&self, pick: &Pick) -> &Prepared {
@@ -672,6 +754,9 @@ impl Sides {
     }
 }
 
+/// A class's units on one side of a rank (`None`: the rank has none there).
+type ClassUnits = Option<Rc<Vec<Prepared>>>;
+
 /// Blocks of one assignment, by (class, side, unit, region, from, to, relay).
 type BlockKey = (u32, u8, u32, u32, u32, u32, bool);
 
@@ -679,7 +764,7 @@ type BlockKey = (u32, u8, u32, u32, u32, u32, bool);
 struct RankCache<'a> {
     memo: Memo<'a>,
     /// Per class, per side (receiving, sending): its units once known (`Some(None)`: none).
-    classes: Vec<[Option<Option<Rc<Vec<Prepared>>>>; 2]>,
+    classes: Vec<[Option<ClassUnits>; 2]>,
     /// Per class: its tensors' picks when they do not depend on the tensor.
     picks: Vec<ClassPicks>,
     blocks: FxHashMap<BlockKey, Rc<[Block]>>,

@@ -42,30 +42,43 @@ pub struct Transfer {
 /// One pair's blocks by round: `blocks` lists (block index, fixed round, copy) in canonical
 /// order; the transfers come out by round, ascending, and within a round the fixed blocks first,
 /// then the stream's pieces in stream order.
+#[cfg(test)]
 pub(crate) fn spread(
     pair: (u32, u32),
     blocks: &[(usize, Option<u32>, &StridedCopy)],
     rounds: u32,
     min_bytes: u64,
 ) -> Vec<Transfer> {
+    let mut out = Vec::new();
+    spread_into(&mut out, pair, blocks, rounds, min_bytes);
+    out
+}
+
+/// [`spread`] appending to `out`.
+pub(crate) fn spread_into(
+    out: &mut Vec<Transfer>,
+    pair: (u32, u32),
+    blocks: &[(usize, Option<u32>, &StridedCopy)],
+    rounds: u32,
+    min_bytes: u64,
+) {
     let whole = |block: usize, round: u32, copy: &StridedCopy| Transfer {
         block,
         round,
         offset: 0,
         copy: copy.clone(),
     };
-    let mut fixed: Vec<(u32, Vec<Transfer>)> = Vec::new();
-    let mut free: Vec<(usize, &StridedCopy)> = Vec::new();
-    for &(block, round, copy) in blocks {
-        match round {
-            Some(r) => match fixed.iter_mut().find(|(f, _)| *f == r) {
-                Some((_, list)) => list.push(whole(block, r, copy)),
-                None => fixed.push((r, vec![whole(block, r, copy)])),
-            },
-            None => free.push((block, copy)),
-        }
-    }
-    let total: u64 = free.iter().map(|(_, c)| c.bytes()).sum();
+    // Blocks whose round the unit fixed, by round (stable: canonical order within one).
+    let mut fixed: Vec<Transfer> = blocks
+        .iter()
+        .filter_map(|&(block, round, copy)| round.map(|r| whole(block, r, copy)))
+        .collect();
+    fixed.sort_by_key(|t| t.round);
+    let total: u64 = blocks
+        .iter()
+        .filter(|(_, round, _)| round.is_none())
+        .map(|(_, _, c)| c.bytes())
+        .sum();
     let rounds = u64::from(rounds.max(1));
     let chunks = (total / min_bytes.max(1)).clamp(1, rounds);
     let align = if total / chunks >= 16 * CUT_ALIGN {
@@ -85,29 +98,34 @@ pub(crate) fn spread(
             at / align * align
         }
     };
-    let mut out = fixed;
+    // The stream's transfers in stream order, and how many each chunk has.
+    let mut stream: Vec<Transfer> = Vec::new();
+    let mut chunk_len = vec![0usize; if total > 0 { chunks as usize } else { 0 }];
     if total > 0 {
-        let mut chunk = 0u64;
-        let mut lists: Vec<Vec<Transfer>> = vec![Vec::new(); chunks as usize];
+        let (mut chunk, mut next_cut) = (0u64, boundary(1));
         let mut at = 0u64;
-        for &(block, copy) in &free {
+        for &(block, round, copy) in blocks {
+            if round.is_some() {
+                continue;
+            }
             let (start, end) = (at, at + copy.bytes());
             at = end;
             let mut pos = start;
             while pos < end {
-                while boundary(chunk + 1) <= pos {
+                while next_cut <= pos {
                     chunk += 1;
+                    next_cut = boundary(chunk + 1);
                 }
-                let cut = boundary(chunk + 1).min(end);
+                let cut = next_cut.min(end);
                 let round = round_of(chunk);
-                let list = &mut lists[chunk as usize];
+                let before = stream.len();
                 if pos == start && cut == end {
-                    list.push(whole(block, round, copy));
+                    stream.push(whole(block, round, copy));
                 } else {
                     let mut offset = pos - start;
                     for piece in copy.slice(pos - start, cut - start) {
                         let bytes = piece.bytes();
-                        list.push(Transfer {
+                        stream.push(Transfer {
                             block,
                             round,
                             offset,
@@ -116,22 +134,30 @@ pub(crate) fn spread(
                         offset += bytes;
                     }
                 }
+                chunk_len[chunk as usize] += stream.len() - before;
                 pos = cut;
             }
         }
-        for (c, list) in lists.into_iter().enumerate() {
-            if list.is_empty() {
-                continue;
-            }
-            let r = round_of(c as u64);
-            match out.iter_mut().find(|(f, _)| *f == r) {
-                Some((_, existing)) => existing.extend(list),
-                None => out.push((r, list)),
-            }
-        }
     }
-    out.sort_by_key(|(r, _)| *r);
-    out.into_iter().flat_map(|(_, list)| list).collect()
+    // Chunks have distinct rounds, rising with c until they wrap past the last round: in
+    // round order, the chunks from the wrap on come first.
+    let wrap = (0..chunk_len.len() as u64)
+        .find(|&c| first + c * rounds / chunks >= rounds)
+        .unwrap_or(chunk_len.len() as u64) as usize;
+    let head_len: usize = chunk_len[..wrap].iter().sum();
+    let tail = stream.split_off(head_len);
+    let (mut head, mut tail) = (stream.into_iter(), tail.into_iter());
+    let mut fixed = fixed.into_iter().peekable();
+    out.reserve(blocks.len());
+    for c in (wrap..chunk_len.len()).chain(0..wrap) {
+        let round = round_of(c as u64);
+        while let Some(t) = fixed.next_if(|t| t.round <= round) {
+            out.push(t);
+        }
+        let from = if c >= wrap { &mut tail } else { &mut head };
+        out.extend(from.by_ref().take(chunk_len[c]));
+    }
+    out.extend(fixed);
 }
 
 /// The first round of pair (sender, receiver): a Weyl sequence over each rank number, so that
