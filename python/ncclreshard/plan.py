@@ -74,6 +74,14 @@ class Transfer:
 TensorOrNone = Optional[torch.Tensor]
 
 
+def _dense(shape: Sequence[int]) -> Tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
 def _comm_handle(comm: Any) -> int:
     handle = getattr(comm, "handle", comm)
     if isinstance(handle, ctypes.c_void_p):
@@ -129,12 +137,18 @@ class Plan:
         self.rank = rank
         self._handle: Optional[int] = None
         self._lock = threading.Lock()
+        # The local shapes every call checks its tensors against (None: no view on that side).
+        self._shapes = [
+            (self._local(t.src, t, i, "src"), self._local(t.dst, t, i, "dst"))
+            for i, t in enumerate(case.tensors)
+        ]
         library = _lib.lib()
         version = library.struct_version
         keep: List[object] = []
         array = (_lib.Tensor_t * len(case.tensors))()
+        offsets = self._offsets()
         for i, t in enumerate(case.tensors):
-            array[i], k = t.c_struct(version, i)
+            array[i], k = t.c_struct(version, i, *offsets[i])
             keep.append(k)
         config_c, k = case.config.c_struct(version)
         keep.append(k)
@@ -145,16 +159,35 @@ class Plan:
         )
         self._handle = handle.value
         self._info = self._read_info()
-        # The local shapes every call checks its tensors against (None: no view on that side).
-        self._shapes = [
-            (self._local(t.src, t, i, "src"), self._local(t.dst, t, i, "dst"))
-            for i, t in enumerate(case.tensors)
-        ]
 
-    def _local(self, layout: Layout, spec: TensorSpec, i: int, side: str) -> Optional[Tuple[int, ...]]:
+    def _offsets(self) -> List[Tuple[int, int]]:
+        """Each tensor's views packed one after another in a single buffer per side (the
+        library requires views that do not overlap there, though ``ncclReshardMulti`` takes a
+        pointer per tensor and ignores the offsets)."""
+        ends = [0, 0]
+        out = []
+        for i, spec in enumerate(self.case.tensors):
+            pair = []
+            for side, (shape, layout) in enumerate(zip(self._shapes[i], (spec.src, spec.dst))):
+                start = -(-ends[side] // 64) * 64
+                extent = 0
+                if shape is not None and all(shape):
+                    strides = layout.strides or _dense(shape)
+                    extent = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * spec.dtype.itemsize
+                pair.append(start)
+                ends[side] = start + extent
+            out.append((pair[0], pair[1]))
+        return out
+
+    def _local(
+        self, layout: Layout, spec: TensorSpec, index: int, side: str
+    ) -> Optional[Tuple[int, ...]]:
         if self.rank not in layout.ranks:
             return None
-        return local_shape(layout, spec.shape, self.rank)
+        try:
+            return local_shape(layout, spec.shape, self.rank)
+        except _lib.NcclReshardError as e:
+            raise type(e)(e.function, e.code, f"{spec.label(index)}.{side}: {e.message}") from None
 
     @property
     def tensors(self) -> Tuple[TensorSpec, ...]:
@@ -254,6 +287,7 @@ class Plan:
                 raise ValueError(f"{side} has {len(given)} entries; the plan has {n} tensors")
         device: Optional[torch.device] = None
         first = ""
+        present: List[Tuple[str, torch.Tensor]] = []
         for i, spec in enumerate(self.tensors):
             for side, given, layout in (("src", src[i], spec.src), ("dst", dst[i], spec.dst)):
                 what = f"{side}[{i}] ({spec.name!r})" if spec.name else f"{side}[{i}]"
@@ -280,12 +314,15 @@ class Plan:
                         f"is {list(expected)}"
                     )
                 self._check_strides(given, layout, what)
-                if given.device.type != "cuda":
-                    raise ValueError(f"{what}: on {given.device}; reshard needs CUDA tensors")
-                if device is None:
-                    device, first = given.device, what
-                elif given.device != device:
-                    raise ValueError(f"{what}: on {given.device} but {first} is on {device}")
+                present.append((what, given))
+        # Devices last: a tensor that does not fit the plan is named before a device mix-up.
+        for what, given in present:
+            if given.device.type != "cuda":
+                raise ValueError(f"{what}: on {given.device}; reshard needs CUDA tensors")
+            if device is None:
+                device, first = given.device, what
+            elif given.device != device:
+                raise ValueError(f"{what}: on {given.device} but {first} is on {device}")
         return device
 
     @staticmethod

@@ -87,8 +87,11 @@ class TensorSpec:
             Layout.from_json(value["dst"], f"{what}.dst"),
         )
 
-    def c_struct(self, version: int, index: int) -> Tuple[_lib.Tensor_t, List[object]]:
-        """The C descriptor and what it points to (keep alive while it is used)."""
+    def c_struct(
+        self, version: int, index: int, src_offset: int = 0, dst_offset: int = 0
+    ) -> Tuple[_lib.Tensor_t, List[object]]:
+        """The C descriptor and what it points to (keep alive while it is used), with this
+        rank's view offsets in a single-buffer call."""
         c = _lib.Tensor_t()
         c.size = ctypes.sizeof(_lib.Tensor_t)
         c.version = version
@@ -96,6 +99,8 @@ class TensorSpec:
         for i, n in enumerate(self.shape):
             c.shape[i] = n
         c.dtype = dtypes.nccl_code(self.dtype)
+        c.srcOffset = src_offset
+        c.dstOffset = dst_offset
         src, keep_src = self.src.c_struct(version, f"tensors[{index}].src")
         dst, keep_dst = self.dst.c_struct(version, f"tensors[{index}].dst")
         c.src = ctypes.pointer(src)
@@ -126,7 +131,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"Config.mode is {self.mode!r}; expected one of {sorted(MODES)}")
+            raise ValueError(f"mode is {self.mode!r}; expected one of {sorted(MODES)}")
         if self.ranks_per_node is not None and self.node_of_rank is not None:
             raise ValueError("Config: give either ranks_per_node or node_of_rank, not both")
         if self.ranks_per_node is not None:
@@ -160,7 +165,10 @@ class Config:
         unknown = set(value) - known
         if unknown:
             raise ValueError(f"{what}.{sorted(unknown)[0]}: unknown key")
-        return cls(**{k: value[k] for k in known if k in value})
+        try:
+            return cls(**{k: value[k] for k in known if k in value})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{what}: {e}") from None
 
     def c_struct(self, version: int) -> Tuple[_lib.Config_t, List[object]]:
         """The C config (NCCL_RESHARD_CONFIG_INITIALIZER with the set fields)."""
