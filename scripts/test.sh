@@ -9,3 +9,4 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 bash scripts/native-tests.sh
 bash scripts/emulated-gpu-tests.sh
+bash scripts/python-tests.sh

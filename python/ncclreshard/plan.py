@@ -268,7 +268,7 @@ class Plan:
         return out
 
     def check_tensors(
-        self, src: Sequence[TensorOrNone], dst: Sequence[TensorOrNone]
+        self, src: Sequence[TensorOrNone], dst: Sequence[TensorOrNone], *, devices: bool = True
     ) -> Optional[torch.device]:
         """Checks every tensor against the plan (what a call does before any NCCL call) and
         returns their device (None when the rank passes none).
@@ -276,7 +276,8 @@ class Plan:
         A tensor is expected where the rank holds a view of that tensor on that side and must
         be None elsewhere; it must have the spec's dtype, this rank's local shape, the layout's
         strides (dense row-major when the layout has none), and be on one CUDA device with
-        the others. Raises ValueError (TypeError for a non-tensor) naming the tensor and field.
+        the others (not checked with ``devices=False``, for views of memory torch does not
+        own). Raises ValueError (TypeError for a non-tensor) naming the tensor and field.
         """
         self._live()
         n = len(self.tensors)
@@ -316,7 +317,7 @@ class Plan:
                 self._check_strides(given, layout, what)
                 present.append((what, given))
         # Devices last: a tensor that does not fit the plan is named before a device mix-up.
-        for what, given in present:
+        for what, given in present if devices else []:
             if given.device.type != "cuda":
                 raise ValueError(f"{what}: on {given.device}; reshard needs CUDA tensors")
             if device is None:
@@ -376,6 +377,29 @@ class Plan:
                 for t in list(src) + list(dst):
                     if t is not None:
                         t.record_stream(torch_stream)
+
+    def reshard_pointers(
+        self,
+        src: Sequence[Optional[int]],
+        dst: Sequence[Optional[int]],
+        comm: Any,
+        stream: Any = 0,
+    ) -> None:
+        """:meth:`reshard` on raw device pointers (one per plan tensor, None where the rank holds
+        no view), for memory torch does not own; nothing but their presence is checked here
+        (check views with ``check_tensors(..., devices=False)`` first). `stream` is a
+        ``cudaStream_t`` (0: the legacy default stream). Errors as :meth:`reshard`."""
+        n = len(self.tensors)
+        for side, given in (("src", src), ("dst", dst)):
+            if len(given) != n:
+                raise ValueError(f"{side} has {len(given)} entries; the plan has {n} tensors")
+        handle = _comm_handle(comm)
+        stream_handle, _ = _stream_handle(stream, None)
+        sends = (ctypes.c_void_p * n)(*src)
+        recvs = (ctypes.c_void_p * n)(*dst)
+        with self._lock:
+            plan = self._live()
+            _lib.lib().call("ncclReshardMulti", sends, recvs, plan, handle, stream_handle)
 
     def close(self) -> None:
         """Destroys the plan (``ncclReshardPlanDestroy``); a no-op once closed. Work it
