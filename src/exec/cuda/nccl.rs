@@ -486,7 +486,8 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.kind, crate::ErrorKind::System);
         assert!(
-            e.message.contains("NCCL_RESHARD_NCCL_LIBRARY=/opt/nccl/lib/libnccl.so.2")
+            e.message
+                .contains("NCCL_RESHARD_NCCL_LIBRARY=/opt/nccl/lib/libnccl.so.2")
                 && e.message.contains("would map a second NCCL")
                 && e.message.contains(&torch.path),
             "{}",
