@@ -29,7 +29,7 @@ import argparse
 import ctypes
 import os
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 
 def _parse() -> argparse.Namespace:

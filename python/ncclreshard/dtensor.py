@@ -22,9 +22,9 @@ def _placement(p: Any, axis: int) -> Placement:
 
     # _StridedShard subclasses Shard (and compares equal to it): test it first.
     if isinstance(p, torch_placements._StridedShard):
-        return StridedShard(p.dim, p.split_factor)
+        return StridedShard(int(p.dim), int(p.split_factor))
     if isinstance(p, torch_placements.Shard):
-        return Shard(p.dim)
+        return Shard(int(p.dim))
     if isinstance(p, torch_placements.Replicate):
         return Replicate()
     if isinstance(p, torch_placements.Partial):

@@ -281,11 +281,11 @@ class Plan:
         """
         self._live()
         n = len(self.tensors)
-        for side, given in (("src", src), ("dst", dst)):
-            if isinstance(given, torch.Tensor) or not hasattr(given, "__len__"):
+        for side, entries in (("src", src), ("dst", dst)):
+            if isinstance(entries, torch.Tensor) or not hasattr(entries, "__len__"):
                 raise TypeError(f"{side} must be a sequence of {n} tensors or None, one per plan tensor")
-            if len(given) != n:
-                raise ValueError(f"{side} has {len(given)} entries; the plan has {n} tensors")
+            if len(entries) != n:
+                raise ValueError(f"{side} has {len(entries)} entries; the plan has {n} tensors")
         device: Optional[torch.device] = None
         first = ""
         present: List[Tuple[str, torch.Tensor]] = []
@@ -317,13 +317,13 @@ class Plan:
                 self._check_strides(given, layout, what)
                 present.append((what, given))
         # Devices last: a tensor that does not fit the plan is named before a device mix-up.
-        for what, given in present if devices else []:
-            if given.device.type != "cuda":
-                raise ValueError(f"{what}: on {given.device}; reshard needs CUDA tensors")
+        for what, tensor in present if devices else []:
+            if tensor.device.type != "cuda":
+                raise ValueError(f"{what}: on {tensor.device}; reshard needs CUDA tensors")
             if device is None:
-                device, first = given.device, what
-            elif given.device != device:
-                raise ValueError(f"{what}: on {given.device} but {first} is on {device}")
+                device, first = tensor.device, what
+            elif tensor.device != device:
+                raise ValueError(f"{what}: on {tensor.device} but {first} is on {device}")
         return device
 
     @staticmethod
@@ -390,9 +390,9 @@ class Plan:
         (check views with ``check_tensors(..., devices=False)`` first). `stream` is a
         ``cudaStream_t`` (0: the legacy default stream). Errors as :meth:`reshard`."""
         n = len(self.tensors)
-        for side, given in (("src", src), ("dst", dst)):
-            if len(given) != n:
-                raise ValueError(f"{side} has {len(given)} entries; the plan has {n} tensors")
+        for side, pointers in (("src", src), ("dst", dst)):
+            if len(pointers) != n:
+                raise ValueError(f"{side} has {len(pointers)} entries; the plan has {n} tensors")
         handle = _comm_handle(comm)
         stream_handle, _ = _stream_handle(stream, None)
         sends = (ctypes.c_void_p * n)(*src)

@@ -101,14 +101,6 @@ def _even(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def _dense(shape: Sequence[int]) -> Tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
 def _tp(ranks: Sequence[int]) -> Layout:
     return Layout([len(ranks)], list(ranks), [Shard(0)])
 

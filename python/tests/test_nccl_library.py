@@ -107,3 +107,37 @@ def test_debug_info_reports_the_choice(torch_nccl: Path) -> None:
     got = _report(env={"NCCL_RESHARD_DEBUG": "INFO"})
     line = [l for l in got["stderr"].splitlines() if "NCCL_RESHARD INFO using NCCL" in l]
     assert line and "the NCCL mapped in this process" in line[0] and torch_nccl.name in line[0], got["stderr"]
+
+
+def test_a_vllm_communicator_of_another_nccl_is_refused(torch_nccl: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "vllm" / "libnccl.so.2"
+    copy.parent.mkdir()
+    shutil.copy2(torch_nccl, copy)
+    # vLLM's PyNcclCommunicator keeps its NCCL as .nccl.lib (a ctypes CDLL) and the
+    # ncclComm_t as .comm; one whose NCCL is not the library's is refused before any NCCL call.
+    result = _python(f"""
+        import ctypes, os, types
+        import ncclreshard as nr
+        nr.nccl_library()  # torch's
+        theirs = ctypes.CDLL({str(copy)!r}, mode=os.RTLD_LOCAL)
+        fake = types.SimpleNamespace(comm=ctypes.c_void_p(0x1234), nccl=types.SimpleNamespace(lib=theirs))
+        try:
+            nr.comm_from_pynccl(fake)
+        except RuntimeError as e:
+            print("REFUSED", e)
+        try:
+            nr.comm_from_pynccl(object())
+        except TypeError as e:
+            print("TYPE", e)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert f"REFUSED vLLM's NCCL ({copy}) is not the one libncclreshard uses" in result.stdout
+    assert "VLLM_NCCL_SO_PATH" in result.stdout
+    assert "TYPE expected a vLLM PyNcclCommunicator, got object" in result.stdout
+
+
+def test_init_comm_refuses_a_rank_outside_the_world() -> None:
+    import ncclreshard as nr
+
+    with pytest.raises(ValueError, match=r"rank 4 is not in 0\.\.3"):
+        nr.init_comm(4, 4, store=None)

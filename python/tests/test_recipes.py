@@ -8,7 +8,7 @@ parameter. Runs on the host through every rank's exported transfers."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import pytest
 import torch
