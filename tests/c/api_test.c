@@ -379,6 +379,27 @@ static void test_local_shape(void) {
   EXPECT_ERROR(ncclReshardLocalShape(NULL, 1, rows8, 0, &local, NULL, 0, NULL), ncclInvalidArgument, "NULL");
 }
 
+static void test_nccl_library(void) {
+  const char* path = "untouched";
+  int version = -1;
+  EXPECT_ERROR(ncclReshardGetNcclLibrary(NULL, &version), ncclInvalidArgument, "path is NULL");
+  EXPECT_ERROR(ncclReshardGetNcclLibrary(&path, NULL), ncclInvalidArgument, "ncclVersion is NULL");
+  ncclResult_t r = ncclReshardGetNcclLibrary(&path, &version);
+  if (r == ncclSuccess) {
+    /* An NCCL on the loader path: the file that defines its functions and its version. */
+    CHECK(path != NULL && strstr(path, "nccl") != NULL && version >= 21800);
+    const char* again = NULL;
+    OK(ncclReshardGetNcclLibrary(&again, &version));
+    CHECK(again == path); /* chosen once per process */
+  } else {
+    /* No NCCL in the process nor on the loader path: an error naming what was tried, and
+     * nothing written. */
+    CHECK(r == ncclSystemError);
+    CHECK(strstr(ncclReshardGetLastError(), "libnccl.so.2") != NULL);
+    CHECK(strcmp(path, "untouched") == 0 && version == -1);
+  }
+}
+
 static void* other_thread(void* arg) {
   (void)arg;
   /* The last error is per thread: this thread has had no failure. */
@@ -399,6 +420,7 @@ int main(void) {
   test_plan_lifecycle();
   test_bad_descriptors();
   test_local_shape();
+  test_nccl_library();
   test_thread_local_error();
   if (failures) {
     fprintf(stderr, "%d check(s) failed\n", failures);
