@@ -10,7 +10,8 @@ use crate::Failure;
 use ncclreshard::{Config, RankProgram};
 use ncclreshard_tools::models::Refit;
 use ncclreshard_tools::sim::{
-    self, BoundKind, Cluster, Direction, LinkKind, LinkUse, LowerBound, SimReport,
+    self, BoundKind, Cluster, Direction, LinkKind, LinkUse, LowerBound, M2nParams, M2nReport,
+    Schedule, SimOptions, SimReport, ENGINE_POSTPROCESS_S,
 };
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -31,19 +32,26 @@ pub const COMMAND: Command = Command {
         value("mode"),
         value("rounds"),
         flag("no-relay"),
+        value("trials"),
+        value("seed"),
         flag("json"),
     ],
     run,
 };
 
-const HELP: &str = r#"Estimate a weight refit on a cluster: reshard vs gather+broadcast vs lower bound
+const HELP: &str = r#"Estimate a weight refit on a cluster: reshard vs NCCL M2N vs gather+broadcast vs the floor
 
 Usage: ncclreshard simulate --model NAME|FILE --train SPEC --infer SPEC [OPTIONS]
 
 Builds the refit's tensors (training layout → inference layout), plans every rank's program
-with the same planner users run, and runs them through the cluster model (docs/simulator.md);
-also the gather+broadcast baseline (NeMo RL's bucketed broadcast) and the physical lower bound.
-Planning hundreds of ranks takes a while; progress goes to stderr, results to stdout.
+with the same planner users run, and runs them through the calibrated cluster model
+(docs/simulator.md): achievable link speeds, NCCL's per-message, per-round and per-peer costs,
+a rail-optimised fabric, copy speed by run length, memory, jitter (median and p90 over
+--trials). Also NCCL M2N's hierarchical and direct algorithms and NeMo RL's gather+broadcast on
+the same model, the physical floor (forwarding allowed) and the floor of direct plans. These
+are simulations; `ncclreshard calibrate` shows how well the model reproduces published
+measurements. Planning hundreds of ranks takes a while; progress goes to stderr, results to
+stdout.
 
 Options:
   --model NAME|FILE  deepseek-v3, qwen3-235b-a22b, qwen3-32b, llama-3.1-70b, dsv3-toy, a
@@ -53,53 +61,107 @@ Options:
   --infer SPEC       vLLM-style inference parallelism: tp,dp[,ep], e.g. tp32,dp8 (required)
   --system FILE      An NCCL M2N system_configs/*.json instead of --train and --infer
   --cluster C        dgx-h100 (default), gb200-nvl72, or key=value pairs on top of a preset:
-                     dgx-h100,nic_gbits=200,latency_us=5 (keys: gpus_per_node, nvlink_domain,
-                     nvlink_gbs, nic_gbs, nic_gbits, latency_us, hbm_copy_gbs, peer_fraction,
-                     gpu_memory_gb)
+                     dgx-h100,nic_gbits=200,oversubscription=2,pxn=0 (every key and its
+                     default: docs/simulator.md §1; `ideal` drops efficiencies and costs)
   --dtype NAME       Element type of the weights, torch's name (default bfloat16)
   --experts E        stacked (default) or per-expert routed expert tensors
   --colocated        Inference runs on the training ranks (default: the ranks after them)
   --mode MODE        auto (default), staged or groupable
   --rounds N         Staged/auto: rounds to spread the data over (default 0: automatic)
   --no-relay         Send each replica its data across the network (no NVLink relays)
-  --json             JSON output: reshard_s, gather_broadcast_s, lower_bound_s, bytes_total,
-                     messages_max_per_rank, messages_mean_per_rank, busiest_link, ...
+  --trials N         Monte Carlo trials with jitter (default 5; 0: one run without jitter)
+  --seed N           Seed of the trials (default 1)
+  --json             JSON output: reshard_s (median), reshard_p90_s, lower_bound_s (the
+                     physical floor), direct_bound_s, m2n_hierarchical_s, m2n_direct_s,
+                     gather_broadcast_s, peak_staging_bytes, setup_s, fits, ...
   -h, --help         Show this help
 
 The planner is told that ranks sharing an NVLink domain share a node (8 on dgx-h100, 72 on
-gb200-nvl72), so it prefers NVLink senders there.
+gb200-nvl72), so it prefers NVLink senders there. A plan whose staging and NCCL buffers do not
+fit in a GPU's free memory is reported, not simulated (exit status 0, "fits": false).
 
 Example:
   ncclreshard simulate --model deepseek-v3 --train pp16,ep16 --infer tp32,dp8 --cluster dgx-h100
 "#;
 
-/// The three estimates of one refit, and what planning it took.
+/// Monte Carlo trials unless `--trials` says otherwise.
+pub const DEFAULT_TRIALS: u32 = 5;
+
+/// Every estimate of one refit, and what planning it took.
 pub struct Simulation {
     pub cluster: Cluster,
     pub programs: Vec<RankProgram>,
     pub reshard: SimReport,
+    pub m2n_hierarchical: M2nReport,
+    pub m2n_direct: M2nReport,
     pub baseline: SimReport,
     pub bound: LowerBound,
     pub plan_s: f64,
     pub simulate_s: f64,
 }
 
-/// Plans every rank of `refit` with `config` and simulates it on `cluster`, with the baseline
-/// and the bound.
-pub fn simulate(refit: &Refit, cluster: &Cluster, config: Config) -> Result<Simulation, Failure> {
+impl Simulation {
+    /// The seconds of every method, in report order, with their names.
+    pub fn methods(&self) -> [(&'static str, f64); 4] {
+        [
+            ("reshard (ncclreshard)", self.reshard.time_s),
+            ("M2N hierarchical", self.m2n_hierarchical.sim.time_s),
+            ("M2N direct", self.m2n_direct.sim.time_s),
+            ("gather+broadcast", self.baseline.time_s),
+        ]
+    }
+}
+
+/// `--trials N` and `--seed N`.
+pub fn sim_options(parsed: &Parsed, command: &'static str) -> Result<SimOptions, Failure> {
+    let trials = parsed
+        .number::<u32>("trials")
+        .map_err(|e| usage(command, e))?
+        .unwrap_or(DEFAULT_TRIALS);
+    let seed = parsed
+        .number::<u64>("seed")
+        .map_err(|e| usage(command, e))?
+        .unwrap_or(1);
+    Ok(SimOptions { trials, seed })
+}
+
+/// Plans every rank of `refit` with `config` and simulates it on `cluster`, with the peers'
+/// methods and the bounds.
+pub fn simulate(
+    refit: &Refit,
+    cluster: &Cluster,
+    config: Config,
+    options: &SimOptions,
+) -> Result<Simulation, Failure> {
     let planner = refit_setup::planner(&refit.tensors, config)?;
     let (programs, planned) = refit_setup::plan_all(&planner, "planning ranks")?;
-    let ((reshard, baseline, bound), simulated) = work::track("simulating", 0, |_| {
-        (
-            sim::simulate(&programs, cluster),
-            sim::gather_broadcast(&refit.tensors, cluster),
-            sim::lower_bound(&refit.tensors, cluster),
-        )
-    });
+    let ((reshard, (m2n_hierarchical, m2n_direct), baseline, bound), simulated) =
+        work::track("simulating", 0, |_| {
+            let peers = |params: &M2nParams| {
+                sim::m2n(
+                    &refit.names,
+                    &refit.tensors,
+                    cluster,
+                    params,
+                    Schedule::ModelBench,
+                )
+            };
+            (
+                sim::simulate_with(&programs, cluster, options),
+                (
+                    peers(&M2nParams::hierarchical()),
+                    peers(&M2nParams::direct()),
+                ),
+                sim::gather_broadcast(&refit.tensors, cluster),
+                sim::lower_bound(&refit.tensors, cluster),
+            )
+        });
     Ok(Simulation {
         cluster: cluster.clone(),
         programs,
         reshard,
+        m2n_hierarchical,
+        m2n_direct,
         baseline,
         bound,
         plan_s: planned.as_secs_f64(),
@@ -108,13 +170,42 @@ pub fn simulate(refit: &Refit, cluster: &Cluster, config: Config) -> Result<Simu
 }
 
 #[derive(Serialize)]
-struct ClusterJson {
+pub struct ClusterJson {
     name: String,
     gpus_per_node: u32,
     nvlink_domain: u32,
     nvlink_gbs: f64,
     nic_gbs: f64,
+    nvlink_efficiency: f64,
+    nic_efficiency: f64,
+    nodes_per_leaf: u32,
+    oversubscription: f64,
+    pxn: bool,
     latency_us: f64,
+    host_op_us: f64,
+    p2p_channels_per_peer: u32,
+    free_memory_bytes: u64,
+}
+
+impl ClusterJson {
+    pub fn new(c: &Cluster, ranks: usize) -> ClusterJson {
+        ClusterJson {
+            name: c.name.clone(),
+            gpus_per_node: c.gpus_per_node,
+            nvlink_domain: c.nvlink_domain,
+            nvlink_gbs: c.nvlink_bw / 1e9,
+            nic_gbs: c.nic_bw / 1e9,
+            nvlink_efficiency: c.nvlink_efficiency,
+            nic_efficiency: c.nic_efficiency,
+            nodes_per_leaf: c.nodes_per_leaf,
+            oversubscription: c.oversubscription,
+            pxn: c.pxn,
+            latency_us: c.latency_s * 1e6,
+            host_op_us: c.host_op_s * 1e6,
+            p2p_channels_per_peer: c.p2p_channels_per_peer(ranks),
+            free_memory_bytes: c.free_memory_bytes,
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -149,6 +240,53 @@ struct BaselineJson {
 }
 
 #[derive(Serialize)]
+struct M2nJson {
+    time_s: f64,
+    calls: u64,
+    /// Tensors M2N cannot move (left out of `time_s`).
+    skipped_tensors: u64,
+    first_skipped: Option<String>,
+    bytes_total: u64,
+    host_s: f64,
+}
+
+impl M2nJson {
+    fn new(r: &M2nReport) -> M2nJson {
+        M2nJson {
+            time_s: r.sim.time_s,
+            calls: r.calls,
+            skipped_tensors: r.skipped,
+            first_skipped: r.first_skipped.clone(),
+            bytes_total: r.sim.bytes_total,
+            host_s: r.sim.phase("host").unwrap_or(0.0),
+        }
+    }
+}
+
+/// Every method's time plus the engine post-processing every method pays.
+#[derive(Serialize)]
+pub struct WithPostprocessJson {
+    engine_postprocess_s: f64,
+    reshard_s: Option<f64>,
+    m2n_hierarchical_s: f64,
+    m2n_direct_s: f64,
+    gather_broadcast_s: f64,
+}
+
+impl WithPostprocessJson {
+    pub fn new(s: &Simulation) -> WithPostprocessJson {
+        let post = ENGINE_POSTPROCESS_S;
+        WithPostprocessJson {
+            engine_postprocess_s: post,
+            reshard_s: finite(s.reshard.time_s).map(|t| t + post),
+            m2n_hierarchical_s: s.m2n_hierarchical.sim.time_s + post,
+            m2n_direct_s: s.m2n_direct.sim.time_s + post,
+            gather_broadcast_s: s.baseline.time_s + post,
+        }
+    }
+}
+
+#[derive(Serialize)]
 struct Output {
     model: String,
     train: String,
@@ -164,11 +302,26 @@ struct Output {
     tensors: usize,
     parameters: u64,
     model_bytes: u64,
-    reshard_s: f64,
+    /// False when some rank's staging and NCCL buffers exceed its free memory: the reshard
+    /// was not simulated and its times are null.
+    fits: bool,
+    /// Median over the trials (or the one run without jitter).
+    reshard_s: Option<f64>,
+    reshard_p90_s: Option<f64>,
+    trials: u32,
+    /// One-time costs before the first call (connections, NVRTC), not in `reshard_s`.
+    setup_s: f64,
+    m2n_hierarchical_s: f64,
+    m2n_direct_s: f64,
     gather_broadcast_s: f64,
+    /// The physical floor (forwarding allowed).
     lower_bound_s: f64,
-    reshard_over_lower_bound: f64,
-    gather_broadcast_over_reshard: f64,
+    /// The floor of direct plans (no forwarding between destination domains).
+    direct_bound_s: f64,
+    reshard_over_lower_bound: Option<f64>,
+    m2n_hierarchical_over_reshard: Option<f64>,
+    gather_broadcast_over_reshard: Option<f64>,
+    with_engine_postprocess: WithPostprocessJson,
     bytes_total: u64,
     bytes_offnode: u64,
     bytes_local: u64,
@@ -178,10 +331,17 @@ struct Output {
     bytes_max_per_rank: u64,
     staged_ranks: usize,
     staging_bytes_max: u64,
+    /// Staging plus NCCL buffers of the rank needing the most, against its free memory.
+    peak_staging_bytes: u64,
+    peak_nccl_buffer_bytes: u64,
+    free_memory_bytes: u64,
     busiest_link: Option<LinkJson>,
     reshard_phases: BTreeMap<&'static str, f64>,
+    m2n_hierarchical: M2nJson,
+    m2n_direct: M2nJson,
     gather_broadcast: BaselineJson,
     lower_bound_binding: String,
+    direct_bound_binding: String,
     lower_bounds: Vec<BoundJson>,
     plan_s: f64,
     simulate_s: f64,
@@ -205,6 +365,7 @@ fn bound_kind(kind: BoundKind) -> &'static str {
         BoundKind::DomainEgress => "domain_egress",
         BoundKind::GpuIngress => "gpu_ingress",
         BoundKind::GpuEgress => "gpu_egress",
+        BoundKind::DirectEgress => "direct_egress",
     }
 }
 
@@ -212,18 +373,20 @@ fn phases(report: &SimReport) -> BTreeMap<&'static str, f64> {
     report.phases.iter().map(|p| (p.name, p.seconds)).collect()
 }
 
-fn ratio(a: f64, b: f64) -> f64 {
-    if b > 0.0 {
-        a / b
-    } else {
-        f64::NAN
-    }
+/// `Some(t)` for a finite time (a simulated call), `None` for one that was not simulated.
+pub fn finite(t: f64) -> Option<f64> {
+    t.is_finite().then_some(t)
+}
+
+fn ratio(a: f64, b: f64) -> Option<f64> {
+    (b > 0.0 && a.is_finite() && b.is_finite()).then(|| a / b)
 }
 
 fn run(parsed: &Parsed) -> Result<u8, Failure> {
     let args = RefitArgs::parse(parsed, "simulate")?;
     let cluster = refit_setup::cluster(parsed, "simulate")?;
     let mode = refit_setup::mode(parsed, "simulate")?;
+    let options = sim_options(parsed, "simulate")?;
     let started = Instant::now();
     let refit = args.refit(1)?;
     let build_s = started.elapsed().as_secs_f64();
@@ -231,7 +394,9 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         return Err(usage("simulate", "the model has no tensors"));
     }
     let config = refit_setup::config_with_options(parsed, "simulate", mode, &cluster)?;
-    let s = simulate(&refit, &cluster, config)?;
+    let s = simulate(&refit, &cluster, config, &options)?;
+    let memory = s.reshard.memory;
+    let reshard = finite(s.reshard.time_s);
     let output = Output {
         model: args.model.name().to_string(),
         train: args.train_text.clone(),
@@ -243,22 +408,24 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         dtype: args.options.dtype.to_string(),
         experts: args.experts_name(),
         mode: mode.name(),
-        cluster: ClusterJson {
-            name: cluster.name.clone(),
-            gpus_per_node: cluster.gpus_per_node,
-            nvlink_domain: cluster.nvlink_domain,
-            nvlink_gbs: cluster.nvlink_bw / 1e9,
-            nic_gbs: cluster.nic_bw / 1e9,
-            latency_us: cluster.latency_s * 1e6,
-        },
+        cluster: ClusterJson::new(&cluster, s.programs.len()),
         tensors: refit.tensors.len(),
         parameters: args.parameters(),
         model_bytes: refit.bytes(),
-        reshard_s: s.reshard.time_s,
+        fits: s.reshard.fits(),
+        reshard_s: reshard,
+        reshard_p90_s: finite(s.reshard.p90_s),
+        trials: s.reshard.trials,
+        setup_s: s.reshard.setup_s,
+        m2n_hierarchical_s: s.m2n_hierarchical.sim.time_s,
+        m2n_direct_s: s.m2n_direct.sim.time_s,
         gather_broadcast_s: s.baseline.time_s,
         lower_bound_s: s.bound.time_s,
+        direct_bound_s: s.bound.direct_time_s,
         reshard_over_lower_bound: ratio(s.reshard.time_s, s.bound.time_s),
+        m2n_hierarchical_over_reshard: ratio(s.m2n_hierarchical.sim.time_s, s.reshard.time_s),
         gather_broadcast_over_reshard: ratio(s.baseline.time_s, s.reshard.time_s),
+        with_engine_postprocess: WithPostprocessJson::new(&s),
         bytes_total: s.reshard.bytes_total,
         bytes_offnode: s.reshard.bytes_offnode,
         bytes_local: s.reshard.bytes_local,
@@ -273,6 +440,9 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             .map(|p| p.staging_bytes)
             .max()
             .unwrap_or(0),
+        peak_staging_bytes: memory.map_or(0, |m| m.staging_bytes),
+        peak_nccl_buffer_bytes: memory.map_or(0, |m| m.nccl_bytes),
+        free_memory_bytes: cluster.free_memory_bytes,
         busiest_link: s.reshard.busiest_link.as_ref().map(|l| {
             let (kind, direction) = link_json(l);
             LinkJson {
@@ -284,6 +454,8 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             }
         }),
         reshard_phases: phases(&s.reshard),
+        m2n_hierarchical: M2nJson::new(&s.m2n_hierarchical),
+        m2n_direct: M2nJson::new(&s.m2n_direct),
         gather_broadcast: BaselineJson {
             time_s: s.baseline.time_s,
             bytes_total: s.baseline.bytes_total,
@@ -293,6 +465,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             phases: phases(&s.baseline),
         },
         lower_bound_binding: s.bound.binding.to_string(),
+        direct_bound_binding: s.bound.direct_binding.to_string(),
         lower_bounds: s
             .bound
             .bounds
@@ -327,7 +500,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
     );
     text += &estimates_text(&s);
     text += &format!(
-        "\n  bytes total             {} ({} off-node, {} local copies)\n  messages                {} total; per rank max {}, mean {:.1}\n  most bytes on a rank    {}\n  staged ranks            {} of {} (staging up to {})\n  busiest link            {}\n  planning                {} ({} ranks on {} threads; building the refit {})\n",
+        "\n  bytes total             {} ({} off-node, {} local copies)\n  messages                {} total; per rank max {}, mean {:.1}\n  most bytes on a rank    {}\n  staged ranks            {} of {} (staging up to {})\n  busiest link            {}\n  phases (max over ranks) {}\n  planning                {} ({} ranks on {} threads; building the refit {}; simulating {})\n",
         out::bytes(output.bytes_total),
         out::bytes(output.bytes_offnode),
         out::bytes(output.bytes_local),
@@ -342,40 +515,146 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             .busiest_link
             .as_ref()
             .map_or("none".to_string(), ToString::to_string),
+        s.reshard
+            .phases
+            .iter()
+            .map(|p| format!("{} {}", p.name, out::seconds(p.seconds)))
+            .collect::<Vec<_>>()
+            .join(", "),
         out::seconds(s.plan_s),
         output.ranks,
         work::threads(),
         out::seconds(build_s),
+        out::seconds(s.simulate_s),
     );
     out::print(&text);
     Ok(0)
 }
 
-/// `dgx-h100 (8 GPUs per node, NVLink domain 8 at 450 GB/s, NIC 50 GB/s per GPU)`.
+/// A method's name without its parenthesis (`reshard (ncclreshard)` → `reshard`).
+fn short_name(name: &str) -> &str {
+    name.split(" (").next().unwrap_or(name)
+}
+
+/// `dgx-h100 (8 GPUs per node, NVLink domain 8 at 450 GB/s, NIC 50 GB/s per GPU, …)`.
 pub fn cluster_text(c: &Cluster) -> String {
     format!(
-        "{} ({} GPUs per node, NVLink domain {} at {:.0} GB/s, NIC {:.0} GB/s per GPU)",
+        "{} ({} GPUs per node, NVLink domain {} at {:.0} GB/s ({:.0} % reached), NIC {:.0} GB/s per GPU ({:.0} %), {}:1 spine, PXN {})",
         c.name,
         c.gpus_per_node,
         c.nvlink_domain,
         c.nvlink_bw / 1e9,
-        c.nic_bw / 1e9
+        c.nvlink_efficiency * 100.0,
+        c.nic_bw / 1e9,
+        c.nic_efficiency * 100.0,
+        c.oversubscription,
+        if c.pxn { "on" } else { "off" },
     )
 }
 
-/// The three estimates as aligned lines with their ratios.
+/// The estimates as aligned lines with their ratios: every method, the floors, the engine
+/// post-processing, memory and one-time costs.
 pub fn estimates_text(s: &Simulation) -> String {
-    let (reshard, baseline, bound) = (s.reshard.time_s, s.baseline.time_s, s.bound.time_s);
-    format!(
-        "  {:<24}{:<10}  {} the lower bound\n  {:<24}{:<10}  {} the reshard time\n  {:<24}{:<10}  {}\n",
-        "reshard (ncclreshard)",
-        out::seconds(reshard),
-        out::ratio(reshard, bound),
+    let bound = s.bound.time_s;
+    let reshard = s.reshard.time_s;
+    let row = |name: &str, value: String, note: String| format!("  {name:<24}{value:<12}{note}\n");
+    let mut text = String::new();
+    match (s.reshard.fits(), s.reshard.memory) {
+        (false, Some(m)) => {
+            text += &row(
+                "reshard (ncclreshard)",
+                "not run".to_string(),
+                format!(
+                    "does not fit: rank {} needs {} staging + {} NCCL buffers, {} free",
+                    m.rank,
+                    out::bytes(m.staging_bytes),
+                    out::bytes(m.nccl_bytes),
+                    out::bytes(m.free_bytes)
+                ),
+            );
+        }
+        _ => {
+            let spread = if s.reshard.trials > 0 {
+                format!(
+                    " (median of {} trials, p90 {})",
+                    s.reshard.trials,
+                    out::seconds(s.reshard.p90_s)
+                )
+            } else {
+                String::new()
+            };
+            text += &row(
+                "reshard (ncclreshard)",
+                out::seconds(reshard),
+                format!("{} the floor{spread}", out::ratio(reshard, bound)),
+            );
+        }
+    }
+    let versus = |t: f64| {
+        if reshard.is_finite() {
+            format!("{} the reshard", out::ratio(t, reshard))
+        } else {
+            String::new()
+        }
+    };
+    for (name, m2n) in [
+        ("M2N hierarchical", &s.m2n_hierarchical),
+        ("M2N direct", &s.m2n_direct),
+    ] {
+        let skipped = if m2n.skipped > 0 {
+            format!(" ({} tensors M2N cannot move left out)", m2n.skipped)
+        } else {
+            String::new()
+        };
+        text += &row(
+            name,
+            out::seconds(m2n.sim.time_s),
+            format!("{}{skipped}", versus(m2n.sim.time_s)),
+        );
+    }
+    text += &row(
         "gather+broadcast",
-        out::seconds(baseline),
-        out::ratio(baseline, reshard),
-        "lower bound",
+        out::seconds(s.baseline.time_s),
+        versus(s.baseline.time_s),
+    );
+    text += &row(
+        "floor",
         out::seconds(bound),
-        s.bound.binding,
-    )
+        s.bound.binding.to_string(),
+    );
+    text += &row(
+        "direct-plan bound",
+        out::seconds(s.bound.direct_time_s),
+        s.bound.direct_binding.to_string(),
+    );
+    let post = ENGINE_POSTPROCESS_S;
+    text += &format!(
+        "  with engine post-processing ({}, every method): {}\n",
+        out::seconds(post),
+        s.methods()
+            .iter()
+            .filter(|(_, t)| t.is_finite())
+            .map(|(name, t)| format!("{} {}", short_name(name), out::seconds(t + post)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if let Some(m) = s.reshard.memory {
+        text += &row(
+            "memory (peak rank)",
+            out::bytes(m.total()),
+            format!(
+                "rank {}: {} staging + {} NCCL buffers of {} free",
+                m.rank,
+                out::bytes(m.staging_bytes),
+                out::bytes(m.nccl_bytes),
+                out::bytes(m.free_bytes)
+            ),
+        );
+    }
+    text += &row(
+        "setup (once)",
+        out::seconds(s.reshard.setup_s),
+        "connecting every peer and compiling the copy kernel, not in the times above".to_string(),
+    );
+    text
 }
