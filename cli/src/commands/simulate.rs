@@ -92,8 +92,12 @@ pub struct Simulation {
     pub cluster: Cluster,
     pub programs: Vec<RankProgram>,
     pub reshard: SimReport,
+    /// M2N as its own benchmark runs it: one communicator per pipeline-stage pair.
     pub m2n_hierarchical: M2nReport,
     pub m2n_direct: M2nReport,
+    /// M2N hierarchical on one communicator, one call per tensor in order (how NeMo RL and
+    /// vLLM's `nccl_m2n` engine call it).
+    pub m2n_one_comm: M2nReport,
     pub baseline: SimReport,
     pub bound: LowerBound,
     pub plan_s: f64,
@@ -102,11 +106,12 @@ pub struct Simulation {
 
 impl Simulation {
     /// The seconds of every method, in report order, with their names.
-    pub fn methods(&self) -> [(&'static str, f64); 4] {
+    pub fn methods(&self) -> [(&'static str, f64); 5] {
         [
             ("reshard (ncclreshard)", self.reshard.time_s),
             ("M2N hierarchical", self.m2n_hierarchical.sim.time_s),
             ("M2N direct", self.m2n_direct.sim.time_s),
+            ("M2N one communicator", self.m2n_one_comm.sim.time_s),
             ("gather+broadcast", self.baseline.time_s),
         ]
     }
@@ -135,22 +140,17 @@ pub fn simulate(
 ) -> Result<Simulation, Failure> {
     let planner = refit_setup::planner(&refit.tensors, config)?;
     let (programs, planned) = refit_setup::plan_all(&planner, "planning ranks")?;
-    let ((reshard, (m2n_hierarchical, m2n_direct), baseline, bound), simulated) =
+    let ((reshard, (m2n_hierarchical, m2n_direct, m2n_one_comm), baseline, bound), simulated) =
         work::track("simulating", 0, |_| {
-            let peers = |params: &M2nParams| {
-                sim::m2n(
-                    &refit.names,
-                    &refit.tensors,
-                    cluster,
-                    params,
-                    Schedule::ModelBench,
-                )
+            let peers = |params: &M2nParams, schedule: Schedule| {
+                sim::m2n(&refit.names, &refit.tensors, cluster, params, schedule)
             };
             (
                 sim::simulate_with(&programs, cluster, options),
                 (
-                    peers(&M2nParams::hierarchical()),
-                    peers(&M2nParams::direct()),
+                    peers(&M2nParams::hierarchical(), Schedule::ModelBench),
+                    peers(&M2nParams::direct(), Schedule::ModelBench),
+                    peers(&M2nParams::hierarchical(), Schedule::OneCommunicator),
                 ),
                 sim::gather_broadcast(&refit.tensors, cluster),
                 sim::lower_bound(&refit.tensors, cluster),
@@ -162,6 +162,7 @@ pub fn simulate(
         reshard,
         m2n_hierarchical,
         m2n_direct,
+        m2n_one_comm,
         baseline,
         bound,
         plan_s: planned.as_secs_f64(),
@@ -270,6 +271,7 @@ pub struct WithPostprocessJson {
     reshard_s: Option<f64>,
     m2n_hierarchical_s: f64,
     m2n_direct_s: f64,
+    m2n_hierarchical_one_comm_s: f64,
     gather_broadcast_s: f64,
 }
 
@@ -281,6 +283,7 @@ impl WithPostprocessJson {
             reshard_s: finite(s.reshard.time_s).map(|t| t + post),
             m2n_hierarchical_s: s.m2n_hierarchical.sim.time_s + post,
             m2n_direct_s: s.m2n_direct.sim.time_s + post,
+            m2n_hierarchical_one_comm_s: s.m2n_one_comm.sim.time_s + post,
             gather_broadcast_s: s.baseline.time_s + post,
         }
     }
@@ -311,8 +314,11 @@ struct Output {
     trials: u32,
     /// One-time costs before the first call (connections, NVRTC), not in `reshard_s`.
     setup_s: f64,
+    /// NCCL M2N as its benchmark runs it (one communicator per pipeline-stage pair).
     m2n_hierarchical_s: f64,
     m2n_direct_s: f64,
+    /// NCCL M2N hierarchical on one communicator, one call per tensor (NeMo RL, vLLM).
+    m2n_hierarchical_one_comm_s: f64,
     gather_broadcast_s: f64,
     /// The physical floor (forwarding allowed).
     lower_bound_s: f64,
@@ -339,6 +345,7 @@ struct Output {
     reshard_phases: BTreeMap<&'static str, f64>,
     m2n_hierarchical: M2nJson,
     m2n_direct: M2nJson,
+    m2n_hierarchical_one_comm: M2nJson,
     gather_broadcast: BaselineJson,
     lower_bound_binding: String,
     direct_bound_binding: String,
@@ -419,6 +426,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         setup_s: s.reshard.setup_s,
         m2n_hierarchical_s: s.m2n_hierarchical.sim.time_s,
         m2n_direct_s: s.m2n_direct.sim.time_s,
+        m2n_hierarchical_one_comm_s: s.m2n_one_comm.sim.time_s,
         gather_broadcast_s: s.baseline.time_s,
         lower_bound_s: s.bound.time_s,
         direct_bound_s: s.bound.direct_time_s,
@@ -456,6 +464,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         reshard_phases: phases(&s.reshard),
         m2n_hierarchical: M2nJson::new(&s.m2n_hierarchical),
         m2n_direct: M2nJson::new(&s.m2n_direct),
+        m2n_hierarchical_one_comm: M2nJson::new(&s.m2n_one_comm),
         gather_broadcast: BaselineJson {
             time_s: s.baseline.time_s,
             bytes_total: s.baseline.bytes_total,
@@ -600,6 +609,7 @@ pub fn estimates_text(s: &Simulation) -> String {
     for (name, m2n) in [
         ("M2N hierarchical", &s.m2n_hierarchical),
         ("M2N direct", &s.m2n_direct),
+        ("M2N one communicator", &s.m2n_one_comm),
     ] {
         let skipped = if m2n.skipped > 0 {
             format!(" ({} tensors M2N cannot move left out)", m2n.skipped)
@@ -617,11 +627,7 @@ pub fn estimates_text(s: &Simulation) -> String {
         out::seconds(s.baseline.time_s),
         versus(s.baseline.time_s),
     );
-    text += &row(
-        "floor",
-        out::seconds(bound),
-        s.bound.binding.to_string(),
-    );
+    text += &row("floor", out::seconds(bound), s.bound.binding.to_string());
     text += &row(
         "direct-plan bound",
         out::seconds(s.bound.direct_time_s),

@@ -42,8 +42,9 @@ const NEMO_RL_BUCKET_RATIO: f64 = 0.02;
 /// NeMo RL's bucket cap (5 GiB).
 const NEMO_RL_BUCKET_MAX: u64 = 5 << 30;
 /// Per-checkpoint-tensor software cost inferred from NeMo RL's NIXL refit of DeepSeek-V3
-/// (docs/simulator.md §4).
-const NEMO_RL_PER_TENSOR_S: f64 = 170e-6;
+/// (docs/simulator.md §4): (9.25 s − 1.60 s of transfers − the engine post-processing every
+/// refit pays) ÷ 45,395 tensors.
+pub const NEMO_RL_PER_TENSOR_S: f64 = 153e-6;
 
 impl BaselineParams {
     /// NeMo RL's packed broadcast on `cluster`.
@@ -119,8 +120,7 @@ pub fn gather_broadcast_with(
     let bcast_bw = ring_bw(cluster, &comm);
     let comm_domains = domains(cluster, &comm).len();
     let comm_nodes: BTreeSet<u32> = comm.iter().map(|&r| cluster.node(r)).collect();
-    let bcast_latency =
-        params.launch_s + cluster.group_s + comm_domains as f64 * cluster.latency_s;
+    let bcast_latency = params.launch_s + cluster.group_s + comm_domains as f64 * cluster.latency_s;
     // `torch.cat` of a bucket: contiguous copies.
     let pack_bw = cluster.hbm_copy_bw * Cluster::copy_efficiency(u64::MAX, 16);
 

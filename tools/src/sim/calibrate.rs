@@ -103,7 +103,7 @@ pub const MEASUREMENTS: [Measurement; 9] = [
         sets: None,
     },
     Measurement {
-        name: "NeMo RL nccl_reshard (M2N), Qwen3-30B-A3B EP8xPP2 -> TP8xDP2, H100",
+        name: "NeMo RL nccl_reshard (M2N), Qwen3-30B-A3B EP8×PP2 → TP8×DP2, H100",
         method: Method::NemoRlReshard,
         model: "qwen3-30b-a3b",
         train: "pp2,ep8,dp8",

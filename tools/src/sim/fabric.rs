@@ -16,7 +16,10 @@ const PORTS: [(LinkKind, Direction); 4] = [
 /// What a link id stands for.
 #[derive(Clone, Copy, Debug)]
 enum Link {
-    Gpu { rank: u32, port: u8 },
+    Gpu {
+        rank: u32,
+        port: u8,
+    },
     /// The uplinks (`up`) or the downlinks from the spine of one rail's leaf in one
     /// scalable unit.
     Leaf,
@@ -111,18 +114,33 @@ impl<'a> Network<'a> {
             n += 1;
         };
         if c.same_domain(from, to) {
-            add(&mut links, self.port(from, LinkKind::NvLink, Direction::Egress));
-            add(&mut links, self.port(to, LinkKind::NvLink, Direction::Ingress));
+            add(
+                &mut links,
+                self.port(from, LinkKind::NvLink, Direction::Egress),
+            );
+            add(
+                &mut links,
+                self.port(to, LinkKind::NvLink, Direction::Ingress),
+            );
         } else {
             let (rail_from, rail_to) = (c.rail(from), c.rail(to));
             let proxy = c.node(from) * c.gpus_per_node + rail_to;
             let via_proxy = self.pxn && rail_from != rail_to && c.same_domain(from, proxy);
             let leaving_rail = if via_proxy {
-                add(&mut links, self.port(from, LinkKind::NvLink, Direction::Egress));
-                add(&mut links, self.port(proxy, LinkKind::Nic, Direction::Egress));
+                add(
+                    &mut links,
+                    self.port(from, LinkKind::NvLink, Direction::Egress),
+                );
+                add(
+                    &mut links,
+                    self.port(proxy, LinkKind::Nic, Direction::Egress),
+                );
                 rail_to
             } else {
-                add(&mut links, self.port(from, LinkKind::Nic, Direction::Egress));
+                add(
+                    &mut links,
+                    self.port(from, LinkKind::Nic, Direction::Egress),
+                );
                 rail_from
             };
             add(&mut links, self.port(to, LinkKind::Nic, Direction::Ingress));
@@ -164,5 +182,4 @@ impl<'a> Network<'a> {
                 busy_fraction: busy,
             })
     }
-
 }

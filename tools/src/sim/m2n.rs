@@ -67,7 +67,7 @@ pub enum Schedule {
 /// uploads, launches; serial per rank). Not published: set from one measurement,
 /// `reshard_model_bench` hierarchical on DeepSeek-V3 (docs/simulator.md §3), and checked
 /// against the other M2N rows of `ncclreshard calibrate`.
-pub const M2N_CALL_S: f64 = 0.65e-3;
+pub const M2N_CALL_S: f64 = 0.66e-3;
 
 /// M2N's pipeline chunk (`CHUNK_SIZE_BYTES`): one chunk's latency per ring hop.
 const CHUNK_BYTES: f64 = 256.0 * 1024.0;
@@ -162,7 +162,10 @@ fn side(layout: &Layout, shape: &[u64]) -> Result<Side2, String> {
             return Err("a strided shard".to_string());
         }
         if shape[dim] % shards as u64 != 0 {
-            return Err(format!("dim {dim} ({}) is uneven over {shards}", shape[dim]));
+            return Err(format!(
+                "dim {dim} ({}) is uneven over {shards}",
+                shape[dim]
+            ));
         }
     }
     let size = mesh.size();
@@ -507,7 +510,10 @@ pub fn m2n(
     let mut plans: HashMap<String, std::rc::Rc<CallPlan>> = HashMap::new();
     let mut entries: Vec<(usize, std::rc::Rc<CallPlan>)> = Vec::new();
     for (k, spec) in tensors.iter().enumerate() {
-        let key = format!("{:?}|{:?}|{:?}|{:?}", spec.shape, spec.dtype, spec.src, spec.dst);
+        let key = format!(
+            "{:?}|{:?}|{:?}|{:?}",
+            spec.shape, spec.dtype, spec.src, spec.dst
+        );
         if let Some(plan) = plans.get(&key) {
             entries.push((k, plan.clone()));
             continue;

@@ -25,7 +25,9 @@ mod m2n;
 mod peers;
 mod reshard;
 
-pub use baseline::{gather_broadcast, gather_broadcast_with, BaselineParams, BroadcastGroup};
+pub use baseline::{
+    gather_broadcast, gather_broadcast_with, BaselineParams, BroadcastGroup, NEMO_RL_PER_TENSOR_S,
+};
 pub use bound::{lower_bound, Bound, BoundKind, LowerBound};
 pub use cluster::Cluster;
 pub use m2n::{m2n, LoadBalance, M2nAlgorithm, M2nParams, M2nReport, Schedule, M2N_CALL_S};

@@ -80,14 +80,7 @@ pub fn simulate_with(
         let (median, p90) = median_p90(&mut samples);
         (median, p90, options.trials)
     };
-    let mut report = report(
-        programs,
-        counts,
-        nominal,
-        (time, trials),
-        setup_s,
-        memory,
-    );
+    let mut report = report(programs, counts, nominal, (time, trials), setup_s, memory);
     report.p90_s = p90;
     report.busiest_link = model.network.busiest_port(&link_bytes, report.time_s);
     report
