@@ -210,6 +210,15 @@ impl ClusterJson {
 }
 
 #[derive(Serialize)]
+struct MemoryJson {
+    rank: u32,
+    staging_bytes: u64,
+    nccl_buffer_bytes: u64,
+    free_bytes: u64,
+    fits: bool,
+}
+
+#[derive(Serialize)]
 struct LinkJson {
     rank: u32,
     /// "nvlink" or "nic".
@@ -337,10 +346,10 @@ struct Output {
     bytes_max_per_rank: u64,
     staged_ranks: usize,
     staging_bytes_max: u64,
-    /// Staging plus NCCL buffers of the rank needing the most, against its free memory.
+    /// The largest staging arena of any rank.
     peak_staging_bytes: u64,
-    peak_nccl_buffer_bytes: u64,
-    free_memory_bytes: u64,
+    /// The rank needing the most device memory (staging plus NCCL buffers) and what is free.
+    memory: Option<MemoryJson>,
     busiest_link: Option<LinkJson>,
     reshard_phases: BTreeMap<&'static str, f64>,
     m2n_hierarchical: M2nJson,
@@ -448,9 +457,19 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             .map(|p| p.staging_bytes)
             .max()
             .unwrap_or(0),
-        peak_staging_bytes: memory.map_or(0, |m| m.staging_bytes),
-        peak_nccl_buffer_bytes: memory.map_or(0, |m| m.nccl_bytes),
-        free_memory_bytes: cluster.free_memory_bytes,
+        peak_staging_bytes: s
+            .programs
+            .iter()
+            .map(|p| p.staging_bytes)
+            .max()
+            .unwrap_or(0),
+        memory: memory.map(|m| MemoryJson {
+            rank: m.rank,
+            staging_bytes: m.staging_bytes,
+            nccl_buffer_bytes: m.nccl_bytes,
+            free_bytes: m.free_bytes,
+            fits: m.fits(),
+        }),
         busiest_link: s.reshard.busiest_link.as_ref().map(|l| {
             let (kind, direction) = link_json(l);
             LinkJson {

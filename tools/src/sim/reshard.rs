@@ -71,12 +71,14 @@ pub fn simulate_with(
             memory,
         );
     }
-    let nominal = model.run(cluster, None);
+    // The run without jitter and the trials, together on the machine's threads.
+    let mut runs = runs(&model, cluster, options);
+    let nominal = runs.remove(0);
     let link_bytes = nominal.link_bytes.clone();
     let (time, p90, trials) = if options.trials == 0 {
         (nominal.time_s, nominal.time_s, 0)
     } else {
-        let mut samples = trial_times(&model, cluster, options);
+        let mut samples: Vec<f64> = runs.iter().map(|r| r.time_s).collect();
         let (median, p90) = median_p90(&mut samples);
         (median, p90, options.trials)
     };
@@ -86,42 +88,47 @@ pub fn simulate_with(
     report
 }
 
-/// The times of `options.trials` jittered runs, on as many threads as the machine offers.
-/// Trial `t` draws from its own seed, so the result does not depend on the threads.
-fn trial_times(model: &Model<'_>, cluster: &Cluster, options: &SimOptions) -> Vec<f64> {
-    let trials: Vec<u32> = (0..options.trials).collect();
+/// The run without jitter, then `options.trials` jittered runs, on as many threads as the
+/// machine offers. Trial `t` draws from its own seed, so the result does not depend on the
+/// threads.
+fn runs(model: &Model<'_>, cluster: &Cluster, options: &SimOptions) -> Vec<Run> {
+    let jobs: Vec<Option<u32>> = std::iter::once(None)
+        .chain((0..options.trials).map(Some))
+        .collect();
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
-        .min(trials.len())
-        .max(1);
-    let one = |t: u32| {
-        let mut rng = Rng::new(
-            options
-                .seed
-                .wrapping_mul(0x9E37_79B9)
-                .wrapping_add(u64::from(t)),
-        );
-        model.run(cluster, Some(&mut rng)).time_s
+        .min(jobs.len());
+    let one = |job: Option<u32>| match job {
+        None => model.run(cluster, None),
+        Some(t) => {
+            let mut rng = Rng::new(
+                options
+                    .seed
+                    .wrapping_mul(0x9E37_79B9)
+                    .wrapping_add(u64::from(t)),
+            );
+            model.run(cluster, Some(&mut rng))
+        }
     };
-    std::thread::scope(|scope| {
+    let mut done: Vec<(usize, Run)> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..threads)
             .map(|k| {
-                let (one, trials) = (&one, &trials);
+                let (one, jobs) = (&one, &jobs);
                 scope.spawn(move || {
-                    trials
-                        .iter()
-                        .skip(k)
+                    (k..jobs.len())
                         .step_by(threads)
-                        .map(|&t| one(t))
-                        .collect::<Vec<f64>>()
+                        .map(|i| (i, one(jobs[i])))
+                        .collect::<Vec<_>>()
                 })
             })
             .collect();
         handles
             .into_iter()
-            .flat_map(|h| h.join().expect("a trial does not panic"))
+            .flat_map(|h| h.join().expect("a run does not panic"))
             .collect()
-    })
+    });
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, run)| run).collect()
 }
 
 /// One (sender, receiver) pair's messages of one round: a flow.
