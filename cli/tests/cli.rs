@@ -517,18 +517,22 @@ fn simulate_json_reports_every_method_the_floors_and_the_costs() {
     assert!(json["bytes_total"].as_u64().unwrap() >= json["model_bytes"].as_u64().unwrap());
     assert!(json["busiest_link"]["busy_fraction"].as_f64().unwrap() > 0.0);
 
-    // The text form names the three estimates; a custom cluster is taken.
-    let out = ncclreshard(&[
-        "simulate",
-        "--model",
-        "dsv3-toy",
-        "--train",
-        "pp1,ep8",
-        "--infer",
-        "tp8",
-        "--cluster",
-        "gb200-nvl72,nic_gbits=200",
-    ]);
+    // The text form names every method; a custom cluster is taken.
+    let toy = |cluster: &str, json: &[&str]| {
+        let args = [
+            "simulate",
+            "--model",
+            "dsv3-toy",
+            "--train",
+            "pp1,ep8",
+            "--infer",
+            "tp8",
+            "--cluster",
+            cluster,
+        ];
+        ncclreshard(&[&args[..], json].concat())
+    };
+    let out = toy("gb200-nvl72,nic_gbits=200", &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     for needle in [
@@ -548,18 +552,7 @@ fn simulate_json_reports_every_method_the_floors_and_the_costs() {
 
     // A GPU with 10 MB free holds neither the staging nor NCCL's buffers: the reshard is
     // reported, not simulated; the other methods still are.
-    let out = ncclreshard(&[
-        "simulate",
-        "--model",
-        "dsv3-toy",
-        "--train",
-        "pp1,ep8",
-        "--infer",
-        "tp8",
-        "--cluster",
-        "dgx-h100,free_memory_gb=0.01",
-        "--json",
-    ]);
+    let out = toy("dgx-h100,free_memory_gb=0.01", &["--json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let json = json_of(&out);
     assert_eq!(json["fits"], false);

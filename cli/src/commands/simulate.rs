@@ -11,7 +11,7 @@ use ncclreshard::{Config, RankProgram};
 use ncclreshard_tools::models::Refit;
 use ncclreshard_tools::sim::{
     self, BoundKind, Cluster, Direction, LinkKind, LinkUse, LowerBound, M2nParams, M2nReport,
-    Schedule, SimOptions, SimReport, ENGINE_POSTPROCESS_S,
+    MemoryUse, Schedule, SimOptions, SimReport, ENGINE_POSTPROCESS_S,
 };
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -559,6 +559,17 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
     Ok(0)
 }
 
+/// `rank 132: 3.82 GB staging + 268.44 MB NCCL buffers of 8.55 GB free`.
+fn memory_text(m: &MemoryUse) -> String {
+    format!(
+        "rank {}: {} staging + {} NCCL buffers of {} free",
+        m.rank,
+        out::bytes(m.staging_bytes),
+        out::bytes(m.nccl_bytes),
+        out::bytes(m.free_bytes)
+    )
+}
+
 /// A method's name without its parenthesis (`reshard (ncclreshard)` → `reshard`).
 fn short_name(name: &str) -> &str {
     name.split(" (").next().unwrap_or(name)
@@ -592,13 +603,7 @@ pub fn estimates_text(s: &Simulation) -> String {
             text += &row(
                 "reshard (ncclreshard)",
                 "not run".to_string(),
-                format!(
-                    "does not fit: rank {} needs {} staging + {} NCCL buffers, {} free",
-                    m.rank,
-                    out::bytes(m.staging_bytes),
-                    out::bytes(m.nccl_bytes),
-                    out::bytes(m.free_bytes)
-                ),
+                format!("does not fit: {}", memory_text(&m)),
             );
         }
         _ => {
@@ -664,17 +669,7 @@ pub fn estimates_text(s: &Simulation) -> String {
             .join(", ")
     );
     if let Some(m) = s.reshard.memory {
-        text += &row(
-            "memory (peak rank)",
-            out::bytes(m.total()),
-            format!(
-                "rank {}: {} staging + {} NCCL buffers of {} free",
-                m.rank,
-                out::bytes(m.staging_bytes),
-                out::bytes(m.nccl_bytes),
-                out::bytes(m.free_bytes)
-            ),
-        );
+        text += &row("memory (peak rank)", out::bytes(m.total()), memory_text(&m));
     }
     text += &row(
         "setup (once)",

@@ -122,7 +122,7 @@ pub fn gather_broadcast_with(
     let comm_nodes: BTreeSet<u32> = comm.iter().map(|&r| cluster.node(r)).collect();
     let bcast_latency = params.launch_s + cluster.group_s + comm_domains as f64 * cluster.latency_s;
     // `torch.cat` of a bucket: contiguous copies.
-    let pack_bw = cluster.hbm_copy_bw * Cluster::copy_efficiency(u64::MAX, 16);
+    let pack_bw = cluster.contiguous_copy_bw();
 
     // Walk the checkpoint tensors into buckets, accumulating each bucket's gather seconds.
     let mut buckets: Vec<(f64, u64)> = Vec::new(); // (gather seconds, bytes)

@@ -473,6 +473,11 @@ impl Cluster {
         }
     }
 
+    /// Bytes per second the copy kernel (or `torch.cat`) copies in long contiguous runs.
+    pub fn contiguous_copy_bw(&self) -> f64 {
+        self.hbm_copy_bw * Cluster::copy_efficiency(u64::MAX, 16)
+    }
+
     /// Fraction of `hbm_copy_bw` the copy kernel reaches on `run_bytes`-long contiguous runs
     /// whose addresses and lengths are multiples of `align` bytes (the widest access it can
     /// use, at most 16). Measured on an H200 (README "GPUs"): contiguous 0.92 of

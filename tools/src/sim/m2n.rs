@@ -210,6 +210,25 @@ fn tensor2(spec: &TensorSpec) -> Result<Tensor2, String> {
     Ok(Tensor2 { src, dst, overlap })
 }
 
+/// Splits `items` into `parts` contiguous blocks, the first `items % parts` one longer (M2N's
+/// way of sharing replicas, domains and sources): the range of block `i`.
+fn block(i: usize, items: usize, parts: usize) -> std::ops::Range<usize> {
+    let (per, extra) = (items / parts, items % parts);
+    let start = i * per + i.min(extra);
+    start..start + per + usize::from(i < extra)
+}
+
+/// The block of [`block`] that holds item `p`.
+fn block_of(p: usize, items: usize, parts: usize) -> usize {
+    let (per, extra) = (items / parts, items % parts);
+    let threshold = extra * (per + 1);
+    if p < threshold {
+        p / (per + 1)
+    } else {
+        extra + (p - threshold) / per.max(1)
+    }
+}
+
 /// The destination replicas source replica `i` serves (`getTargetRepRange`).
 fn target_reps(
     lb: LoadBalance,
@@ -219,56 +238,30 @@ fn target_reps(
 ) -> std::ops::Range<usize> {
     let (s, d) = (t.src.reps, t.dst.reps);
     match lb {
-        LoadBalance::Uniform => {
-            if s > d {
-                // Groups of source replicas share a destination replica; only each group's
-                // first sends.
-                let (per, extra) = (s / d, s % d);
-                let threshold = extra * (per + 1);
-                let (rep, head) = if i < threshold {
-                    (i / (per + 1), i % (per + 1) == 0)
-                } else {
-                    (extra + (i - threshold) / per, (i - threshold) % per == 0)
-                };
-                if head && rep < d {
-                    rep..rep + 1
-                } else {
-                    0..0
-                }
-            } else if s == d {
-                i..i + 1
+        // More sources than destinations: the sources form `d` blocks and each block's first
+        // sends; otherwise the destinations form `s` blocks.
+        LoadBalance::Uniform if s > d => {
+            let rep = block_of(i, s, d);
+            if block(rep, s, d).start == i {
+                rep..rep + 1
             } else {
-                let (per, extra) = (d / s, d % s);
-                let start = if i < extra {
-                    i * (per + 1)
-                } else {
-                    extra * (per + 1) + (i - extra) * per
-                };
-                start..start + per + usize::from(i < extra)
+                0..0
             }
         }
+        LoadBalance::Uniform => block(i, d, s),
         LoadBalance::NodeAware => {
             let node = |rep: usize| cluster.domain(t.dst.rank(0, rep));
             let (first, last) = (node(0), node(d - 1));
             let nodes = (last - first + 1) as usize;
-            let (lo, hi) = if s >= nodes {
+            let mine = if s >= nodes {
                 if i >= nodes {
                     return 0..0;
                 }
-                (i, i)
+                i..i + 1
             } else {
-                let (per, extra) = (nodes / s, nodes % s);
-                let lo = if i < extra {
-                    i * (per + 1)
-                } else {
-                    extra * (per + 1) + (i - extra) * per
-                };
-                (lo, lo + per + usize::from(i < extra) - 1)
+                block(i, nodes, s)
             };
-            let on = |rep: usize| {
-                let n = (node(rep) - first) as usize;
-                (lo..=hi).contains(&n)
-            };
+            let on = |rep: usize| mine.contains(&((node(rep) - first) as usize));
             let start = (0..d).find(|&r| on(r)).unwrap_or(d);
             let end = (start..d).find(|&r| !on(r)).unwrap_or(d);
             start..end
@@ -351,19 +344,10 @@ fn hierarchical(
         groups.last_mut().expect("just pushed").push(rep);
     }
     let slots = groups[0].len();
-    // Contiguous blocks of sources per slot, the first `extra` one longer.
-    let (per, extra) = (list.len() / slots, list.len() % slots);
-    let slot_of = |p: usize| {
-        let threshold = extra * (per + 1);
-        if p < threshold {
-            p / (per + 1)
-        } else {
-            extra + (p - threshold) / per.max(1)
-        }
-    };
     let mut slot_bytes = vec![0.0f64; slots];
     for (p, &(s, bytes)) in list.iter().enumerate() {
-        let slot = slot_of(p).min(slots - 1);
+        // Contiguous blocks of sources per slot.
+        let slot = block_of(p, list.len(), slots).min(slots - 1);
         slot_bytes[slot] += bytes as f64;
         plan.send(
             t.src.rank(s, i),
@@ -530,7 +514,7 @@ pub fn m2n(
             }
         }
     }
-    let pack_bw = cluster.hbm_copy_bw * Cluster::copy_efficiency(u64::MAX, 16);
+    let pack_bw = cluster.contiguous_copy_bw();
     let fixed = |plan: &CallPlan| -> (f64, f64) {
         // The last chunk's trip: one latency, plus a chunk and a latency per ring hop.
         let hops = plan.hops as f64;
