@@ -891,6 +891,15 @@ fn model_command_mistakes_exit_2_with_a_message() {
         ),
         (
             [
+                &["simulate", "--model", "qwen3-32b", "--trials", "many"][..],
+                &spec,
+            ]
+            .concat(),
+            "--trials",
+        ),
+        ([&["calibrate", "extra.json"][..]].concat(), "takes no FILE"),
+        (
+            [
                 &["refit", "--model", "qwen3-32b", "--scale", "0"][..],
                 &spec,
             ]

@@ -109,12 +109,17 @@ impl Simulation {
     pub fn methods(&self) -> [(&'static str, f64); 5] {
         [
             ("reshard (ncclreshard)", self.reshard.time_s),
-            ("M2N hierarchical", self.m2n_hierarchical.sim.time_s),
-            ("M2N direct", self.m2n_direct.sim.time_s),
-            ("M2N one communicator", self.m2n_one_comm.sim.time_s),
+            ("M2N hierarchical", complete(&self.m2n_hierarchical)),
+            ("M2N direct", complete(&self.m2n_direct)),
+            ("M2N one communicator", complete(&self.m2n_one_comm)),
             ("gather+broadcast", self.baseline.time_s),
         ]
     }
+}
+
+/// An M2N estimate's time, infinite when M2N cannot move every tensor of the refit.
+fn complete(m2n: &M2nReport) -> f64 {
+    m2n.complete_time().unwrap_or(f64::INFINITY)
 }
 
 /// `--trials N` and `--seed N`.
@@ -251,10 +256,12 @@ struct BaselineJson {
 
 #[derive(Serialize)]
 struct M2nJson {
+    /// The time of the tensors M2N can move; the refit's `m2n_*_s` is null when it cannot
+    /// move them all.
     time_s: f64,
     calls: u64,
     /// Tensors M2N cannot move (left out of `time_s`).
-    skipped_tensors: u64,
+    skipped_tensors: usize,
     first_skipped: Option<String>,
     bytes_total: u64,
     host_s: f64,
@@ -265,7 +272,7 @@ impl M2nJson {
         M2nJson {
             time_s: r.sim.time_s,
             calls: r.calls,
-            skipped_tensors: r.skipped,
+            skipped_tensors: r.skipped.len(),
             first_skipped: r.first_skipped.clone(),
             bytes_total: r.sim.bytes_total,
             host_s: r.sim.phase("host").unwrap_or(0.0),
@@ -278,9 +285,9 @@ impl M2nJson {
 pub struct WithPostprocessJson {
     engine_postprocess_s: f64,
     reshard_s: Option<f64>,
-    m2n_hierarchical_s: f64,
-    m2n_direct_s: f64,
-    m2n_hierarchical_one_comm_s: f64,
+    m2n_hierarchical_s: Option<f64>,
+    m2n_direct_s: Option<f64>,
+    m2n_hierarchical_one_comm_s: Option<f64>,
     gather_broadcast_s: f64,
 }
 
@@ -290,9 +297,9 @@ impl WithPostprocessJson {
         WithPostprocessJson {
             engine_postprocess_s: post,
             reshard_s: finite(s.reshard.time_s).map(|t| t + post),
-            m2n_hierarchical_s: s.m2n_hierarchical.sim.time_s + post,
-            m2n_direct_s: s.m2n_direct.sim.time_s + post,
-            m2n_hierarchical_one_comm_s: s.m2n_one_comm.sim.time_s + post,
+            m2n_hierarchical_s: s.m2n_hierarchical.complete_time().map(|t| t + post),
+            m2n_direct_s: s.m2n_direct.complete_time().map(|t| t + post),
+            m2n_hierarchical_one_comm_s: s.m2n_one_comm.complete_time().map(|t| t + post),
             gather_broadcast_s: s.baseline.time_s + post,
         }
     }
@@ -323,11 +330,12 @@ struct Output {
     trials: u32,
     /// One-time costs before the first call (connections, NVRTC), not in `reshard_s`.
     setup_s: f64,
-    /// NCCL M2N as its benchmark runs it (one communicator per pipeline-stage pair).
-    m2n_hierarchical_s: f64,
-    m2n_direct_s: f64,
+    /// NCCL M2N as its benchmark runs it (one communicator per pipeline-stage pair); null
+    /// when M2N cannot move every tensor (`m2n_*.first_skipped` says why).
+    m2n_hierarchical_s: Option<f64>,
+    m2n_direct_s: Option<f64>,
     /// NCCL M2N hierarchical on one communicator, one call per tensor (NeMo RL, vLLM).
-    m2n_hierarchical_one_comm_s: f64,
+    m2n_hierarchical_one_comm_s: Option<f64>,
     gather_broadcast_s: f64,
     /// The physical floor (forwarding allowed).
     lower_bound_s: f64,
@@ -433,14 +441,14 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         reshard_p90_s: finite(s.reshard.p90_s),
         trials: s.reshard.trials,
         setup_s: s.reshard.setup_s,
-        m2n_hierarchical_s: s.m2n_hierarchical.sim.time_s,
-        m2n_direct_s: s.m2n_direct.sim.time_s,
-        m2n_hierarchical_one_comm_s: s.m2n_one_comm.sim.time_s,
+        m2n_hierarchical_s: s.m2n_hierarchical.complete_time(),
+        m2n_direct_s: s.m2n_direct.complete_time(),
+        m2n_hierarchical_one_comm_s: s.m2n_one_comm.complete_time(),
         gather_broadcast_s: s.baseline.time_s,
         lower_bound_s: s.bound.time_s,
         direct_bound_s: s.bound.direct_time_s,
         reshard_over_lower_bound: ratio(s.reshard.time_s, s.bound.time_s),
-        m2n_hierarchical_over_reshard: ratio(s.m2n_hierarchical.sim.time_s, s.reshard.time_s),
+        m2n_hierarchical_over_reshard: ratio(complete(&s.m2n_hierarchical), s.reshard.time_s),
         gather_broadcast_over_reshard: ratio(s.baseline.time_s, s.reshard.time_s),
         with_engine_postprocess: WithPostprocessJson::new(&s),
         bytes_total: s.reshard.bytes_total,
@@ -635,16 +643,18 @@ pub fn estimates_text(s: &Simulation) -> String {
         ("M2N direct", &s.m2n_direct),
         ("M2N one communicator", &s.m2n_one_comm),
     ] {
-        let skipped = if m2n.skipped > 0 {
-            format!(" ({} tensors M2N cannot move left out)", m2n.skipped)
-        } else {
-            String::new()
+        text += &match (m2n.complete_time(), &m2n.first_skipped) {
+            (Some(t), _) => row(name, out::seconds(t), versus(t)),
+            (None, why) => row(
+                name,
+                "cannot".to_string(),
+                format!(
+                    "M2N cannot move {} of the tensors; first: {}",
+                    m2n.skipped.len(),
+                    why.as_deref().unwrap_or("-")
+                ),
+            ),
         };
-        text += &row(
-            name,
-            out::seconds(m2n.sim.time_s),
-            format!("{}{skipped}", versus(m2n.sim.time_s)),
-        );
     }
     text += &row(
         "gather+broadcast",

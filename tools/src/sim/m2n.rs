@@ -114,9 +114,17 @@ pub struct M2nReport {
     pub sim: SimReport,
     /// Calls made (tensors M2N could move).
     pub calls: u64,
-    /// Tensors M2N cannot move (left out of the estimate), and why the first was.
-    pub skipped: u64,
+    /// Tensors M2N cannot move (left out of the estimate, as its benchmark leaves them out),
+    /// by index into the input, and why the first cannot.
+    pub skipped: Vec<usize>,
     pub first_skipped: Option<String>,
+}
+
+impl M2nReport {
+    /// The time when M2N can move every tensor; `None` when it cannot run the whole refit.
+    pub fn complete_time(&self) -> Option<f64> {
+        self.skipped.is_empty().then_some(self.sim.time_s)
+    }
 }
 
 /// One side of a tensor as M2N sees it.
@@ -288,12 +296,56 @@ impl CallPlan {
     }
 }
 
-fn call_plan(t: &Tensor2, cluster: &Cluster, params: &M2nParams) -> CallPlan {
+/// M2N's plan limits (`reshard_limits.h`, checked by `validateReshardPlanLimits`): at most 16
+/// source shards per destination shard and 64 destination shards per source shard
+/// (hierarchical); at most 32 sources per destination shard and 64 (destination shard,
+/// replica) targets per source rank (direct).
+const MAX_SOURCES: usize = 16;
+const MAX_TARGETS: usize = 64;
+const MAX_DIRECT_SOURCES: usize = 32;
+const MAX_DIRECT_TARGETS: usize = 64;
+
+/// What one call of `t` moves, or which of M2N's limits refuses it.
+fn call_plan(t: &Tensor2, cluster: &Cluster, params: &M2nParams) -> Result<CallPlan, String> {
     let mut plan = CallPlan::default();
     // Source shards overlapping each destination shard, ascending.
     let mut sources: Vec<Vec<(usize, u64)>> = vec![Vec::new(); t.dst.shards];
+    let mut targets = vec![0usize; t.src.shards];
     for (&(s, d), &bytes) in &t.overlap {
         sources[d].push((s, bytes));
+        targets[s] += 1;
+    }
+    let most_sources = sources.iter().map(Vec::len).max().unwrap_or(0);
+    let most_targets = targets.iter().copied().max().unwrap_or(0);
+    match params.algorithm {
+        M2nAlgorithm::Hierarchical if most_sources > MAX_SOURCES => {
+            return Err(format!(
+                "{most_sources} source shards feed one destination shard (M2N allows {MAX_SOURCES})"
+            ))
+        }
+        M2nAlgorithm::Hierarchical if most_targets > MAX_TARGETS => {
+            return Err(format!(
+                "one source shard feeds {most_targets} destination shards (M2N allows {MAX_TARGETS})"
+            ))
+        }
+        M2nAlgorithm::Direct if most_sources > MAX_DIRECT_SOURCES => {
+            return Err(format!(
+                "{most_sources} source shards feed one destination shard (direct M2N allows {MAX_DIRECT_SOURCES})"
+            ))
+        }
+        M2nAlgorithm::Direct => {
+            let reps = (0..t.src.reps)
+                .map(|i| target_reps(params.load_balance, t, cluster, i).len())
+                .max()
+                .unwrap_or(0);
+            if most_targets * reps > MAX_DIRECT_TARGETS {
+                return Err(format!(
+                    "a source rank feeds {} targets (direct M2N allows {MAX_DIRECT_TARGETS})",
+                    most_targets * reps
+                ));
+            }
+        }
+        M2nAlgorithm::Hierarchical => {}
     }
     for i in 0..t.src.reps {
         let range = target_reps(params.load_balance, t, cluster, i);
@@ -318,7 +370,7 @@ fn call_plan(t: &Tensor2, cluster: &Cluster, params: &M2nParams) -> CallPlan {
             }
         }
     }
-    plan
+    Ok(plan)
 }
 
 /// The hierarchical flows of destination shard `d` from source replica `i` over its
@@ -486,7 +538,7 @@ pub fn m2n(
     params: &M2nParams,
     schedule: Schedule,
 ) -> M2nReport {
-    let mut skipped = 0u64;
+    let mut skipped = Vec::new();
     let mut first_skipped = None;
     // M2N's own pipeline: no NCCL channels per peer; GIN puts leave through the GPU's NIC.
     let mut network = Network::new(cluster, f64::INFINITY);
@@ -502,14 +554,14 @@ pub fn m2n(
             entries.push((k, plan.clone()));
             continue;
         }
-        match tensor2(spec) {
-            Ok(t) => {
-                let plan = std::rc::Rc::new(call_plan(&t, cluster, params));
+        match tensor2(spec).and_then(|t| call_plan(&t, cluster, params)) {
+            Ok(plan) => {
+                let plan = std::rc::Rc::new(plan);
                 plans.insert(key, plan.clone());
                 entries.push((k, plan));
             }
             Err(why) => {
-                skipped += 1;
+                skipped.push(k);
                 first_skipped.get_or_insert_with(|| format!("{}: {why}", names[k]));
             }
         }

@@ -1,19 +1,29 @@
 //! The refit simulator (DESIGN §6): what a reshard would cost on a cluster we cannot run here.
+//! Its numbers are simulations; [`calibrate`] compares it with every public measurement it
+//! can reproduce.
 //!
-//! Three estimates from the same [`Cluster`] model:
+//! Every estimate uses the same [`Cluster`] model (link speeds NCCL reaches, NCCL's
+//! per-message, per-round and per-peer costs, a rail-optimised fabric with PXN, copy speed by
+//! run length, free memory, jitter):
 //!
-//! - [`simulate`] runs the real per-rank programs (from [`ncclreshard::Planner::rank_program`]):
-//!   local copies and packs at HBM copy speed, then every (sender, receiver) pair's messages as
-//!   one flow sharing NVLink or NIC links max-min fairly, then unpacks.
+//! - [`simulate`] / [`simulate_with`] run the real per-rank programs (from
+//!   [`ncclreshard::Planner::rank_program`]): host posting, packs, every (sender, receiver)
+//!   pair's messages of a round as one flow sharing links max-min fairly, unpacks; rounds per
+//!   rank without global barriers; median and p90 over jittered trials; memory and one-time
+//!   setup.
+//! - [`m2n`] models NCCL M2N's direct and hierarchical reshard, one call per tensor, as its
+//!   benchmark or as NeMo RL calls it; [`nemo_rl_reshard`] NeMo RL's `nccl_reshard` refit.
 //! - [`gather_broadcast`] models the baseline NeMo RL, veRL and slime use: gather every tensor
 //!   inside its source group, then broadcast it whole from one training rank to every
 //!   inference rank, bucket by bucket.
-//! - [`lower_bound`] is the physical floor: bytes that must enter or leave each NVLink domain
-//!   and each GPU, divided by the bandwidth available there.
+//! - [`lower_bound`] gives the physical floor (forwarding allowed) and the floor of direct
+//!   plans: bytes that must enter or leave each NVLink domain and each GPU, divided by the
+//!   rated bandwidth there.
 //!
 //! The model, its parameters, their sources and where it is uncertain are in
-//! `docs/simulator.md`. Everything here is pure computation on plain data: no I/O, no
-//! threads, deterministic; all functions are safe to call from several threads.
+//! `docs/simulator.md`. Everything here is pure computation on plain data: no I/O,
+//! deterministic (trials draw from a seed); [`simulate_with`] runs its trials on scoped
+//! threads; all functions are safe to call from several threads.
 
 mod baseline;
 mod bound;

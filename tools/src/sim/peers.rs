@@ -22,8 +22,8 @@ pub fn is_feed_forward(name: &str) -> bool {
 
 /// NeMo RL's `nccl_reshard` refit: the feed-forward tensors through NCCL M2N (hierarchical,
 /// node-aware, the PACK transport, one communicator over all ranks, one call per tensor, in
-/// checkpoint order), the other tensors through NeMo RL's packed gather + broadcast
-/// (`baseline`) on their own communicator. One pass over the checkpoint feeds both, so the
+/// checkpoint order), the other tensors (and any M2N cannot move) through NeMo RL's packed
+/// gather + broadcast (`baseline`) on their own communicator. One pass over the checkpoint feeds both, so the
 /// two streams overlap: the refit takes as long as the longer one. Without
 /// [`ENGINE_POSTPROCESS_S`].
 pub fn nemo_rl_reshard(
