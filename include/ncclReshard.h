@@ -223,9 +223,10 @@ typedef struct {
  *
  * `srcOffset`/`dstOffset` are byte offsets of this tensor's local views from `sendbuff` /
  * `recvbuff` in `ncclReshard` (ignored by `ncclReshardMulti`, which takes one pointer per
- * tensor). They are local to the calling rank and may differ between ranks; the views of
- * different tensors in one buffer must not overlap. Every other field must be identical on all
- * ranks. `name` is optional (NULL), used in messages only.
+ * tensor). They are local to the calling rank and may differ between ranks; for `ncclReshard`
+ * the views of different tensors in one buffer must not overlap (it refuses the call
+ * otherwise; a plan only called with `ncclReshardMulti` may leave them 0). Every other field
+ * must be identical on all ranks. `name` is optional (NULL), used in messages only.
  */
 typedef struct {
   size_t size;
@@ -582,6 +583,27 @@ const char *ncclReshardGetErrorString(ncclResult_t result);
  * `ncclInvalidArgument` (NULL).
  */
 ncclResult_t ncclReshardGetVersion(int *version);
+
+/**
+ * Which libnccl the library uses: `*path` receives the file that defines its NCCL functions
+ * (owned by the library, valid for the process's life) and `*ncclVersion` that NCCL's
+ * `ncclGetVersion` code (e.g. 22805). Loads NCCL by the same rule as the first call of
+ * `ncclReshard` would (if no call has yet), so a caller can check, before making
+ * communicators, that they come from the same NCCL:
+ *
+ * 1. `NCCL_RESHARD_NCCL_LIBRARY`, when it names the NCCL already mapped in the process or
+ *    none is mapped; naming another file while an NCCL is mapped is refused (loading it would
+ *    map a second copy, and a communicator made by one NCCL is garbage to another);
+ * 2. else the NCCL in the global namespace (a program linked against libnccl);
+ * 3. else the one NCCL mapped privately (`RTLD_LOCAL`: Python's ctypes and extension modules,
+ *    PyTorch's and vLLM's NCCL), whatever its file name; several distinct ones are refused;
+ * 4. else `dlopen("libnccl.so.2")`.
+ *
+ * The choice is made once per process; `NCCL_RESHARD_DEBUG=INFO` logs it. Thread-safe;
+ * host-only. Errors: `ncclInvalidArgument` (NULL), `ncclSystemError` (no NCCL can be loaded,
+ * or the rule refuses, with the files named), and nothing written.
+ */
+ncclResult_t ncclReshardGetNcclLibrary(const char **path, int *ncclVersion);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README): formatting, lints, every Rust test (unit, property,
 # end to end on the host executor, CLI, header drift), the native side (NVRTC kernels, C ABI,
-# CMake package, examples), then the GPU tests and the refit example on 8 emulated GPUs.
+# CMake package, examples), then the GPU tests and the refit example on 8 emulated GPUs, then
+# the Python package (scripts/python-tests.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
@@ -9,3 +10,4 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 bash scripts/native-tests.sh
 bash scripts/emulated-gpu-tests.sh
+bash scripts/python-tests.sh

@@ -5,9 +5,10 @@
 //! A call passes either one source and one destination buffer (`ncclReshard`: each tensor's
 //! view at its offset in them) or one pointer per tensor and side (`ncclReshardMulti`). The
 //! rules are checked here, once, before any transport runs: a rank holding data on a side
-//! needs that side's buffer, views of different tensors do not overlap within a buffer, and
-//! the source and destination of a call do not overlap (no in-place reshards). Pointers are
-//! plain addresses: nothing here reads or writes through them.
+//! needs that side's buffer, views of different tensors do not overlap within a buffer of a
+//! single-buffer call (a plan only ever called per tensor may leave its offsets at 0), and the
+//! source and destination of a call do not overlap (no in-place reshards). Pointers are plain
+//! addresses: nothing here reads or writes through them.
 
 use crate::error::{Error, Result};
 use crate::layout::{Side, TensorSpec};
@@ -54,22 +55,29 @@ pub struct RankViews {
     tensors: Vec<TensorViews>,
     /// The tensors' names, for messages (`tensors[3] (layers.0.wq)`).
     names: Vec<Option<String>>,
+    /// Why the single-buffer call cannot be used (two tensors' views overlap at their
+    /// offsets), if it cannot; the per-tensor call ignores the offsets.
+    single_refused: Option<String>,
 }
 
 /// Checks that no two of `ranges` (range, tensor) overlap; `buffer` names the buffer and
 /// `field` the offset field.
-fn check_disjoint(mut ranges: Vec<(ViewRange, usize)>, buffer: &str, field: &str) -> Result<()> {
+fn check_disjoint(
+    mut ranges: Vec<(ViewRange, usize)>,
+    buffer: &str,
+    field: &str,
+) -> std::result::Result<(), String> {
     ranges.retain(|(r, _)| r.bytes > 0);
     ranges.sort_unstable_by_key(|&(r, t)| (r.offset, r.bytes, t));
     for w in ranges.windows(2) {
         let ((first, first_tensor), (second, second_tensor)) = (w[0], w[1]);
         if first.end() > second.offset {
-            return Err(Error::invalid_argument(format!(
-                "tensors[{second_tensor}].{field} = {}: its view overlaps tensor {first_tensor}'s view in {buffer} (bytes [{}, {})); give each tensor its own byte range",
+            return Err(format!(
+                "tensors[{second_tensor}].{field} = {}: its view overlaps tensor {first_tensor}'s view in {buffer} (bytes [{}, {})); give each tensor its own byte range to call ncclReshard, or call ncclReshardMulti, which ignores the offsets",
                 second.offset,
                 first.offset,
                 first.end()
-            )));
+            ));
         }
     }
     Ok(())
@@ -78,8 +86,8 @@ fn check_disjoint(mut ranges: Vec<(ViewRange, usize)>, buffer: &str, field: &str
 impl RankViews {
     /// `rank`'s views of `tensors`, the views of tensor `t` at `offsets[t]` = (source offset,
     /// destination offset) in the single-buffer call; `names[t]` is its name, if any. Errors
-    /// (naming `tensors[t].srcOffset` / `.dstOffset`) when a view would end past 2^63 bytes or
-    /// two tensors' views overlap in one buffer.
+    /// (naming `tensors[t].srcOffset` / `.dstOffset`) when a view would end past 2^63 bytes;
+    /// views that overlap at their offsets refuse only single-buffer calls.
     pub fn new(
         rank: u32,
         tensors: &[TensorSpec],
@@ -115,12 +123,14 @@ impl RankViews {
                 .filter_map(|(t, v)| side(v).map(|r| (r, t)))
                 .collect()
         };
-        check_disjoint(ranges(|v| v.src), "sendbuff", "srcOffset")?;
-        check_disjoint(ranges(|v| v.dst), "recvbuff", "dstOffset")?;
+        let single_refused = check_disjoint(ranges(|v| v.src), "sendbuff", "srcOffset")
+            .and_then(|()| check_disjoint(ranges(|v| v.dst), "recvbuff", "dstOffset"))
+            .err();
         Ok(RankViews {
             rank,
             tensors: views,
             names,
+            single_refused,
         })
     }
 
@@ -181,6 +191,9 @@ impl RankViews {
     /// The buffers of a single-buffer call (`send`/`recv` addresses, 0 for NULL), after
     /// checking that the rank has every buffer it needs and that the two do not overlap.
     pub fn single(&self, send: usize, recv: usize) -> Result<CallBuffers<'static>> {
+        if let Some(why) = &self.single_refused {
+            return Err(Error::invalid_argument(why.clone()));
+        }
         if send == 0 {
             if let Some(t) = self.first_holding(|v| v.src) {
                 return Err(Error::invalid_argument(format!(
@@ -276,7 +289,7 @@ mod tests {
     }
 
     #[test]
-    fn views_sit_at_their_offsets_and_must_not_overlap() {
+    fn views_sit_at_their_offsets_and_must_not_overlap_in_single_buffer_calls() {
         let two = [spec(), spec()];
         let names = vec![None, Some("w".to_string())];
         let views = RankViews::new(1, &two, &[(0, 0), (32, 64)], names.clone()).unwrap();
@@ -286,13 +299,19 @@ mod tests {
         // Rank 0 receives nothing: no destination views, whatever its offsets.
         let sender = RankViews::new(0, &two, &[(0, 0), (32, 0)], names.clone()).unwrap();
         assert_eq!(sender.recv_bytes(), 0);
-        let err = message(RankViews::new(1, &two, &[(0, 0), (16, 64)], names.clone()));
+        // Overlapping views refuse the single-buffer call, not the per-tensor one (which
+        // ignores offsets: a plan only ever called per tensor may leave them at 0).
+        let overlapping = RankViews::new(1, &two, &[(0, 0), (16, 64)], names.clone()).unwrap();
+        let err = message(overlapping.single(0x1000, 0x100000));
         assert!(
             err.starts_with(
                 "tensors[1].srcOffset = 16: its view overlaps tensor 0's view in sendbuff"
-            ),
+            ) && err.contains("ncclReshardMulti"),
             "{err}"
         );
+        assert!(overlapping
+            .per_tensor(&[0x1000, 0x2000], &[0x10000, 0x20000])
+            .is_ok());
         let err = message(RankViews::new(
             1,
             &two,

@@ -372,3 +372,44 @@ pub unsafe extern "C" fn ncclReshardGetVersion(version: *mut c_int) -> ncclResul
         Ok(())
     })
 }
+
+/// Which libnccl the library uses: `*path` receives the file that defines its NCCL functions
+/// (owned by the library, valid for the process's life) and `*ncclVersion` that NCCL's
+/// `ncclGetVersion` code (e.g. 22805). Loads NCCL by the same rule as the first call of
+/// `ncclReshard` would (if no call has yet), so a caller can check, before making
+/// communicators, that they come from the same NCCL:
+///
+/// 1. `NCCL_RESHARD_NCCL_LIBRARY`, when it names the NCCL already mapped in the process or
+///    none is mapped; naming another file while an NCCL is mapped is refused (loading it would
+///    map a second copy, and a communicator made by one NCCL is garbage to another);
+/// 2. else the NCCL in the global namespace (a program linked against libnccl);
+/// 3. else the one NCCL mapped privately (`RTLD_LOCAL`: Python's ctypes and extension modules,
+///    PyTorch's and vLLM's NCCL), whatever its file name; several distinct ones are refused;
+/// 4. else `dlopen("libnccl.so.2")`.
+///
+/// The choice is made once per process; `NCCL_RESHARD_DEBUG=INFO` logs it. Thread-safe;
+/// host-only. Errors: `ncclInvalidArgument` (NULL), `ncclSystemError` (no NCCL can be loaded,
+/// or the rule refuses, with the files named), and nothing written.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardGetNcclLibrary(
+    path: *mut *const c_char,
+    ncclVersion: *mut c_int,
+) -> ncclResult_t {
+    boundary("ncclReshardGetNcclLibrary", || {
+        if path.is_null() {
+            return Err(Error::invalid_argument("path is NULL"));
+        }
+        if ncclVersion.is_null() {
+            return Err(Error::invalid_argument("ncclVersion is NULL"));
+        }
+        let nccl = crate::exec::cuda::nccl::nccl()?;
+        let version = nccl.version();
+        // SAFETY: both are non-NULL and writable per the contract; the string lives in the
+        // process-wide NCCL table, which is never dropped.
+        unsafe {
+            path.write(nccl.path.as_ptr());
+            ncclVersion.write(version);
+        }
+        Ok(())
+    })
+}

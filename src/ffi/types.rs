@@ -259,9 +259,10 @@ pub struct ncclReshardLayout_t {
 ///
 /// `srcOffset`/`dstOffset` are byte offsets of this tensor's local views from `sendbuff` /
 /// `recvbuff` in `ncclReshard` (ignored by `ncclReshardMulti`, which takes one pointer per
-/// tensor). They are local to the calling rank and may differ between ranks; the views of
-/// different tensors in one buffer must not overlap. Every other field must be identical on all
-/// ranks. `name` is optional (NULL), used in messages only.
+/// tensor). They are local to the calling rank and may differ between ranks; for `ncclReshard`
+/// the views of different tensors in one buffer must not overlap (it refuses the call
+/// otherwise; a plan only called with `ncclReshardMulti` may leave them 0). Every other field
+/// must be identical on all ranks. `name` is optional (NULL), used in messages only.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ncclReshardTensor_t {

@@ -324,9 +324,15 @@ static void test_bad_descriptors(void) {
   OK(ncclReshardPlanCreate(&old_header_plan, 1, &t, 0, &config));
   OK(ncclReshardPlanDestroy(old_header_plan));
 
-  /* Two tensors in one buffer at the same offset would alias: rejected on the rank that has them. */
+  /* Two tensors in one buffer at the same offset would alias in ncclReshard, which refuses the
+   * call before touching the GPU on the rank that has them; ncclReshardMulti ignores the
+   * offsets, so the plan itself is fine. */
   ncclReshardTensor_t two[2] = {t, t};
-  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 2, two, 2, NULL), ncclInvalidArgument, "overlaps tensor 0");
+  ncclReshardPlan_t aliased = NULL;
+  OK(ncclReshardPlanCreate(&aliased, 2, two, 2, NULL));
+  EXPECT_ERROR(ncclReshard(NULL, (void*)0x1000, aliased, NULL, NULL), ncclInvalidArgument,
+               "overlaps tensor 0");
+  OK(ncclReshardPlanDestroy(aliased));
   two[1].dstOffset = 64 * 32 * 2;
   ncclReshardPlan_t ok = NULL;
   OK(ncclReshardPlanCreate(&ok, 2, two, 2, NULL));
@@ -379,6 +385,27 @@ static void test_local_shape(void) {
   EXPECT_ERROR(ncclReshardLocalShape(NULL, 1, rows8, 0, &local, NULL, 0, NULL), ncclInvalidArgument, "NULL");
 }
 
+static void test_nccl_library(void) {
+  const char* path = "untouched";
+  int version = -1;
+  EXPECT_ERROR(ncclReshardGetNcclLibrary(NULL, &version), ncclInvalidArgument, "path is NULL");
+  EXPECT_ERROR(ncclReshardGetNcclLibrary(&path, NULL), ncclInvalidArgument, "ncclVersion is NULL");
+  ncclResult_t r = ncclReshardGetNcclLibrary(&path, &version);
+  if (r == ncclSuccess) {
+    /* An NCCL on the loader path: the file that defines its functions and its version. */
+    CHECK(path != NULL && strstr(path, "nccl") != NULL && version >= 21800);
+    const char* again = NULL;
+    OK(ncclReshardGetNcclLibrary(&again, &version));
+    CHECK(again == path); /* chosen once per process */
+  } else {
+    /* No NCCL in the process nor on the loader path: an error naming what was tried, and
+     * nothing written. */
+    CHECK(r == ncclSystemError);
+    CHECK(strstr(ncclReshardGetLastError(), "libnccl.so.2") != NULL);
+    CHECK(strcmp(path, "untouched") == 0 && version == -1);
+  }
+}
+
 static void* other_thread(void* arg) {
   (void)arg;
   /* The last error is per thread: this thread has had no failure. */
@@ -399,6 +426,7 @@ int main(void) {
   test_plan_lifecycle();
   test_bad_descriptors();
   test_local_shape();
+  test_nccl_library();
   test_thread_local_error();
   if (failures) {
     fprintf(stderr, "%d check(s) failed\n", failures);

@@ -1,12 +1,28 @@
-//! NCCL, taken from the process: the symbols are looked up in what is already loaded first
-//! (`dlsym(RTLD_DEFAULT, …)`: the libnccl the application or PyTorch links), then in
-//! `dlopen("libnccl.so.2")`; `NCCL_RESHARD_NCCL_LIBRARY` names a file to use instead. Only
-//! functions present in NCCL 2.18 are required, so any NCCL from 2.18 on works.
+//! NCCL, taken from the process. A communicator is only valid in the libnccl that created it,
+//! so the library must use the NCCL the caller's communicators come from, and never map a
+//! second copy beside it. The rule ([`choose`]), applied once, at the first use:
+//!
+//! 1. `NCCL_RESHARD_NCCL_LIBRARY` names a file: it is used if it is not loaded yet and no other
+//!    NCCL is mapped, or if it *is* the NCCL already mapped; naming another file while an NCCL
+//!    is mapped is refused (loading it would map a second copy).
+//! 2. Otherwise the NCCL in the global namespace (`dlsym(RTLD_DEFAULT, …)`: a program linked
+//!    against libnccl, or a library loaded `RTLD_GLOBAL`).
+//! 3. Otherwise the one NCCL mapped privately (`RTLD_LOCAL`, as Python loads PyTorch's and
+//!    vLLM's), whatever its file name; several distinct ones are refused (which one the
+//!    caller's communicators belong to cannot be known).
+//! 4. Otherwise `dlopen("libnccl.so.2")`.
+//!
+//! Mapped copies are found with `dl_iterate_phdr`: an object counts as an NCCL when `ncclSend`
+//! resolves from it, and two objects are the same NCCL when that symbol resolves to the same
+//! definition (a shim whose dependency defines NCCL, or libtorch_cuda's dependency on libnccl,
+//! is the NCCL it leads to). Only functions present in NCCL 2.18 are required, so any NCCL
+//! from 2.18 on works.
 
 use super::libs::dlerror;
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::fmt::Write as _;
 use std::sync::OnceLock;
 
 pub(crate) type NcclResult = c_int;
@@ -47,6 +63,8 @@ pub(crate) struct Nccl {
     pub comm_get_async_error: AsyncErrorFn,
     /// Where the symbols came from, for messages.
     pub origin: String,
+    /// The file that defines them (`ncclReshardGetNcclLibrary`).
+    pub path: CString,
 }
 
 /// Looks `name` up in `handle` (RTLD_DEFAULT when NULL).
@@ -80,8 +98,12 @@ fn load_from(handle: *mut c_void, origin: String) -> Result<Nccl> {
             unsafe { std::mem::transmute::<*mut c_void, $ty>(ptr) }
         }};
     }
+    let send = resolve!("ncclSend", SendFn);
+    let path = defining_object(send as *mut c_void)
+        .map(|m| m.path)
+        .unwrap_or_else(|| origin.clone());
     Ok(Nccl {
-        send: resolve!("ncclSend", SendFn),
+        send,
         recv: resolve!("ncclRecv", RecvFn),
         group_start: resolve!("ncclGroupStart", GroupFn),
         group_end: resolve!("ncclGroupEnd", GroupFn),
@@ -93,6 +115,7 @@ fn load_from(handle: *mut c_void, origin: String) -> Result<Nccl> {
         get_version: resolve!("ncclGetVersion", VersionFn),
         comm_get_async_error: resolve!("ncclCommGetAsyncError", AsyncErrorFn),
         origin,
+        path: CString::new(path).unwrap_or_default(),
     })
 }
 
@@ -108,20 +131,193 @@ fn open(path: &str) -> Result<*mut c_void> {
     }
 }
 
+/// One NCCL mapped in the process: the object that defines `ncclSend`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Mapped {
+    /// Its file, as the loader names it.
+    pub path: String,
+    /// Its load address: equal for two objects iff they are the same NCCL.
+    pub base: usize,
+}
+
+/// The NCCL that `ncclSend` at `symbol` belongs to.
+fn defining_object(symbol: *mut c_void) -> Option<Mapped> {
+    // SAFETY: Dl_info is plain data that dladdr fills; all-zero is a valid initial value.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the address and writes `info`.
+    if unsafe { libc::dladdr(symbol, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dladdr set a NUL-terminated name owned by the loader.
+    let path = unsafe { CStr::from_ptr(info.dli_fname) }
+        .to_string_lossy()
+        .into_owned();
+    Some(Mapped {
+        path,
+        base: info.dli_fbase as usize,
+    })
+}
+
+/// The NCCL that the already-loaded object `name` leads to (itself or a dependency), if
+/// `name` is loaded; never loads anything.
+fn mapped_through(name: &CStr) -> Option<Mapped> {
+    // SAFETY: RTLD_NOLOAD only returns a handle to an object that is already loaded (matched
+    // by name or by file identity), taking a reference that is dropped below.
+    let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return None;
+    }
+    let found = symbol(handle, "ncclSend").and_then(defining_object);
+    // SAFETY: drops the reference taken above; the object stays loaded (it was before).
+    unsafe { libc::dlclose(handle) };
+    found
+}
+
+/// Every distinct NCCL mapped in the process now, in load order.
+pub(crate) fn mapped_copies() -> Vec<Mapped> {
+    unsafe extern "C" fn collect(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        names: *mut c_void,
+    ) -> c_int {
+        // SAFETY: the loader passes a valid info; `names` is the Vec passed below.
+        let (info, names) = unsafe { (&*info, &mut *names.cast::<Vec<CString>>()) };
+        if !info.dlpi_name.is_null() {
+            // SAFETY: a NUL-terminated name owned by the loader for the callback's duration.
+            let name = unsafe { CStr::from_ptr(info.dlpi_name) };
+            if !name.to_bytes().is_empty() {
+                names.push(name.to_owned());
+            }
+        }
+        0
+    }
+    // Names first, lookups after: dlopen must not run inside dl_iterate_phdr's callback.
+    let mut names: Vec<CString> = Vec::new();
+    // SAFETY: the callback only copies names into the Vec it is given.
+    unsafe { libc::dl_iterate_phdr(Some(collect), (&mut names as *mut Vec<CString>).cast()) };
+    let mut copies: Vec<Mapped> = Vec::new();
+    for name in names {
+        if let Some(found) = mapped_through(&name) {
+            if !copies.iter().any(|c| c.base == found.base) {
+                copies.push(found);
+            }
+        }
+    }
+    copies
+}
+
+/// What the rule picked.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Choice {
+    /// Open this file (nothing else is mapped).
+    Open(String),
+    /// Use this NCCL, already mapped.
+    Use(Mapped),
+}
+
+/// The discovery rule (module doc), from the facts of the process: `env` is
+/// `NCCL_RESHARD_NCCL_LIBRARY` with the mapped NCCL it leads to when it is loaded already,
+/// `mapped` every distinct NCCL mapped, `global` the one in the global namespace.
+pub(crate) fn choose(
+    env: Option<(&str, Option<Mapped>)>,
+    mapped: &[Mapped],
+    global: Option<Mapped>,
+) -> Result<Choice> {
+    let listed = || {
+        mapped
+            .iter()
+            .map(|m| m.path.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match env {
+        Some((_, Some(same))) => Ok(Choice::Use(same)),
+        Some((path, None)) if mapped.is_empty() => Ok(Choice::Open(path.to_string())),
+        Some((path, None)) => Err(Error::system(format!(
+            "NCCL_RESHARD_NCCL_LIBRARY={path} is not the NCCL already mapped in this process ({}); loading it would map a second NCCL, and a communicator made by one is garbage to the other: unset NCCL_RESHARD_NCCL_LIBRARY, or set it to {}",
+            listed(),
+            mapped[0].path
+        ))),
+        None => match (global, mapped.len()) {
+            (Some(global), _) => Ok(Choice::Use(global)),
+            (None, 0) => Ok(Choice::Open("libnccl.so.2".to_string())),
+            (None, 1) => Ok(Choice::Use(mapped[0].clone())),
+            (None, _) => Err(Error::system(format!(
+                "{} NCCLs are mapped in this process ({}) and none is global; set NCCL_RESHARD_NCCL_LIBRARY to the one whose communicators you pass",
+                mapped.len(),
+                listed()
+            ))),
+        },
+    }
+}
+
 fn load() -> Result<Nccl> {
-    if let Ok(path) = std::env::var("NCCL_RESHARD_NCCL_LIBRARY") {
-        return load_from(open(&path)?, format!("NCCL_RESHARD_NCCL_LIBRARY={path}"));
+    let env = std::env::var("NCCL_RESHARD_NCCL_LIBRARY").ok();
+    let mapped = mapped_copies();
+    let env = match &env {
+        Some(path) => {
+            let c = CString::new(path.as_str())
+                .map_err(|_| Error::invalid_argument("NCCL_RESHARD_NCCL_LIBRARY has a NUL byte"))?;
+            Some((path.as_str(), mapped_through(&c)))
+        }
+        None => None,
+    };
+    let global = symbol(std::ptr::null_mut(), "ncclSend").and_then(defining_object);
+    let from_env = env.is_some();
+    let choice = choose(env, &mapped, global.clone())?;
+    if mapped.len() > 1 {
+        debug::log(Level::Warn, || {
+            let mut text = format!("{} NCCLs are mapped in this process:", mapped.len());
+            for m in &mapped {
+                let _ = write!(text, " {}", m.path);
+            }
+            text.push_str("; communicators of the others are not valid in the one used");
+            text
+        });
     }
-    if symbol(std::ptr::null_mut(), "ncclSend").is_some() {
-        return load_from(std::ptr::null_mut(), "the process's NCCL".into());
-    }
-    let handle = open("libnccl.so.2").map_err(|e| {
-        Error::system(format!(
-            "NCCL is not loaded in this process and {}; link libnccl, or set NCCL_RESHARD_NCCL_LIBRARY",
-            e.message
-        ))
-    })?;
-    load_from(handle, "libnccl.so.2".into())
+    let (handle, origin) = match choice {
+        Choice::Open(path) => {
+            let handle = open(&path).map_err(|e| {
+                if from_env {
+                    e
+                } else {
+                    Error::system(format!(
+                        "NCCL is not loaded in this process and {}; load PyTorch's or your NCCL first, or set NCCL_RESHARD_NCCL_LIBRARY",
+                        e.message
+                    ))
+                }
+            })?;
+            let origin = if from_env {
+                format!("NCCL_RESHARD_NCCL_LIBRARY={path}")
+            } else {
+                path
+            };
+            (handle, origin)
+        }
+        Choice::Use(m) => {
+            let how = if from_env {
+                "NCCL_RESHARD_NCCL_LIBRARY, already mapped"
+            } else if global.as_ref() == Some(&m) {
+                "the process's global NCCL"
+            } else {
+                "the NCCL mapped in this process"
+            };
+            let c = CString::new(m.path.as_str())
+                .map_err(|_| Error::internal("a loaded library's name has a NUL byte"))?;
+            // SAFETY: RTLD_NOLOAD returns the object already mapped (checked above); the
+            // reference it takes keeps it loaded for the process's life.
+            let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+            if handle.is_null() {
+                return Err(Error::system(format!(
+                    "{} was unloaded while libncclreshard looked it up: {}",
+                    m.path,
+                    dlerror()
+                )));
+            }
+            (handle, format!("{} ({how})", m.path))
+        }
+    };
+    load_from(handle, origin)
 }
 
 /// The process's NCCL, loaded once.
@@ -237,5 +433,141 @@ impl Nccl {
         }
         message.push(')');
         Err(Error::invalid_usage(message))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    fn copy(path: &str, base: usize) -> Mapped {
+        Mapped {
+            path: path.to_string(),
+            base,
+        }
+    }
+
+    #[test]
+    fn the_rule_uses_the_nccl_already_in_the_process() {
+        let torch = copy("/site-packages/nvidia/nccl/lib/libnccl.so.2", 0x1000);
+        let other = copy("/opt/nccl/lib/libnccl.so.2", 0x2000);
+        // Nothing mapped: the soname, or the file the variable names.
+        assert_eq!(
+            choose(None, &[], None).unwrap(),
+            Choice::Open("libnccl.so.2".into())
+        );
+        assert_eq!(
+            choose(Some(("/x/libnccl.so", None)), &[], None).unwrap(),
+            Choice::Open("/x/libnccl.so".into())
+        );
+        // One mapped privately (Python's RTLD_LOCAL): that one, whatever its name.
+        assert_eq!(
+            choose(None, std::slice::from_ref(&torch), None).unwrap(),
+            Choice::Use(torch.clone())
+        );
+        // The variable naming the mapped one (same object, maybe through a symlink or shim).
+        assert_eq!(
+            choose(
+                Some(("/link/libnccl.so.2", Some(torch.clone()))),
+                std::slice::from_ref(&torch),
+                None
+            )
+            .unwrap(),
+            Choice::Use(torch.clone())
+        );
+        // The variable naming another file while one is mapped: refused, both named.
+        let e = choose(
+            Some(("/opt/nccl/lib/libnccl.so.2", None)),
+            std::slice::from_ref(&torch),
+            None,
+        )
+        .unwrap_err();
+        assert_eq!(e.kind, crate::ErrorKind::System);
+        assert!(
+            e.message
+                .contains("NCCL_RESHARD_NCCL_LIBRARY=/opt/nccl/lib/libnccl.so.2")
+                && e.message.contains("would map a second NCCL")
+                && e.message.contains(&torch.path),
+            "{}",
+            e.message
+        );
+        // Two private copies: which one the communicators belong to is unknown.
+        let both = [torch.clone(), other.clone()];
+        let e = choose(None, &both, None).unwrap_err();
+        assert!(
+            e.message.contains("2 NCCLs are mapped") && e.message.contains(&other.path),
+            "{}",
+            e.message
+        );
+        // A global one wins (a program linked against libnccl).
+        assert_eq!(
+            choose(None, &both, Some(other.clone())).unwrap(),
+            Choice::Use(other)
+        );
+    }
+
+    /// Builds `lib` exporting `ncclSend` (or, with `needs`, an empty shim whose dependency
+    /// defines it) with the C compiler; None when there is none.
+    fn build(dir: &Path, lib: &str, needs: Option<&Path>) -> Option<PathBuf> {
+        let source = dir.join(format!("{lib}.c"));
+        let body = if needs.is_some() {
+            ""
+        } else {
+            "int ncclSend(void) { return 0; }\n"
+        };
+        std::fs::write(&source, body).ok()?;
+        let out = dir.join(lib);
+        let mut cc = Command::new("cc");
+        cc.args(["-shared", "-fPIC", "-o"]).arg(&out).arg(&source);
+        if let Some(dep) = needs {
+            cc.arg("-Wl,--no-as-needed").arg(dep);
+        }
+        cc.status().ok()?.success().then_some(out)
+    }
+
+    fn dlopen_local(path: &Path) -> *mut c_void {
+        let c = CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: loads a test library that defines one trivial function.
+        let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        assert!(!handle.is_null(), "{}", dlerror());
+        handle
+    }
+
+    #[test]
+    fn mapped_copies_are_found_by_definition_not_by_name() {
+        let dir = std::env::temp_dir().join(format!("ncclreshard-mapped-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let Some(real) = build(&dir, "libfakenccl.so.2", None) else {
+            eprintln!("skipped: no C compiler");
+            return;
+        };
+        let shim = build(&dir, "libshim.so", Some(&real)).unwrap();
+        let twin = dir.join("libtwin.so.2");
+        std::fs::copy(&real, &twin).unwrap();
+        let before = mapped_copies().len();
+
+        dlopen_local(&real);
+        let copies = mapped_copies();
+        assert_eq!(copies.len(), before + 1, "{copies:?}");
+        let found = copies.last().unwrap().clone();
+        assert!(found.path.ends_with("libfakenccl.so.2"), "{found:?}");
+        // Private (RTLD_LOCAL): not in the global namespace, yet found.
+        assert!(symbol(std::ptr::null_mut(), "ncclSend").is_none());
+
+        // A shim that leads to it is the same NCCL, and so is the file named again.
+        dlopen_local(&shim);
+        assert_eq!(mapped_copies().len(), before + 1);
+        let named = CString::new(real.to_str().unwrap()).unwrap();
+        assert_eq!(mapped_through(&named), Some(found.clone()));
+        // A copy of the file not loaded yet is not mapped; once loaded it is a second NCCL.
+        let twin_name = CString::new(twin.to_str().unwrap()).unwrap();
+        assert_eq!(mapped_through(&twin_name), None);
+        dlopen_local(&twin);
+        let copies = mapped_copies();
+        assert_eq!(copies.len(), before + 2, "{copies:?}");
+        assert_ne!(copies[before].base, copies[before + 1].base);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -1,0 +1,476 @@
+"""Plans: :class:`Plan` (one rank's ``ncclReshardPlan_t``), what it does (:class:`PlanInfo`,
+:class:`Transfer`), the call (:meth:`Plan.reshard`) and a cache of plans (:class:`PlanCache`)."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _lib
+from .layout import Layout, local_shape
+from .spec import MODES, Case, Config, TensorSpec
+
+_MODE_NAMES = {v: k for k, v in MODES.items()}
+_TRANSFER_KINDS = {0: "send", 1: "recv", 2: "local"}
+
+
+@dataclass(frozen=True)
+class PlanInfo:
+    """What a plan does on its rank (``ncclReshardPlanGetInfo``). ``fingerprint`` is equal on
+    all ranks iff they planned from the same specs and config; ``send_bytes``/``recv_bytes``
+    are the bytes of this rank's source/destination buffers the plan touches."""
+
+    rank: int
+    ntensors: int
+    mode: str
+    groupable: bool
+    peers: int
+    messages_sent: int
+    messages_received: int
+    bytes_sent: int
+    bytes_received: int
+    bytes_copied: int
+    staging_bytes: int
+    fingerprint: int
+    send_bytes: int
+    recv_bytes: int
+    rounds: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One strided byte copy of the plan (``ncclReshardTransfer_t``; its doc in
+    ``ncclReshard.h`` has the geometry, the execution rule and how sends match receives).
+
+    ``kind`` is ``"send"``, ``"recv"`` or ``"local"``; ``src_view`` is ``"source"`` or
+    ``"destination"`` (a forward of relayed data). ``chunk_bytes`` contiguous bytes at every
+    point of the ``count`` grid: read at ``src_offset + Σ i[k]·src_stride[k]`` of the sender's
+    view of ``tensor``, written at ``dst_offset + Σ i[k]·dst_stride[k]`` of the receiver's
+    destination view; a transfer of ``round`` r may start once this rank's receives of earlier
+    rounds are done."""
+
+    kind: str
+    peer: int
+    tensor: int
+    global_start: Tuple[int, ...]
+    global_count: Tuple[int, ...]
+    src_offset: int
+    dst_offset: int
+    chunk_bytes: int
+    count: Tuple[int, ...]
+    src_stride: Tuple[int, ...]
+    dst_stride: Tuple[int, ...]
+    bytes: int
+    round: int
+    src_view: str
+    block_offset: int
+    block_bytes: int
+
+
+TensorOrNone = Optional[torch.Tensor]
+
+
+def _dense(shape: Sequence[int]) -> Tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _comm_handle(comm: Any) -> int:
+    handle = getattr(comm, "handle", comm)
+    if isinstance(handle, ctypes.c_void_p):
+        handle = handle.value or 0
+    if isinstance(handle, bool) or not isinstance(handle, int) or handle == 0:
+        raise TypeError(
+            "comm must be an ncclreshard Communicator (comm_from_process_group, "
+            f"comm_from_pynccl, init_comm) or a non-NULL ncclComm_t address, got {comm!r}"
+        )
+    return handle
+
+
+def _stream_handle(stream: Any, device: Optional[torch.device]) -> Tuple[int, Any]:
+    """(cudaStream_t, the torch stream or None)."""
+    if stream is None:
+        if device is None or device.type != "cuda":
+            return 0, None
+        current = torch.cuda.current_stream(device)
+        return current.cuda_stream, current
+    if hasattr(stream, "cuda_stream"):
+        return int(stream.cuda_stream), stream
+    if isinstance(stream, ctypes.c_void_p):
+        return stream.value or 0, None
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream, None
+    raise TypeError(f"stream must be a torch.cuda.Stream, a cudaStream_t or None, got {stream!r}")
+
+
+class Plan:
+    """This rank's reshard plan for `tensors` (``ncclReshardPlanCreate``): computed locally,
+    with no communication; every rank must pass the same specs and config. Immutable; usable
+    from several threads on different streams. ``close()`` (or leaving a ``with`` block)
+    destroys it: work it enqueued must be complete by then.
+
+    Raises ValueError/TypeError for a bad spec (the library's message names the tensor and
+    field, e.g. ``tensors[2].src->placements[1].dim is 3…``), NcclReshardError for plans the
+    limits refuse (staging bound, groupable message cap).
+    """
+
+    def __init__(
+        self,
+        tensors: Union[Sequence[TensorSpec], Case],
+        rank: int,
+        config: Optional[Config] = None,
+    ) -> None:
+        if isinstance(tensors, Case):
+            case = tensors if config is None else Case(tensors.tensors, config, tensors.name)
+        else:
+            case = Case(tuple(tensors), config if config is not None else Config())
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        self.case = case
+        self.rank = rank
+        self._handle: Optional[int] = None
+        self._lock = threading.Lock()
+        # The local shapes every call checks its tensors against (None: no view on that side).
+        self._shapes = [
+            (self._local(t.src, t, i, "src"), self._local(t.dst, t, i, "dst"))
+            for i, t in enumerate(case.tensors)
+        ]
+        library = _lib.lib()
+        version = library.struct_version
+        keep: List[object] = []
+        array = (_lib.Tensor_t * len(case.tensors))()
+        offsets = self._offsets()
+        for i, t in enumerate(case.tensors):
+            array[i], k = t.c_struct(version, i, *offsets[i])
+            keep.append(k)
+        config_c, k = case.config.c_struct(version)
+        keep.append(k)
+        handle = ctypes.c_void_p()
+        library.call(
+            "ncclReshardPlanCreate", ctypes.byref(handle), len(case.tensors), array, rank,
+            ctypes.byref(config_c),
+        )
+        self._handle = handle.value
+        self._info = self._read_info()
+
+    def _offsets(self) -> List[Tuple[int, int]]:
+        """Each tensor's views packed one after another in a single buffer per side (the
+        library requires views that do not overlap there, though ``ncclReshardMulti`` takes a
+        pointer per tensor and ignores the offsets)."""
+        ends = [0, 0]
+        out = []
+        for i, spec in enumerate(self.case.tensors):
+            pair = []
+            for side, (shape, layout) in enumerate(zip(self._shapes[i], (spec.src, spec.dst))):
+                start = -(-ends[side] // 64) * 64
+                extent = 0
+                if shape is not None and all(shape):
+                    strides = layout.strides or _dense(shape)
+                    extent = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * spec.dtype.itemsize
+                pair.append(start)
+                ends[side] = start + extent
+            out.append((pair[0], pair[1]))
+        return out
+
+    def _local(
+        self, layout: Layout, spec: TensorSpec, index: int, side: str
+    ) -> Optional[Tuple[int, ...]]:
+        if self.rank not in layout.ranks:
+            return None
+        try:
+            return local_shape(layout, spec.shape, self.rank)
+        except _lib.NcclReshardError as e:
+            raise type(e)(e.function, e.code, f"{spec.label(index)}.{side}: {e.message}") from None
+
+    @property
+    def tensors(self) -> Tuple[TensorSpec, ...]:
+        return self.case.tensors
+
+    @property
+    def config(self) -> Config:
+        return self.case.config
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def _live(self) -> int:
+        handle = self._handle
+        if handle is None:
+            raise ValueError(
+                f"the plan of rank {self.rank} ({len(self.tensors)} tensors) is closed"
+            )
+        return handle
+
+    def _read_info(self) -> PlanInfo:
+        c = _lib.PlanInfo_t()
+        c.size = ctypes.sizeof(_lib.PlanInfo_t)
+        c.version = _lib.lib().struct_version
+        _lib.lib().call("ncclReshardPlanGetInfo", self._live(), ctypes.byref(c))
+        return PlanInfo(
+            rank=c.rank, ntensors=c.ntensors, mode=_MODE_NAMES.get(c.mode, str(c.mode)),
+            groupable=bool(c.groupable), peers=c.peers, messages_sent=c.messagesSent,
+            messages_received=c.messagesReceived, bytes_sent=c.bytesSent,
+            bytes_received=c.bytesReceived, bytes_copied=c.bytesCopied,
+            staging_bytes=c.stagingBytes, fingerprint=c.fingerprint, send_bytes=c.sendBytes,
+            recv_bytes=c.recvBytes, rounds=c.rounds,
+        )
+
+    @property
+    def info(self) -> PlanInfo:
+        """What the plan does on this rank; ValueError once closed."""
+        self._live()
+        return self._info
+
+    @property
+    def fingerprint(self) -> int:
+        """Equal on all ranks iff they planned the same thing; ValueError once closed."""
+        return self.info.fingerprint
+
+    def local_shape(self, tensor: int, side: str) -> Optional[Tuple[int, ...]]:
+        """This rank's local shape of tensor `tensor` on `side` (``"src"`` or ``"dst"``), None
+        when the rank holds no view there."""
+        src, dst = self._shapes[tensor]
+        return {"src": src, "dst": dst}[side]
+
+    def transfers(self) -> List[Transfer]:
+        """Every byte this rank sends, receives or copies, as strided copies with their rounds
+        (``ncclReshardPlanGetTransfers``): enough for another transport to run the plan."""
+        library = _lib.lib()
+        handle = self._live()
+        count = ctypes.c_int()
+        library.call("ncclReshardPlanGetTransfers", handle, None, 0, ctypes.byref(count))
+        array = (_lib.Transfer_t * max(1, count.value))()
+        array[0].size = ctypes.sizeof(_lib.Transfer_t)
+        array[0].version = library.struct_version
+        library.call(
+            "ncclReshardPlanGetTransfers", handle, array, count.value, ctypes.byref(count)
+        )
+        out = []
+        for c in array[: count.value]:
+            n, k = c.ndim, c.copyNdim
+            out.append(Transfer(
+                kind=_TRANSFER_KINDS.get(c.kind, str(c.kind)), peer=c.peer, tensor=c.tensor,
+                global_start=tuple(c.globalStart[:n]), global_count=tuple(c.globalCount[:n]),
+                src_offset=c.srcOffset, dst_offset=c.dstOffset, chunk_bytes=c.chunkBytes,
+                count=tuple(c.count[:k]), src_stride=tuple(c.srcStride[:k]),
+                dst_stride=tuple(c.dstStride[:k]), bytes=c.bytes, round=c.round,
+                src_view="destination" if c.srcView == 1 else "source",
+                block_offset=c.blockOffset, block_bytes=c.blockBytes,
+            ))
+        return out
+
+    def check_tensors(
+        self, src: Sequence[TensorOrNone], dst: Sequence[TensorOrNone], *, devices: bool = True
+    ) -> Optional[torch.device]:
+        """Checks every tensor against the plan (what a call does before any NCCL call) and
+        returns their device (None when the rank passes none).
+
+        A tensor is expected where the rank holds a view of that tensor on that side and must
+        be None elsewhere; it must have the spec's dtype, this rank's local shape, the layout's
+        strides (dense row-major when the layout has none), and be on one CUDA device with
+        the others (not checked with ``devices=False``, for views of memory torch does not
+        own). Raises ValueError (TypeError for a non-tensor) naming the tensor and field.
+        """
+        self._live()
+        n = len(self.tensors)
+        for side, entries in (("src", src), ("dst", dst)):
+            if isinstance(entries, torch.Tensor) or not hasattr(entries, "__len__"):
+                raise TypeError(f"{side} must be a sequence of {n} tensors or None, one per plan tensor")
+            if len(entries) != n:
+                raise ValueError(f"{side} has {len(entries)} entries; the plan has {n} tensors")
+        device: Optional[torch.device] = None
+        first = ""
+        present: List[Tuple[str, torch.Tensor]] = []
+        for i, spec in enumerate(self.tensors):
+            for side, given, layout in (("src", src[i], spec.src), ("dst", dst[i], spec.dst)):
+                what = f"{side}[{i}] ({spec.name!r})" if spec.name else f"{side}[{i}]"
+                expected = self.local_shape(i, side)
+                if expected is None:
+                    if given is not None:
+                        raise ValueError(
+                            f"{what}: rank {self.rank} is not in this tensor's {side} mesh "
+                            f"{list(layout.ranks)}; pass None"
+                        )
+                    continue
+                if given is None:
+                    raise ValueError(
+                        f"{what} is None but rank {self.rank} holds a {side} view of shape "
+                        f"{list(expected)}"
+                    )
+                if not isinstance(given, torch.Tensor):
+                    raise TypeError(f"{what} must be a torch.Tensor or None, got {type(given).__name__}")
+                if given.dtype != spec.dtype:
+                    raise ValueError(f"{what}: dtype is {given.dtype}; the plan says {spec.dtype}")
+                if tuple(given.shape) != expected:
+                    raise ValueError(
+                        f"{what}: shape is {list(given.shape)}; rank {self.rank}'s local shape "
+                        f"is {list(expected)}"
+                    )
+                self._check_strides(given, layout, what)
+                present.append((what, given))
+        # Devices last: a tensor that does not fit the plan is named before a device mix-up.
+        for what, tensor in present if devices else []:
+            if tensor.device.type != "cuda":
+                raise ValueError(f"{what}: on {tensor.device}; reshard needs CUDA tensors")
+            if device is None:
+                device, first = tensor.device, what
+            elif tensor.device != device:
+                raise ValueError(f"{what}: on {tensor.device} but {first} is on {device}")
+        return device
+
+    @staticmethod
+    def _check_strides(tensor: torch.Tensor, layout: Layout, what: str) -> None:
+        if tensor.numel() == 0:
+            return
+        sized = [d for d in range(tensor.dim()) if tensor.shape[d] > 1]
+        if layout.strides is None:
+            if not tensor.is_contiguous():
+                raise ValueError(
+                    f"{what}: not contiguous (strides {list(tensor.stride())}); the plan's "
+                    "layout is dense row-major: pass .contiguous() or give the layout strides"
+                )
+            return
+        if any(tensor.stride(d) != layout.strides[d] for d in sized):
+            raise ValueError(
+                f"{what}: strides are {list(tensor.stride())}; the plan's layout says "
+                f"{list(layout.strides)}"
+            )
+
+    def reshard(
+        self,
+        src: Sequence[TensorOrNone],
+        dst: Sequence[TensorOrNone],
+        comm: Any,
+        stream: Any = None,
+    ) -> None:
+        """Reshards every tensor of the plan (``ncclReshardMulti``): reads this rank's source
+        views `src` (one per plan tensor, None where it holds none) and writes its destination
+        views `dst`, on `stream` (default: ``torch.cuda.current_stream()`` of the tensors'
+        device). Stream-ordered and asynchronous, like an NCCL collective: the destination is
+        complete when the stream reaches this point; sources must not change until then.
+
+        Checks every tensor first (:meth:`check_tensors`): nothing reaches NCCL when one is
+        wrong. Raises ValueError/TypeError for a wrong tensor, comm or stream, ValueError for a
+        closed plan, NcclReshardError for what the library refuses or NCCL/CUDA failures.
+        """
+        device = self.check_tensors(src, dst)
+        handle = _comm_handle(comm)
+        stream_handle, torch_stream = _stream_handle(stream, device)
+        n = len(self.tensors)
+        sends = (ctypes.c_void_p * n)(*[t.data_ptr() if t is not None else None for t in src])
+        recvs = (ctypes.c_void_p * n)(*[t.data_ptr() if t is not None else None for t in dst])
+        with self._lock:  # closing waits for a call in progress on another thread
+            plan = self._live()
+            _lib.lib().call("ncclReshardMulti", sends, recvs, plan, handle, stream_handle)
+        if stream is not None and torch_stream is not None and device is not None:
+            # The caching allocator must not reuse these tensors' memory before the stream
+            # reaches the reshard.
+            if torch_stream != torch.cuda.current_stream(device):
+                for t in list(src) + list(dst):
+                    if t is not None:
+                        t.record_stream(torch_stream)
+
+    def reshard_pointers(
+        self,
+        src: Sequence[Optional[int]],
+        dst: Sequence[Optional[int]],
+        comm: Any,
+        stream: Any = 0,
+    ) -> None:
+        """:meth:`reshard` on raw device pointers (one per plan tensor, None where the rank holds
+        no view), for memory torch does not own; nothing but their presence is checked here
+        (check views with ``check_tensors(..., devices=False)`` first). `stream` is a
+        ``cudaStream_t`` (0: the legacy default stream). Errors as :meth:`reshard`."""
+        n = len(self.tensors)
+        for side, pointers in (("src", src), ("dst", dst)):
+            if len(pointers) != n:
+                raise ValueError(f"{side} has {len(pointers)} entries; the plan has {n} tensors")
+        handle = _comm_handle(comm)
+        stream_handle, _ = _stream_handle(stream, None)
+        sends = (ctypes.c_void_p * n)(*src)
+        recvs = (ctypes.c_void_p * n)(*dst)
+        with self._lock:
+            plan = self._live()
+            _lib.lib().call("ncclReshardMulti", sends, recvs, plan, handle, stream_handle)
+
+    def close(self) -> None:
+        """Destroys the plan (``ncclReshardPlanDestroy``); a no-op once closed. Work it
+        enqueued must have completed (synchronize its streams first)."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+        if handle is not None:
+            _lib.lib().call("ncclReshardPlanDestroy", handle)
+
+    def __enter__(self) -> "Plan":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"fingerprint={self._info.fingerprint:#x}"
+        return f"Plan(rank={self.rank}, tensors={len(self.tensors)}, {state})"
+
+
+class PlanCache:
+    """Plans reused across steps: :meth:`get` returns the plan already made for the same specs,
+    config and rank, and :meth:`by_fingerprint` finds a plan by the fingerprint a peer reports.
+    Plans live until :meth:`clear` (nothing is evicted behind the caller's back: a plan must
+    not be destroyed while its work may still run)."""
+
+    def __init__(self) -> None:
+        self._plans: Dict[Tuple[str, int], Plan] = {}
+        self._by_fingerprint: Dict[int, Plan] = {}
+        self._lock = threading.Lock()
+
+    def get(
+        self,
+        tensors: Union[Sequence[TensorSpec], Case],
+        rank: int,
+        config: Optional[Config] = None,
+    ) -> Plan:
+        """The plan for these specs on `rank`, made on first use. Errors as :class:`Plan`."""
+        if isinstance(tensors, Case):
+            case = tensors if config is None else Case(tensors.tensors, config, tensors.name)
+        else:
+            case = Case(tuple(tensors), config if config is not None else Config())
+        key = (case.dumps(sort_keys=True), rank)
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None or plan.closed:
+                plan = Plan(case, rank)
+                self._plans[key] = plan
+                self._by_fingerprint[plan.fingerprint] = plan
+            return plan
+
+    def by_fingerprint(self, fingerprint: int) -> Optional[Plan]:
+        """The cached open plan with this fingerprint, or None."""
+        with self._lock:
+            plan = self._by_fingerprint.get(fingerprint)
+            return plan if plan is not None and not plan.closed else None
+
+    def __len__(self) -> int:
+        return sum(1 for p in self._plans.values() if not p.closed)
+
+    def clear(self) -> None:
+        """Closes and forgets every plan (their work must have completed)."""
+        with self._lock:
+            plans = list(self._plans.values())
+            self._plans.clear()
+            self._by_fingerprint.clear()
+        for plan in plans:
+            plan.close()

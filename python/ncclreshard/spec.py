@@ -1,0 +1,256 @@
+"""What a reshard plan is made from: :class:`TensorSpec` (one global tensor and its two
+layouts), :class:`Config` (plan options) and :class:`Case` (tensors + config), with JSON in
+exactly the case-file format the ``ncclreshard`` CLI reads (README "Case files"), so a trainer
+can ship specs to inference workers and ``ncclreshard check`` can replay them."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from dataclasses import dataclass, field
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from . import _lib, dtypes
+from .layout import Layout, _ints
+from .placements import _index
+
+MODES = {"groupable": 0, "staged": 1, "auto": 2}
+
+
+@dataclass(frozen=True, init=False)
+class TensorSpec:
+    """One global tensor: ``name`` (used in messages; optional), global ``shape``, torch
+    ``dtype``, and its ``src`` and ``dst`` layouts. Every rank must use identical specs."""
+
+    name: Optional[str]
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    src: Layout
+    dst: Layout
+
+    def __init__(
+        self,
+        name: Optional[str],
+        shape: Sequence[int],
+        dtype: dtypes.DTypeLike,
+        src: Layout,
+        dst: Layout,
+    ) -> None:
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"TensorSpec name must be a str or None, got {type(name).__name__}")
+        what = f"tensor {name!r}" if name else "TensorSpec"
+        dims = _ints(shape, f"{what}: shape", 0)
+        if len(dims) > _lib.MAX_DIMS:
+            raise ValueError(f"{what}: shape {list(dims)} has {len(dims)} dims; at most 8")
+        for side, layout in (("src", src), ("dst", dst)):
+            if not isinstance(layout, Layout):
+                raise TypeError(f"{what}: {side} must be a Layout, got {type(layout).__name__}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "shape", dims)
+        object.__setattr__(self, "dtype", dtypes.to_dtype(dtype, f"{what}: dtype"))
+        object.__setattr__(self, "src", src)
+        object.__setattr__(self, "dst", dst)
+
+    def label(self, index: int) -> str:
+        """How messages name this tensor: ``tensors[2] ('model.x.weight')``."""
+        return f"tensors[{index}] ({self.name!r})" if self.name else f"tensors[{index}]"
+
+    def to_json(self) -> dict:
+        """The case-file tensor object: ``{"name"?, "shape", "dtype", "src", "dst"}``."""
+        out: dict = {}
+        if self.name is not None:
+            out["name"] = self.name
+        out["shape"] = list(self.shape)
+        out["dtype"] = dtypes.name(self.dtype)
+        out["src"] = self.src.to_json()
+        out["dst"] = self.dst.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any], what: str = "tensor") -> "TensorSpec":
+        """A spec from a case-file tensor object; errors name the key."""
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{what}: expected an object, got {type(value).__name__}")
+        unknown = set(value) - {"name", "shape", "dtype", "src", "dst"}
+        if unknown:
+            raise ValueError(f"{what}.{sorted(unknown)[0]}: unknown key")
+        for key in ("shape", "dtype", "src", "dst"):
+            if key not in value:
+                raise ValueError(f"{what}.{key}: missing; this key is required")
+        return cls(
+            value.get("name"),
+            value["shape"],
+            dtypes.to_dtype(value["dtype"], f"{what}.dtype"),
+            Layout.from_json(value["src"], f"{what}.src"),
+            Layout.from_json(value["dst"], f"{what}.dst"),
+        )
+
+    def c_struct(
+        self, version: int, index: int, src_offset: int = 0, dst_offset: int = 0
+    ) -> Tuple[_lib.Tensor_t, List[object]]:
+        """The C descriptor and what it points to (keep alive while it is used), with this
+        rank's view offsets in a single-buffer call."""
+        c = _lib.Tensor_t()
+        c.size = ctypes.sizeof(_lib.Tensor_t)
+        c.version = version
+        c.ndim = len(self.shape)
+        for i, n in enumerate(self.shape):
+            c.shape[i] = n
+        c.dtype = dtypes.nccl_code(self.dtype)
+        c.srcOffset = src_offset
+        c.dstOffset = dst_offset
+        src, keep_src = self.src.c_struct(version, f"tensors[{index}].src")
+        dst, keep_dst = self.dst.c_struct(version, f"tensors[{index}].dst")
+        c.src = ctypes.pointer(src)
+        c.dst = ctypes.pointer(dst)
+        name = self.name.encode() if self.name else None
+        c.name = name
+        return c, [src, dst, keep_src, keep_dst, name]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Plan options; ``None`` leaves a field to the library's default.
+
+    ``mode``: ``"auto"`` (default), ``"staged"`` or ``"groupable"`` (calls may sit inside
+    ``ncclGroupStart/End``); ``ranks_per_node`` or ``node_of_rank`` (a node id per rank): the
+    topology; ``split_min_bytes``: smallest part of a replicated overlap split across senders;
+    ``rounds``: rounds the data is cut into (staged/auto); ``relay``: forward data several
+    replicas on one node need over NVLink (staged/auto, topology known). A case file without a
+    mode is run under every mode by ``ncclreshard check``.
+    """
+
+    mode: Optional[str] = None
+    ranks_per_node: Optional[int] = None
+    node_of_rank: Optional[Tuple[int, ...]] = field(default=None)
+    split_min_bytes: Optional[int] = None
+    rounds: Optional[int] = None
+    relay: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"mode is {self.mode!r}; expected one of {sorted(MODES)}")
+        if self.ranks_per_node is not None and self.node_of_rank is not None:
+            raise ValueError("Config: give either ranks_per_node or node_of_rank, not both")
+        if self.ranks_per_node is not None:
+            _index(self.ranks_per_node, "Config.ranks_per_node", 0)
+        if self.node_of_rank is not None:
+            object.__setattr__(
+                self, "node_of_rank", _ints(self.node_of_rank, "Config.node_of_rank", 0)
+            )
+        if self.split_min_bytes is not None:
+            _index(self.split_min_bytes, "Config.split_min_bytes", 0)
+        if self.rounds is not None:
+            _index(self.rounds, "Config.rounds", 0)
+        if self.relay is not None and not isinstance(self.relay, bool):
+            raise TypeError(f"Config.relay must be a bool, got {type(self.relay).__name__}")
+
+    def to_json(self) -> dict:
+        """The case-file config object (only the fields that are set)."""
+        out: dict = {}
+        for key in ("mode", "ranks_per_node", "node_of_rank", "split_min_bytes", "rounds", "relay"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = list(value) if key == "node_of_rank" else value
+        return out
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any], what: str = "config") -> "Config":
+        """A config from a case-file config object; errors name the key."""
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{what}: expected an object, got {type(value).__name__}")
+        known = {"mode", "ranks_per_node", "node_of_rank", "split_min_bytes", "rounds", "relay"}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"{what}.{sorted(unknown)[0]}: unknown key")
+        try:
+            return cls(**{k: value[k] for k in known if k in value})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{what}: {e}") from None
+
+    def c_struct(self, version: int) -> Tuple[_lib.Config_t, List[object]]:
+        """The C config (NCCL_RESHARD_CONFIG_INITIALIZER with the set fields)."""
+        c = _lib.Config_t()
+        c.size = ctypes.sizeof(_lib.Config_t)
+        c.magic = _lib.CONFIG_MAGIC
+        c.version = version
+        c.mode = MODES[self.mode] if self.mode is not None else _lib.UNDEF_INT
+        c.ranksPerNode = self.ranks_per_node if self.ranks_per_node is not None else _lib.UNDEF_INT
+        keep: List[object] = []
+        if self.node_of_rank is not None:
+            table = (ctypes.c_int * max(1, len(self.node_of_rank)))(*self.node_of_rank)
+            c.nodeOfRank = ctypes.cast(table, ctypes.POINTER(ctypes.c_int))
+            c.nodeOfRankCount = len(self.node_of_rank)
+            keep.append(table)
+        c.splitMinBytes = self.split_min_bytes or 0
+        c.maxStagingBytes = 0
+        c.rounds = self.rounds if self.rounds is not None else _lib.UNDEF_INT
+        c.relay = int(self.relay) if self.relay is not None else _lib.UNDEF_INT
+        return c, keep
+
+
+@dataclass(frozen=True)
+class Case:
+    """Tensors and a config: what every rank plans from, as one case of a case file."""
+
+    tensors: Tuple[TensorSpec, ...]
+    config: Config = Config()
+    name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        tensors = tuple(self.tensors)
+        if not tensors:
+            raise ValueError("Case: tensors is empty; a plan needs at least one tensor")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, TensorSpec):
+                raise TypeError(f"Case: tensors[{i}] must be a TensorSpec, got {type(t).__name__}")
+        if not isinstance(self.config, Config):
+            raise TypeError(f"Case: config must be a Config, got {type(self.config).__name__}")
+        object.__setattr__(self, "tensors", tensors)
+
+    def to_json(self) -> dict:
+        """The case object: one tensor as ``{"name"?, "shape", …, "config"?}`` (its name is the
+        case's), several as ``{"name"?, "tensors": […], "config"?}``."""
+        config = self.config.to_json()
+        if len(self.tensors) == 1 and (self.name is None or self.tensors[0].name in (None, self.name)):
+            out = self.tensors[0].to_json()
+            if self.name is not None:
+                out = {"name": self.name, **{k: v for k, v in out.items() if k != "name"}}
+        else:
+            out = {} if self.name is None else {"name": self.name}
+            out["tensors"] = [t.to_json() for t in self.tensors]
+        if config:
+            out["config"] = config
+        return out
+
+    def dumps(self, **json_options: Any) -> str:
+        """The case as JSON text (a case file ``ncclreshard check`` runs)."""
+        return json.dumps(self.to_json(), **json_options)
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any], what: str = "case") -> "Case":
+        """A case from a case object; errors name the key."""
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{what}: expected an object, got {type(value).__name__}")
+        config = Config.from_json(value["config"], f"{what}.config") if "config" in value else Config()
+        if "tensors" in value:
+            unknown = set(value) - {"name", "tensors", "config"}
+            if unknown:
+                raise ValueError(f"{what}.{sorted(unknown)[0]}: unknown key")
+            tensors = [
+                TensorSpec.from_json(t, f"{what}.tensors[{i}]")
+                for i, t in enumerate(value["tensors"])
+            ]
+            return cls(tuple(tensors), config, value.get("name"))
+        tensor = TensorSpec.from_json({k: v for k, v in value.items() if k != "config"}, what)
+        return cls((tensor,), config, tensor.name)
+
+    @classmethod
+    def loads(cls, text: str) -> List["Case"]:
+        """Every case of a case file's text (one case or an array of cases)."""
+        value = json.loads(text)
+        if isinstance(value, list):
+            return [cls.from_json(v, f"case {i}") for i, v in enumerate(value)]
+        return [cls.from_json(value)]
