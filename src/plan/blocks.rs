@@ -53,11 +53,13 @@ impl Block {
 }
 
 /// What a rank's transfers and program need of a block: its two ranks, the round its unit
-/// fixed, and its copy. [`Block`] has it, and so does the lighter [`Move`] that a rank's
-/// program is planned from (the box of the tensor only the transfer export needs).
+/// fixed, its tensor and its copy (whose tensor fields may name another tensor of the class:
+/// [`Moved::tensor`] is the one). [`Block`] has it, and so does the lighter [`Move`] that a
+/// rank's program is planned from (the box of the tensor only the transfer export needs).
 pub(crate) trait Moved {
     fn ends(&self) -> (u32, u32);
     fn fixed_round(&self) -> Option<u32>;
+    fn tensor(&self) -> u32;
     fn copy(&self) -> &StridedCopy;
 }
 
@@ -70,31 +72,39 @@ impl Moved for Block {
         self.round
     }
 
+    fn tensor(&self) -> u32 {
+        self.tensor
+    }
+
     fn copy(&self) -> &StridedCopy {
         &self.copy
     }
 }
 
-/// A [`Block`] without its box: what [`Planner::rank_program`](super::Planner::rank_program)
-/// plans with.
-pub(crate) struct Move {
-    pub from: u32,
-    pub to: u32,
+/// A block of tensor `tensor` as its class's block `block` (another tensor's) describes it:
+/// what [`Planner::rank_program`](super::Planner::rank_program) plans with, without copying
+/// the block.
+pub(crate) struct Move<'a> {
+    pub tensor: u32,
     pub round: Option<u32>,
-    pub copy: StridedCopy,
+    pub block: &'a Block,
 }
 
-impl Moved for Move {
+impl Moved for Move<'_> {
     fn ends(&self) -> (u32, u32) {
-        (self.from, self.to)
+        (self.block.from, self.block.to)
     }
 
     fn fixed_round(&self) -> Option<u32> {
         self.round
     }
 
+    fn tensor(&self) -> u32 {
+        self.tensor
+    }
+
     fn copy(&self) -> &StridedCopy {
-        &self.copy
+        &self.block.copy
     }
 }
 

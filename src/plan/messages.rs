@@ -157,31 +157,26 @@ pub(crate) enum End {
     Receiver,
 }
 
-/// Where a rank's program is being assembled, round after round: the parts each pair
-/// contributes go here, in order.
+/// One round of a rank's program being assembled: the parts each pair contributes go here,
+/// in order.
 #[derive(Default)]
 pub(crate) struct Emitter {
     pub packs: Vec<StridedCopy>,
     pub unpacks: Vec<StridedCopy>,
     pub sends: Vec<Message>,
     pub recvs: Vec<Message>,
-    /// Staging the current round addresses.
+    /// Staging the round addresses.
     pub staging_bytes: u64,
-    /// Staged sends of the current round already packed, by their source side: a relay
+    /// Staged sends of the round already packed, by their source side: a relay
     /// forwards the same data to every replica on its node, so it packs once and sends that
     /// region to each.
     packed: FxHashMap<Vec<(Loc, u64, Vec<CopyDim>)>, Loc>,
-    /// Messages (sends and receives) groupable pairs have formed so far on this rank.
+    /// Messages (sends and receives) groupable pairs have formed so far on this rank (a
+    /// groupable plan has one round).
     groupable_messages: u64,
 }
 
 impl Emitter {
-    /// Starts a round: its staging starts at 0 (each round reuses the arena).
-    pub fn start_round(&mut self) {
-        self.staging_bytes = 0;
-        self.packed.clear();
-    }
-
     fn reserve(&mut self, bytes: u64) -> u64 {
         let at = self.staging_bytes.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
         self.staging_bytes = at + bytes;

@@ -40,6 +40,7 @@ use assign::Prepared;
 use blocks::{assignment_blocks, Move, Moved, Movement};
 use fxhash::FxHashMap;
 use messages::{Emitter, End};
+use std::ops::Range;
 use std::rc::Rc;
 
 /// Validated inputs of a plan, ready to produce any rank's program.
@@ -363,7 +364,7 @@ impl Planner {
         sides: &Sides,
         pick: &Pick,
         cache: &mut RankCache<'a>,
-    ) -> Result<Rc<[Block]>> {
+    ) -> Result<Range<u32>> {
         let key = (
             class,
             pick.side,
@@ -399,51 +400,87 @@ impl Planner {
             relay: pick.relay,
         };
         let region = &sides.unit(pick).regions[pick.region as usize];
-        let blocks: Rc<[Block]> = assignment_blocks(region, movement, &from, &to)
-            .into_iter()
-            .filter(|b| b.copy.bytes() > 0)
-            .collect();
-        cache.blocks.insert(key, blocks.clone());
-        Ok(blocks)
+        let start = cache.templates.len() as u32;
+        cache.templates.extend(
+            assignment_blocks(region, movement, &from, &to)
+                .into_iter()
+                .filter(|b| b.copy.bytes() > 0),
+        );
+        let range = start..cache.templates.len() as u32;
+        cache.blocks.insert(key, range.clone());
+        Ok(range)
     }
 
     /// This rank's blocks — every box of data it receives, sends or copies locally, with the
     /// copy geometry on both ends — in canonical order (tensor, region corner, block order).
     pub fn rank_blocks(&self, rank: u32) -> Result<Vec<Block>> {
-        self.rank_items(rank, |block, t, round| block.of_tensor(t, round))
+        let (items, templates) = self.rank_items(rank)?;
+        Ok(items
+            .iter()
+            .map(|item| templates[item.template as usize].of_tensor(item.tensor, item.round))
+            .collect())
     }
 
-    /// `item(block as the class's first tensor has it, tensor, fixed round)` for every block
-    /// of this rank, in canonical order.
-    fn rank_items<T>(
-        &self,
-        rank: u32,
-        item: impl Fn(&Block, u32, Option<u32>) -> T,
-    ) -> Result<Vec<T>> {
+    /// Every block of this rank in canonical order, as a tensor and its round over the block
+    /// as the class's first tensor has it (`templates`, each computed once).
+    fn rank_items(&self, rank: u32) -> Result<(Vec<Item>, Vec<Block>)> {
         let mut cache = RankCache::new(self.class_first.len());
         let mut picks = Vec::new();
-        let mut items = Vec::new();
+        let mut items = Vec::with_capacity(self.tensors.len());
         for t in 0..self.tensors.len() as u32 {
-            let sides = self.tensor_picks(rank, t, &mut cache, &mut picks);
             let class = self.classes[t as usize];
+            if let Some(known) = &cache.resolved[class as usize] {
+                for &(round, ref range) in known.iter() {
+                    items.extend(range.clone().map(|template| Item {
+                        tensor: t,
+                        round,
+                        template,
+                    }));
+                }
+                continue;
+            }
+            let sides = self.tensor_picks(rank, t, &mut cache, &mut picks);
+            let mut resolved = Vec::new();
             for pick in &picks {
-                let templates = self.pick_blocks(class, &sides, pick, &mut cache)?;
-                items.extend(templates.iter().map(|b| item(b, t, pick.round)));
+                let range = self.pick_blocks(class, &sides, pick, &mut cache)?;
+                items.extend(range.clone().map(|template| Item {
+                    tensor: t,
+                    round: pick.round,
+                    template,
+                }));
+                resolved.push((pick.round, range));
+            }
+            // A class whose picks do not rotate has these blocks for every tensor.
+            if matches!(cache.picks[class as usize], ClassPicks::Fixed(_)) {
+                cache.resolved[class as usize] = Some(resolved);
             }
         }
-        Ok(items)
+        Ok((items, cache.templates))
     }
 
     /// The program `rank` runs. A rank outside every mesh gets an empty program.
     pub fn rank_program(&self, rank: u32) -> Result<RankProgram> {
-        // The same as program_from_blocks(rank_blocks(rank)), without the boxes.
-        let moves = self.rank_items(rank, |block, t, round| Move {
-            from: block.from,
-            to: block.to,
-            round,
-            copy: block.copy_of_tensor(t),
-        })?;
-        self.program_of(rank, &moves, &self.transfers_of(&moves))
+        // The same as program_from_blocks(rank_blocks(rank)), without the blocks' boxes and
+        // without listing the rank's transfers: each pair's are made, formed into messages
+        // and dropped in turn.
+        let (items, templates) = self.rank_items(rank)?;
+        let moves: Vec<Move> = items
+            .iter()
+            .map(|item| Move {
+                tensor: item.tensor,
+                round: item.round,
+                block: &templates[item.template as usize],
+            })
+            .collect();
+        drop(items);
+        let (local, pairs) = self.pairs_of(&moves);
+        let local_copies = local.iter().map(|&i| whole_copy(&moves[i])).collect();
+        let mut list: Vec<rounds::Spread> = Vec::new();
+        self.program_of_pairs(rank, local_copies, &pairs, |indices, pair, out| {
+            list.clear();
+            list.extend(indices.iter().map(|&i| spread_entry(&moves, i)));
+            rounds::spread_into(out, pair, &list, self.rounds, self.pair_part_bytes);
+        })
     }
 
     /// Forms `rank`'s program from its blocks (as [`Planner::rank_blocks`] returns them).
@@ -460,36 +497,18 @@ impl Planner {
     /// then each pair's transfers (pairs ascending) by round, in the order its messages are
     /// formed from.
     pub fn transfers(&self, blocks: &[Block]) -> Vec<Transfer> {
-        self.transfers_of(blocks)
-    }
-
-    fn transfers_of<B: Moved>(&self, blocks: &[B]) -> Vec<Transfer> {
-        let mut transfers = Vec::new();
-        // Per (sender, receiver): its blocks' indices in canonical (block) order.
-        let mut pairs: FxHashMap<(u32, u32), Vec<usize>> = FxHashMap::default();
-        for (i, block) in blocks.iter().enumerate() {
-            let (from, to) = block.ends();
-            if from == to && !self.config.local_via_messages {
-                transfers.push(Transfer {
-                    block: i,
-                    round: 0,
-                    offset: 0,
-                    copy: block.copy().clone(),
-                });
-            } else {
-                pairs.entry((from, to)).or_default().push(i);
-            }
-        }
-        let mut pairs: Vec<((u32, u32), Vec<usize>)> = pairs.into_iter().collect();
-        pairs.sort_unstable_by_key(|&(pair, _)| pair);
-        let mut list: Vec<(usize, Option<u32>, &StridedCopy)> = Vec::new();
+        let mut transfers = Vec::with_capacity(blocks.len());
+        let (local, pairs) = self.pairs_of(blocks);
+        transfers.extend(local.into_iter().map(|i| Transfer {
+            block: i,
+            round: 0,
+            offset: 0,
+            copy: whole_copy(&blocks[i]),
+        }));
+        let mut list: Vec<rounds::Spread> = Vec::new();
         for (pair, indices) in pairs {
             list.clear();
-            list.extend(
-                indices
-                    .into_iter()
-                    .map(|i| (i, blocks[i].fixed_round(), blocks[i].copy())),
-            );
+            list.extend(indices.iter().map(|&i| spread_entry(blocks, i)));
             rounds::spread_into(
                 &mut transfers,
                 pair,
@@ -501,6 +520,24 @@ impl Planner {
         transfers
     }
 
+    /// A rank's blocks by where they go: the local copies' indices (block order), and per
+    /// (sender, receiver) pair, ascending, its blocks' indices in canonical (block) order.
+    fn pairs_of<B: Moved>(&self, blocks: &[B]) -> (Vec<usize>, Vec<Pair>) {
+        let mut local = Vec::new();
+        let mut pairs: FxHashMap<(u32, u32), Vec<usize>> = FxHashMap::default();
+        for (i, block) in blocks.iter().enumerate() {
+            let (from, to) = block.ends();
+            if from == to && !self.config.local_via_messages {
+                local.push(i);
+            } else {
+                pairs.entry((from, to)).or_default().push(i);
+            }
+        }
+        let mut pairs: Vec<Pair> = pairs.into_iter().collect();
+        pairs.sort_unstable_by_key(|&(pair, _)| pair);
+        (local, pairs)
+    }
+
     /// Forms `rank`'s program from its blocks and their transfers (as [`Planner::transfers`]
     /// returns them for those blocks).
     pub fn program_from_transfers(
@@ -509,24 +546,10 @@ impl Planner {
         blocks: &[Block],
         transfers: &[Transfer],
     ) -> Result<RankProgram> {
-        self.program_of(rank, blocks, transfers)
-    }
-
-    fn program_of<B: Moved>(
-        &self,
-        rank: u32,
-        blocks: &[B],
-        transfers: &[Transfer],
-    ) -> Result<RankProgram> {
-        let mut program = RankProgram {
-            rank,
-            fingerprint: self.fingerprint,
-            ..Default::default()
-        };
-        // Per direction, per (round, peer): the transfers' indices in the order they come
-        // (one function both ends ran).
-        type Groups = FxHashMap<(u32, u32), Vec<u32>>;
-        let (mut sends, mut recvs): (Groups, Groups) = Default::default();
+        let mut local_copies = Vec::new();
+        // Per pair, its transfers' indices in the order they come (one function both ends
+        // ran), which the pair's messages are formed in, round by round.
+        let mut pairs: FxHashMap<(u32, u32), Vec<usize>> = FxHashMap::default();
         for (i, transfer) in transfers.iter().enumerate() {
             let block = blocks.get(transfer.block).ok_or_else(|| {
                 Error::internal(format!(
@@ -535,83 +558,115 @@ impl Planner {
                     blocks.len()
                 ))
             })?;
-            let (from, to) = block.ends();
-            if from == to && !self.config.local_via_messages {
-                program.local_copies.push(transfer.copy.clone());
-                continue;
-            }
-            // A message to itself (local_via_messages) is both.
-            if from == rank {
-                sends
-                    .entry((transfer.round, to))
-                    .or_default()
-                    .push(i as u32);
-            }
-            if to == rank {
-                recvs
-                    .entry((transfer.round, from))
-                    .or_default()
-                    .push(i as u32);
+            if block.from == block.to && !self.config.local_via_messages {
+                local_copies.push(transfer.copy.clone());
+            } else {
+                pairs.entry((block.from, block.to)).or_default().push(i);
             }
         }
-        let sorted = |groups: Groups| {
-            let mut groups: Vec<((u32, u32), Vec<u32>)> = groups.into_iter().collect();
-            groups.sort_unstable_by_key(|&(key, _)| key);
-            groups
-        };
-        let (sends, recvs) = (sorted(sends), sorted(recvs));
-        let mut round_ids: Vec<u32> = sends.iter().chain(&recvs).map(|g| g.0 .0).collect();
-        round_ids.sort_unstable();
-        round_ids.dedup();
+        let mut pairs: Vec<Pair> = pairs.into_iter().collect();
+        pairs.sort_unstable_by_key(|&(pair, _)| pair);
+        self.program_of_pairs(rank, local_copies, &pairs, |indices, _, out| {
+            out.extend(indices.iter().map(|&i| transfers[i].clone()));
+            out.sort_by_key(|t| t.round);
+        })
+    }
+
+    /// `rank`'s program from its local copies and its pairs (ascending): `transfers(blocks
+    /// of the pair, pair, out)` appends the pair's transfers to `out` by round, ascending.
+    /// Each round's messages are formed as the executors post them: the rank's sends by peer,
+    /// then its receives by peer, each round's staging from 0 (rounds reuse the arena).
+    fn program_of_pairs(
+        &self,
+        rank: u32,
+        local_copies: Vec<StridedCopy>,
+        pairs: &[Pair],
+        mut transfers: impl FnMut(&[usize], (u32, u32), &mut Vec<Transfer>),
+    ) -> Result<RankProgram> {
         // A plan of several rounds is not groupable anyway: auto coalesces every pair. (Only
         // plan-wide facts may decide how a pair is formed: both ends must agree.)
         let coalesce = self.rounds > 1;
-        let (mut next_send, mut next_recv) = (0, 0);
-        let mut copies: Vec<&StridedCopy> = Vec::new();
-        let mut emitter = Emitter::default();
-        for round in round_ids {
-            emitter.start_round();
-            for (end, groups, next) in [
-                (End::Sender, &sends, &mut next_send),
-                (End::Receiver, &recvs, &mut next_recv),
-            ] {
-                while let Some(((_, peer), indices)) = groups.get(*next).filter(|g| g.0 .0 == round)
-                {
-                    let pair = match end {
-                        End::Sender => (rank, *peer),
-                        End::Receiver => (*peer, rank),
-                    };
+        // Per round: whether any pair moves data in it, and its part of the program.
+        let mut rounds: Vec<(bool, Emitter)> = Vec::new();
+        let mut pair_transfers: Vec<Transfer> = Vec::new();
+        // A message to itself (local_via_messages) is both a send and a receive.
+        for end in [End::Sender, End::Receiver] {
+            for ((from, to), indices) in pairs {
+                let mine = match end {
+                    End::Sender => *from == rank,
+                    End::Receiver => *to == rank,
+                };
+                if !mine {
+                    continue;
+                }
+                pair_transfers.clear();
+                transfers(indices, (*from, *to), &mut pair_transfers);
+                let mut copies: Vec<&StridedCopy> = Vec::new();
+                for run in pair_transfers.chunk_by(|a, b| a.round == b.round) {
+                    let round = run[0].round as usize;
+                    if rounds.len() <= round {
+                        rounds.resize_with(round + 1, Default::default);
+                    }
+                    let (moves_data, emitter) = &mut rounds[round];
+                    *moves_data = true;
                     copies.clear();
-                    copies.extend(indices.iter().map(|&i| &transfers[i as usize].copy));
+                    copies.extend(run.iter().map(|t| &t.copy));
                     emitter.pair(
                         end,
-                        pair,
+                        (*from, *to),
                         &copies,
                         self.config.mode,
                         coalesce,
                         self.pair_part_bytes,
                     )?;
-                    *next += 1;
                 }
             }
+        }
+        let mut program = RankProgram {
+            rank,
+            fingerprint: self.fingerprint,
+            local_copies,
+            ..Default::default()
+        };
+        for (round, (moves_data, mut emitter)) in rounds.into_iter().enumerate() {
+            if !moves_data {
+                continue;
+            }
+            program.packs.append(&mut emitter.packs);
+            program.sends.append(&mut emitter.sends);
+            program.recvs.append(&mut emitter.recvs);
+            program.unpacks.append(&mut emitter.unpacks);
             program.staging_bytes = program.staging_bytes.max(emitter.staging_bytes);
             program.round_spans.push(RoundSpan {
-                round,
-                packs_end: emitter.packs.len(),
-                sends_end: emitter.sends.len(),
-                recvs_end: emitter.recvs.len(),
-                unpacks_end: emitter.unpacks.len(),
+                round: round as u32,
+                packs_end: program.packs.len(),
+                sends_end: program.sends.len(),
+                recvs_end: program.recvs.len(),
+                unpacks_end: program.unpacks.len(),
             });
         }
-        program.packs = emitter.packs;
-        program.sends = emitter.sends;
-        program.recvs = emitter.recvs;
-        program.unpacks = emitter.unpacks;
         if program.round_spans.iter().all(|s| s.round == 0) {
             program.round_spans.clear();
         }
         Ok(program)
     }
+}
+
+/// A (sender, receiver) pair and its blocks' (or transfers') indices.
+type Pair = ((u32, u32), Vec<usize>);
+
+/// A block's whole copy, with its tensor.
+fn whole_copy<B: Moved>(block: &B) -> StridedCopy {
+    let mut copy = block.copy().clone();
+    copy.src.tensor = block.tensor();
+    copy.dst.tensor = block.tensor();
+    copy
+}
+
+/// What [`rounds::spread_into`] needs of block `i`.
+fn spread_entry<B: Moved>(blocks: &[B], i: usize) -> rounds::Spread<'_> {
+    let block = &blocks[i];
+    (i, block.fixed_round(), block.tensor(), block.copy())
 }
 
 /// Every rank of `meshes`, ascending.
@@ -754,6 +809,14 @@ impl Sides {
     }
 }
 
+/// One block of a rank: tensor `tensor`'s copy of block `template` of its class, moving in
+/// `round` when its unit fixed one.
+struct Item {
+    tensor: u32,
+    round: Option<u32>,
+    template: u32,
+}
+
 /// A class's units on one side of a rank (`None`: the rank has none there).
 type ClassUnits = Option<Rc<Vec<Prepared>>>;
 
@@ -767,7 +830,12 @@ struct RankCache<'a> {
     classes: Vec<[Option<ClassUnits>; 2]>,
     /// Per class: its tensors' picks when they do not depend on the tensor.
     picks: Vec<ClassPicks>,
-    blocks: FxHashMap<BlockKey, Rc<[Block]>>,
+    /// Per class whose picks are fixed: (round, blocks in `templates`) of each pick.
+    resolved: Vec<Option<Vec<(Option<u32>, Range<u32>)>>>,
+    /// Per assignment, its blocks in `templates`.
+    blocks: FxHashMap<BlockKey, Range<u32>>,
+    /// Blocks as the first tensor of their class has them.
+    templates: Vec<Block>,
 }
 
 #[derive(Clone)]
@@ -784,6 +852,8 @@ impl RankCache<'_> {
             memo: Memo::default(),
             classes: vec![[None, None]; classes],
             picks: vec![ClassPicks::Unknown; classes],
+            resolved: vec![None; classes],
+            templates: Vec::new(),
             blocks: FxHashMap::default(),
         }
     }

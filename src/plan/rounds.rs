@@ -50,34 +50,47 @@ pub(crate) fn spread(
     min_bytes: u64,
 ) -> Vec<Transfer> {
     let mut out = Vec::new();
-    spread_into(&mut out, pair, blocks, rounds, min_bytes);
+    let blocks: Vec<Spread> = blocks
+        .iter()
+        .map(|&(block, round, copy)| (block, round, copy.src.tensor, copy))
+        .collect();
+    spread_into(&mut out, pair, &blocks, rounds, min_bytes);
     out
 }
+
+/// A block to spread: its index, the round its unit fixed, its tensor and its copy (whose
+/// tensor fields the transfers replace with that tensor).
+pub(crate) type Spread<'a> = (usize, Option<u32>, u32, &'a StridedCopy);
 
 /// [`spread`] appending to `out`.
 pub(crate) fn spread_into(
     out: &mut Vec<Transfer>,
     pair: (u32, u32),
-    blocks: &[(usize, Option<u32>, &StridedCopy)],
+    blocks: &[Spread],
     rounds: u32,
     min_bytes: u64,
 ) {
-    let whole = |block: usize, round: u32, copy: &StridedCopy| Transfer {
+    let of_tensor = |mut copy: StridedCopy, tensor: u32| {
+        copy.src.tensor = tensor;
+        copy.dst.tensor = tensor;
+        copy
+    };
+    let whole = |block: usize, round: u32, tensor: u32, copy: &StridedCopy| Transfer {
         block,
         round,
         offset: 0,
-        copy: copy.clone(),
+        copy: of_tensor(copy.clone(), tensor),
     };
     // Blocks whose round the unit fixed, by round (stable: canonical order within one).
     let mut fixed: Vec<Transfer> = blocks
         .iter()
-        .filter_map(|&(block, round, copy)| round.map(|r| whole(block, r, copy)))
+        .filter_map(|&(block, round, tensor, copy)| round.map(|r| whole(block, r, tensor, copy)))
         .collect();
     fixed.sort_by_key(|t| t.round);
     let total: u64 = blocks
         .iter()
-        .filter(|(_, round, _)| round.is_none())
-        .map(|(_, _, c)| c.bytes())
+        .filter(|(_, round, _, _)| round.is_none())
+        .map(|(_, _, _, c)| c.bytes())
         .sum();
     let rounds = u64::from(rounds.max(1));
     let chunks = (total / min_bytes.max(1)).clamp(1, rounds);
@@ -104,7 +117,7 @@ pub(crate) fn spread_into(
     if total > 0 {
         let (mut chunk, mut next_cut) = (0u64, boundary(1));
         let mut at = 0u64;
-        for &(block, round, copy) in blocks {
+        for &(block, round, tensor, copy) in blocks {
             if round.is_some() {
                 continue;
             }
@@ -120,7 +133,7 @@ pub(crate) fn spread_into(
                 let round = round_of(chunk);
                 let before = stream.len();
                 if pos == start && cut == end {
-                    stream.push(whole(block, round, copy));
+                    stream.push(whole(block, round, tensor, copy));
                 } else {
                     let mut offset = pos - start;
                     for piece in copy.slice(pos - start, cut - start) {
@@ -129,7 +142,7 @@ pub(crate) fn spread_into(
                             block,
                             round,
                             offset,
-                            copy: piece,
+                            copy: of_tensor(piece, tensor),
                         });
                         offset += bytes;
                     }
