@@ -817,6 +817,9 @@ struct Item {
     template: u32,
 }
 
+/// A pick's fixed round and its blocks' range in [`RankCache::templates`].
+type PickBlocks = (Option<u32>, Range<u32>);
+
 /// A class's units on one side of a rank (`None`: the rank has none there).
 type ClassUnits = Option<Rc<Vec<Prepared>>>;
 
@@ -831,7 +834,7 @@ struct RankCache<'a> {
     /// Per class: its tensors' picks when they do not depend on the tensor.
     picks: Vec<ClassPicks>,
     /// Per class whose picks are fixed: (round, blocks in `templates`) of each pick.
-    resolved: Vec<Option<Vec<(Option<u32>, Range<u32>)>>>,
+    resolved: Vec<Option<Vec<PickBlocks>>>,
     /// Per assignment, its blocks in `templates`.
     blocks: FxHashMap<BlockKey, Range<u32>>,
     /// Blocks as the first tensor of their class has them.
