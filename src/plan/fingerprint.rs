@@ -1,13 +1,15 @@
 //! The plan fingerprint, and the small deterministic hash the planner rotates choices with.
 //!
 //! Both are FNV-1a over a canonical encoding of plain numbers, so every rank, whatever its
-//! platform or build, computes the same values from the same descriptors.
+//! platform or build, computes the same values from the same descriptors. The fingerprint
+//! takes a 64-bit word per step (a model's 70,000 tensors are hashed on every rank's plan);
+//! the rotation hash a byte per step, which the planner's choices depend on.
 
 use super::config::{Config, Mode, Topology};
 use super::fxhash::FxHashMap;
 use crate::layout::{Layout, Placement, TensorSpec};
 
-/// FNV-1a over a canonical encoding of the inputs: equal on all ranks iff they passed the same
+/// FNV-1a (a word per step) over a canonical encoding of the inputs: equal on all ranks iff they passed the same
 /// descriptors and config (the rank itself is not part of it).
 pub fn fingerprint(tensors: &[TensorSpec], config: &Config) -> u64 {
     let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
@@ -45,67 +47,67 @@ pub(crate) fn of_interned(
         })
         .collect();
     let mut h = Fnv::default();
-    h.u64(tensors.len() as u64);
+    h.word(tensors.len() as u64);
     for (t, ids) in tensors.iter().zip(layout_ids) {
-        h.list(&t.shape);
-        h.u64(t.dtype.nccl_code() as u64);
+        h.words(&t.shape);
+        h.word(t.dtype.nccl_code() as u64);
         for &id in ids {
-            h.u64(digests[id as usize]);
+            h.word(digests[id as usize]);
         }
     }
-    h.u64(match config.mode {
+    h.word(match config.mode {
         Mode::Groupable => 0,
         Mode::Staged => 1,
         Mode::Auto => 2,
     });
     match &config.topology {
-        Topology::Unknown => h.u64(0),
+        Topology::Unknown => h.word(0),
         Topology::RanksPerNode(n) => {
-            h.u64(1);
-            h.u64(u64::from(*n));
+            h.word(1);
+            h.word(u64::from(*n));
         }
         Topology::NodeTable(table) => {
-            h.u64(2);
-            h.list(&table.iter().map(|&n| u64::from(n)).collect::<Vec<_>>());
+            h.word(2);
+            h.word(table.len() as u64);
+            for &n in table.iter() {
+                h.word(u64::from(n));
+            }
         }
     }
-    h.u64(config.split_min_bytes);
-    h.u64(u64::from(config.local_via_messages));
-    h.u64(u64::from(config.rounds));
-    h.u64(u64::from(config.relay));
+    h.word(config.split_min_bytes);
+    h.word(u64::from(config.local_via_messages));
+    h.word(u64::from(config.rounds));
+    h.word(u64::from(config.relay));
     h.0
 }
 
 fn layout_hash(h: &mut Fnv, layout: &Layout) {
-    h.list(layout.mesh.shape());
-    h.list(
-        &layout
-            .mesh
-            .ranks()
-            .iter()
-            .map(|&r| u64::from(r))
-            .collect::<Vec<_>>(),
-    );
-    h.u64(layout.placements.len() as u64);
+    h.words(layout.mesh.shape());
+    let ranks = layout.mesh.ranks();
+    h.word(ranks.len() as u64);
+    for &r in ranks {
+        h.word(u64::from(r));
+    }
+    h.word(layout.placements.len() as u64);
     for p in &layout.placements {
         match *p {
-            Placement::Replicate => h.u64(0),
+            Placement::Replicate => h.word(0),
             Placement::Shard(d) => {
-                h.u64(1);
-                h.u64(d as u64);
+                h.word(1);
+                h.word(d as u64);
             }
             Placement::StridedShard { dim, split_factor } => {
-                h.u64(2);
-                h.u64(dim as u64);
-                h.u64(split_factor);
+                h.word(2);
+                h.word(dim as u64);
+                h.word(split_factor);
             }
         }
     }
     match &layout.strides {
-        None => h.u64(0),
+        None => h.word(0),
         Some(s) => {
-            h.u64(1);
-            h.list(s);
+            h.word(1);
+            h.words(s);
         }
     }
 }
@@ -126,10 +128,16 @@ impl Fnv {
         }
     }
 
-    fn list(&mut self, values: &[u64]) {
-        self.u64(values.len() as u64);
+    /// One FNV-1a step over a whole word: each step is a bijection of the state for a given
+    /// word, so inputs differing in one word always differ in the result.
+    fn word(&mut self, v: u64) {
+        self.0 = (self.0 ^ v).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+
+    fn words(&mut self, values: &[u64]) {
+        self.word(values.len() as u64);
         for &v in values {
-            self.u64(v);
+            self.word(v);
         }
     }
 }
