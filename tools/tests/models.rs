@@ -2,7 +2,8 @@
 //! host executor, fused-buffer offsets tiling their buffers, and the public M2N configs.
 
 use ncclreshard::layout::Side;
-use ncclreshard::{Config, DType, Planner};
+use ncclreshard::plan::AUTO_MESSAGES_PER_RANK;
+use ncclreshard::{Config, DType, Planner, Topology};
 use ncclreshard_tools::check::check;
 use ncclreshard_tools::models::{
     inventory, refit, refit_params, ExpertStorage, InferSpec, M2nSide, ModelConfig, Param, Refit,
@@ -245,6 +246,43 @@ fn deepseek_v3_per_expert_refit_is_planned() {
     assert_eq!(refit.tensors.len(), 58 * 256 * 3 + 1025 - 58 * 3);
     let planner = Planner::new(refit.tensors, Config::default()).unwrap();
     assert_eq!(planner.ranks().len(), 512);
+}
+
+#[test]
+fn kimi_k2_per_expert_auto_plans_stay_under_4096_messages_per_rank() {
+    // Issue 13: 69,975 tensors (routed experts as separate 29 MB tensors) from 512 training
+    // ranks to 256 inference ranks on 8-GPU nodes; an inference rank hears from 512 peers
+    // over 32 rounds. One message per tensor slice gave an inference rank 61,721.
+    let refit = refit(
+        &ModelConfig::preset("kimi-k2").unwrap(),
+        &TrainSpec::parse("pp16,ep32").unwrap(),
+        &InferSpec::parse("tp16,dp16").unwrap(),
+        &options(ExpertStorage::PerExpert),
+    )
+    .unwrap();
+    assert_eq!(refit.tensors.len(), 69_975);
+    let config = Config {
+        topology: Topology::RanksPerNode(8),
+        ..Config::default()
+    };
+    let planner = Planner::new(refit.tensors, config).unwrap();
+    assert!(planner.rounds() > 1);
+    // Training ranks of the first and last stages; inference ranks of the first, a middle
+    // and the last replica (every inference rank takes a slice of every tensor).
+    for rank in [0, 480, 512, 640, 767] {
+        let program = planner.rank_program(rank).unwrap();
+        let messages = (program.sends.len() + program.recvs.len()) as u64;
+        assert!(
+            messages <= AUTO_MESSAGES_PER_RANK,
+            "rank {rank}: {messages} messages"
+        );
+        if rank >= 512 {
+            // The bound binds: one message per peer and round would be over three times more.
+            let pairs_by_round = program.peers().len() as u64 * u64::from(planner.rounds());
+            assert!(pairs_by_round > 3 * AUTO_MESSAGES_PER_RANK, "rank {rank}");
+            assert!(program.bytes_received() > 100 << 30, "rank {rank}");
+        }
+    }
 }
 
 // ---- The public NCCL M2N configs (tests/data/m2n-configs) ----

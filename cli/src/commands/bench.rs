@@ -43,6 +43,11 @@ pub const COMMAND: Command = Command {
     run,
 };
 
+/// `--plan` plans this many of the slowest ranks again one at a time, best of
+/// [`ALONE_REPEAT`].
+const ALONE_RANKS: usize = 8;
+const ALONE_REPEAT: usize = 3;
+
 /// `--exec` divides widths by this unless `--scale` says otherwise (as `refit` does).
 const DEFAULT_EXEC_SCALE: u64 = 32;
 
@@ -54,9 +59,12 @@ Usage: ncclreshard bench --plan --model M --train SPEC --infer SPEC [OPTIONS]
 
 --plan   Planner time of a full-size model refit: Planner::new + rank_program for one rank
          (the first training rank; also the first inference rank), for every rank (wall time
-         on all CPUs, and the CPU time summed over ranks), the slowest rank, and the peak
-         resident memory (VmHWM).
-         JSON keys: plan_ms_one_rank, plan_ms_all_ranks, peak_rss_mb, ...
+         on all CPUs, and the CPU time summed over ranks), the slowest rank (and the 8
+         slowest planned again one at a time, best of 3: ranks planned side by side wait for
+         each other and for other processes), and the peak resident memory (VmHWM) of
+         planning every rank's program on all CPUs, keeping none.
+         JSON keys: plan_ms_one_rank, plan_ms_all_ranks, plan_ms_slowest_rank,
+         plan_ms_slowest_rank_alone, messages_max_per_rank, peak_rss_mb, ...
 --exec   On the refit with widths divided by --scale (default 32): the host executor's
          reshard (every rank a thread) vs gather+broadcast emulated on the host (the first
          source rank assembles each tensor from one copy of every shard, then every
@@ -134,6 +142,12 @@ struct PlanBench {
     plan_ms_all_ranks_cpu: f64,
     plan_ms_slowest_rank: f64,
     slowest_rank: u32,
+    /// The slowest ranks of the run on all CPUs planned again one at a time (best of
+    /// [`ALONE_REPEAT`] each): `Planner::new` + the largest of their times, and its rank.
+    /// Ranks planned side by side share this machine's caches and cores, so the slowest of
+    /// thousands is mostly the one that waited longest.
+    plan_ms_slowest_rank_alone: f64,
+    slowest_rank_alone: u32,
     messages_total: u64,
     messages_max_per_rank: u64,
     bytes_total: u64,
@@ -189,6 +203,18 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         .iter()
         .max_by_key(|s| s.1)
         .map_or((0, Duration::ZERO), |s| (s.0, s.1));
+    let mut by_time: Vec<(Duration, u32)> = summaries.iter().map(|s| (s.1, s.0)).collect();
+    by_time.sort_unstable_by(|a, b| b.cmp(a));
+    let mut slowest_alone = (0, Duration::ZERO);
+    for &(_, rank) in by_time.iter().take(ALONE_RANKS) {
+        let mut best = Duration::MAX;
+        for _ in 0..ALONE_REPEAT {
+            best = best.min(one(rank)?);
+        }
+        if best > slowest_alone.1 {
+            slowest_alone = (rank, best);
+        }
+    }
     let result = PlanBench {
         model: args.model.name().to_string(),
         train: args.train_text.clone(),
@@ -206,6 +232,8 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         plan_ms_all_ranks_cpu: ms(new + cpu),
         plan_ms_slowest_rank: ms(new + slowest.1),
         slowest_rank: slowest.0,
+        plan_ms_slowest_rank_alone: ms(new + slowest_alone.1),
+        slowest_rank_alone: slowest_alone.0,
         messages_total: summaries.iter().map(|s| s.2).sum(),
         messages_max_per_rank: summaries.iter().map(|s| s.3).max().unwrap_or(0),
         bytes_total: summaries.iter().map(|s| s.4).sum(),
@@ -217,7 +245,7 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
     }
     let r = &result;
     out::print(&format!(
-        "bench --plan {}: {}\n  {} tensors, {} ranks, mode {}, topology {} ranks per node\n  Planner::new                    {:>10.2} ms\n  one rank (rank {:<5})           {:>10.2} ms   Planner::new + rank_program\n  first inference rank ({:<5})   {:>10.2} ms\n  slowest rank ({:<5})           {:>10.2} ms\n  all ranks, wall                 {:>10.2} ms   on {} threads\n  all ranks, CPU                  {:>10.2} ms   sum over ranks\n  messages                        {} (at most {} per rank)\n  bytes sent                      {}\n  peak resident memory            {}\n",
+        "bench --plan {}: {}\n  {} tensors, {} ranks, mode {}, topology {} ranks per node\n  Planner::new                    {:>10.2} ms\n  one rank (rank {:<5})           {:>10.2} ms   Planner::new + rank_program\n  first inference rank ({:<5})   {:>10.2} ms\n  slowest rank ({:<5})           {:>10.2} ms\n  slowest rank alone ({:<5})     {:>10.2} ms   the {} slowest, again one at a time\n  all ranks, wall                 {:>10.2} ms   on {} threads\n  all ranks, CPU                  {:>10.2} ms   sum over ranks\n  messages                        {} (at most {} per rank)\n  bytes sent                      {}\n  peak resident memory            {}\n",
         r.model,
         args.specs_text(&refit),
         out::count(r.tensors as u64),
@@ -231,6 +259,9 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         r.plan_ms_first_infer_rank,
         r.slowest_rank,
         r.plan_ms_slowest_rank,
+        r.slowest_rank_alone,
+        r.plan_ms_slowest_rank_alone,
+        ALONE_RANKS,
         r.plan_ms_all_ranks,
         r.threads,
         r.plan_ms_all_ranks_cpu,
