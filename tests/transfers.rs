@@ -626,6 +626,12 @@ fn check_export(specs: &[TensorSpec], config: &Config) -> Vec<RankExport> {
         Err(e) => panic!("{e}"),
     };
     let ranks = planner.ranks();
+    // The program a plan runs (rank_program) is the one its exported transfers form.
+    for (&r, program) in ranks.iter().zip(&programs) {
+        let blocks = planner.rank_blocks(r).unwrap();
+        let from_blocks = planner.program_from_blocks(r, &blocks).unwrap();
+        assert_eq!(&from_blocks, program, "rank {r}");
+    }
     let (before, exports) = export_all(specs, config, &ranks);
     for (e, p) in exports.iter().zip(&programs) {
         check_against_program(e, p);

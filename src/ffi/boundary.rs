@@ -88,7 +88,11 @@ pub(crate) unsafe fn arg<'a, T>(ptr: *const T, name: &str) -> Result<&'a T> {
 ///
 /// # Safety
 /// `ptr`, when not NULL, must point to `len` valid, initialised `T`s.
-pub(crate) unsafe fn array<'a, T>(ptr: *const T, len: usize, name: &str) -> Result<&'a [T]> {
+pub(crate) unsafe fn array<'a, T>(
+    ptr: *const T,
+    len: usize,
+    name: impl std::fmt::Display,
+) -> Result<&'a [T]> {
     if len == 0 {
         return Ok(&[]);
     }
@@ -111,7 +115,7 @@ pub(crate) unsafe fn read_versioned<T: Copy>(
     ptr: *const T,
     min_size: usize,
     defaults: T,
-    name: &str,
+    name: impl std::fmt::Display,
 ) -> Result<T> {
     if ptr.is_null() {
         return Err(Error::invalid_argument(format!("{name} is NULL")));

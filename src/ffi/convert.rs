@@ -6,6 +6,7 @@ use super::types::*;
 use crate::error::{Error, Result};
 use crate::layout::{DType, Layout, Mesh, Placement, TensorSpec};
 use crate::plan::{Config, Mode, Topology, DEFAULT_SPLIT_MIN_BYTES, MAX_ROUNDS};
+use std::fmt;
 use std::os::raw::c_int;
 
 /// Sizes of the first released version of each struct: callers must provide at least these.
@@ -31,7 +32,7 @@ pub(crate) struct TensorInput {
 
 /// Refuses a struct from a header newer than this library: its fields may mean what this
 /// library does not know. 0 (a struct not from an initializer) is taken as the oldest.
-fn header_version(version: u32, field: &str) -> Result<()> {
+fn header_version(version: u32, field: impl fmt::Display) -> Result<()> {
     let library = super::NCCL_RESHARD_VERSION_CODE as u32;
     if version > library {
         return Err(Error::invalid_argument(format!(
@@ -41,7 +42,7 @@ fn header_version(version: u32, field: &str) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn count(value: c_int, max: usize, field: &str) -> Result<usize> {
+pub(crate) fn count(value: c_int, max: usize, field: impl fmt::Display) -> Result<usize> {
     usize::try_from(value)
         .ok()
         .filter(|&n| n <= max)
@@ -50,12 +51,12 @@ pub(crate) fn count(value: c_int, max: usize, field: &str) -> Result<usize> {
         })
 }
 
-fn rank(value: c_int, field: &str) -> Result<u32> {
+fn rank(value: c_int, field: impl fmt::Display) -> Result<u32> {
     u32::try_from(value)
         .map_err(|_| Error::invalid_argument(format!("{field} is {value}; ranks are non-negative")))
 }
 
-pub(crate) fn sizes(values: &[i64], field: &str) -> Result<Vec<u64>> {
+pub(crate) fn sizes(values: &[i64], field: impl fmt::Display) -> Result<Vec<u64>> {
     values
         .iter()
         .enumerate()
@@ -65,6 +66,98 @@ pub(crate) fn sizes(values: &[i64], field: &str) -> Result<Vec<u64>> {
             })
         })
         .collect()
+}
+
+/// A field's name, formatted only when displayed (an error needs it): `base` (the struct it
+/// belongs to), then `name`, then `[index]`, e.g. `tensors[3]`, `tensors[3].src`,
+/// `tensors[3].src->placements[1]`.
+#[derive(Clone, Copy)]
+struct Field<'a> {
+    base: Option<&'a dyn fmt::Display>,
+    name: &'static str,
+    index: Option<usize>,
+}
+
+impl fmt::Display for Field<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(base) = self.base {
+            write!(f, "{base}")?;
+        }
+        f.write_str(self.name)?;
+        match self.index {
+            Some(i) => write!(f, "[{i}]"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A mesh's rank table as a layout gives it.
+pub(crate) enum MeshRanks<'a> {
+    /// The contiguous ranks from this one.
+    From(u32),
+    Table(&'a [c_int]),
+}
+
+/// The meshes the layouts of one call have built, so that tensors on the same mesh share one
+/// rank table (`Mesh` is shared) and each distinct table is validated once: a model passes
+/// tens of thousands of layouts over a few meshes of hundreds of ranks.
+#[derive(Default)]
+pub(crate) struct Meshes {
+    /// Every mesh built, with its inputs (shape, first rank, rank table).
+    built: Vec<BuiltMesh>,
+    /// Indices into `built` by a hash of the inputs.
+    by_hash: std::collections::HashMap<u64, Vec<usize>>,
+    /// The most recently used, most recent first: layouts come in runs on a few meshes, and
+    /// comparing a table is cheaper than hashing it.
+    recent: Vec<usize>,
+}
+
+/// A mesh [`Meshes`] built, with its shape, first rank and rank table.
+type BuiltMesh = (Vec<u64>, Option<u32>, Vec<c_int>, Mesh);
+
+/// How many meshes [`Meshes`] compares before hashing.
+const RECENT_MESHES: usize = 4;
+
+impl Meshes {
+    /// The mesh of `shape` over `ranks` (whose entries are non-negative): `Mesh::new` or
+    /// `Mesh::contiguous` the first time, the same mesh after.
+    pub(crate) fn get(&mut self, shape: Vec<u64>, ranks: MeshRanks) -> Result<Mesh> {
+        let (first, table): (Option<u32>, &[c_int]) = match ranks {
+            MeshRanks::From(first) => (Some(first), &[]),
+            MeshRanks::Table(table) => (None, table),
+        };
+        let same =
+            |&(ref s, f, ref t, _): &BuiltMesh| *s == shape && f == first && t.as_slice() == table;
+        let found = match self.recent.iter().position(|&i| same(&self.built[i])) {
+            Some(at) => Some(self.recent.remove(at)),
+            None => {
+                let mut hash = 0u64;
+                let words = shape.iter().copied().chain(first.map(u64::from));
+                for word in words.chain(table.iter().map(|&r| r as u64)) {
+                    hash = (hash.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+                }
+                let candidates = self.by_hash.entry(hash).or_default();
+                match candidates.iter().copied().find(|&i| same(&self.built[i])) {
+                    Some(i) => Some(i),
+                    None => {
+                        let mesh = match first {
+                            Some(first) => Mesh::contiguous(shape.clone(), first),
+                            None => {
+                                Mesh::new(shape.clone(), table.iter().map(|&r| r as u32).collect())
+                            }
+                        }?;
+                        candidates.push(self.built.len());
+                        self.built.push((shape, first, table.to_vec(), mesh));
+                        None
+                    }
+                }
+            }
+        };
+        let index = found.unwrap_or(self.built.len() - 1);
+        self.recent.insert(0, index);
+        self.recent.truncate(RECENT_MESHES);
+        Ok(self.built[index].3.clone())
+    }
 }
 
 fn default_layout() -> ncclReshardLayout_t {
@@ -86,7 +179,8 @@ fn default_layout() -> ncclReshardLayout_t {
 pub(crate) unsafe fn layout(
     ptr: *const ncclReshardLayout_t,
     ndim: usize,
-    field: &str,
+    field: &dyn fmt::Display,
+    meshes: &mut Meshes,
 ) -> Result<Layout> {
     // SAFETY: forwarded contract.
     let c = unsafe { read_versioned(ptr, LAYOUT_MIN_SIZE, default_layout(), field) }?;
@@ -94,17 +188,20 @@ pub(crate) unsafe fn layout(
     let mesh_ndim = count(
         c.meshNdim,
         NCCL_RESHARD_MAX_DIMS,
-        &format!("{field}->meshNdim"),
+        format_args!("{field}->meshNdim"),
     )?;
     if mesh_ndim == 0 {
         return Err(Error::invalid_argument(format!(
             "{field}->meshNdim is 0; a mesh needs at least one axis"
         )));
     }
-    let shape = sizes(&c.meshShape[..mesh_ndim], &format!("{field}->meshShape"))?;
+    let shape = sizes(
+        &c.meshShape[..mesh_ndim],
+        format_args!("{field}->meshShape"),
+    )?;
     let mesh = if c.ranks.is_null() {
-        let first = rank(c.firstRank, &format!("{field}->firstRank"))?;
-        Mesh::contiguous(shape, first)
+        let first = rank(c.firstRank, format_args!("{field}->firstRank"))?;
+        meshes.get(shape, MeshRanks::From(first))
     } else {
         let n = shape
             .iter()
@@ -116,20 +213,22 @@ pub(crate) unsafe fn layout(
             )));
         }
         // SAFETY: the caller's rank table has one entry per mesh position.
-        let table = unsafe { array(c.ranks, n as usize, &format!("{field}->ranks")) }?;
-        let ranks = table
-            .iter()
-            .enumerate()
-            .map(|(i, &r)| rank(r, &format!("{field}->ranks[{i}]")))
-            .collect::<Result<Vec<u32>>>()?;
-        Mesh::new(shape, ranks)
+        let table = unsafe { array(c.ranks, n as usize, format_args!("{field}->ranks")) }?;
+        if let Some(i) = table.iter().position(|&r| r < 0) {
+            rank(table[i], format_args!("{field}->ranks[{i}]"))?;
+        }
+        meshes.get(shape, MeshRanks::Table(table))
     }
     .map_err(|e| e.context(field))?;
     let placements = c.placements[..mesh_ndim]
         .iter()
         .enumerate()
         .map(|(axis, p)| {
-            let at = format!("{field}->placements[{axis}]");
+            let at = Field {
+                base: Some(field),
+                name: "->placements",
+                index: Some(axis),
+            };
             let dim = || {
                 usize::try_from(p.dim).map_err(|_| {
                     Error::invalid_argument(format!("{at}.dim is {}; dims are non-negative", p.dim))
@@ -157,8 +256,8 @@ pub(crate) unsafe fn layout(
     let mut result = Layout::new(mesh, placements);
     if !c.strides.is_null() {
         // SAFETY: strides has one entry per tensor dim.
-        let strides = unsafe { array(c.strides, ndim, &format!("{field}->strides")) }?;
-        result.strides = Some(sizes(strides, &format!("{field}->strides"))?);
+        let strides = unsafe { array(c.strides, ndim, format_args!("{field}->strides")) }?;
+        result.strides = Some(sizes(strides, format_args!("{field}->strides"))?);
     }
     Ok(result)
 }
@@ -200,21 +299,27 @@ pub(crate) unsafe fn tensors(
     // SAFETY: tensors[0] begins with its size.
     let stride = unsafe { std::ptr::read_unaligned(tensors.cast::<usize>()) };
     let mut out = Vec::with_capacity(n);
+    let mut meshes = Meshes::default();
     for i in 0..n {
-        let field = format!("tensors[{i}]");
+        // Named only when an error needs it: a model's tensors number tens of thousands.
+        let field = Field {
+            base: None,
+            name: "tensors",
+            index: Some(i),
+        };
         // SAFETY: element i starts at i * stride bytes within the caller's array; stride is
         // validated against the minimum size by read_versioned on element 0 first.
         let ptr = unsafe { tensors.cast::<u8>().add(i * stride) }.cast::<ncclReshardTensor_t>();
-        let c = unsafe { read_versioned(ptr, TENSOR_MIN_SIZE, default_tensor(), &field) }?;
+        let c = unsafe { read_versioned(ptr, TENSOR_MIN_SIZE, default_tensor(), field) }?;
         if c.size != stride {
             return Err(Error::invalid_argument(format!(
                 "{field}.size is {} but tensors[0].size is {stride}; all tensors must use the same struct size",
                 c.size
             )));
         }
-        header_version(c.version, &field)?;
-        let ndim = count(c.ndim, NCCL_RESHARD_MAX_DIMS, &format!("{field}.ndim"))?;
-        let shape = sizes(&c.shape[..ndim], &format!("{field}.shape"))?;
+        header_version(c.version, field)?;
+        let ndim = count(c.ndim, NCCL_RESHARD_MAX_DIMS, format_args!("{field}.ndim"))?;
+        let shape = sizes(&c.shape[..ndim], format_args!("{field}.shape"))?;
         if c.dtype == NCCL_RESHARD_UNDEF_INT {
             return Err(Error::invalid_argument(format!(
                 "{field}.dtype is not set; set it to the tensor's ncclDataType_t (ncclBfloat16, …)"
@@ -227,8 +332,13 @@ pub(crate) unsafe fn tensors(
             ))
         })?;
         // SAFETY: forwarded contract.
-        let src = unsafe { layout(c.src, ndim, &format!("{field}.src")) }?;
-        let dst = unsafe { layout(c.dst, ndim, &format!("{field}.dst")) }?;
+        let side = |name| Field {
+            base: Some(&field),
+            name,
+            index: None,
+        };
+        let src = unsafe { layout(c.src, ndim, &side(".src"), &mut meshes) }?;
+        let dst = unsafe { layout(c.dst, ndim, &side(".dst"), &mut meshes) }?;
         let name = (!c.name.is_null())
             // SAFETY: a non-NULL name is a NUL-terminated string per the API.
             .then(|| {
@@ -311,7 +421,7 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
             table
                 .iter()
                 .enumerate()
-                .map(|(i, &v)| rank(v, &format!("config.nodeOfRank[{i}]")))
+                .map(|(i, &v)| rank(v, format_args!("config.nodeOfRank[{i}]")))
                 .collect::<Result<_>>()?,
         )
     } else {

@@ -29,7 +29,7 @@ pub(crate) unsafe fn local_shape(
     // SAFETY: shape holds ndim entries.
     let global = convert::sizes(unsafe { array(shape, n, "shape") }?, "shape")?;
     // SAFETY: layout is NULL or a valid descriptor whose pointers are NULL or valid.
-    let layout = unsafe { convert::layout(layout, n, "layout") }?;
+    let layout = unsafe { convert::layout(layout, n, &"layout", &mut Default::default()) }?;
     validate_shape(&global, ELEM_SIZE)?;
     layout.validate(&global, ELEM_SIZE, "layout")?;
     let rank_u =

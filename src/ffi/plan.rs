@@ -1,7 +1,8 @@
-//! The object behind `ncclReshardPlan_t`: the rank's program, its blocks and their
-//! transfers (their per-round parts, exported as `ncclReshardTransfer_t`), its views (`exec::buffers::RankViews`, which check each
-//! call's buffers) and its executor, computed once at creation and immutable after
-//! (shareable across threads).
+//! The object behind `ncclReshardPlan_t`: the rank's program, its views
+//! (`exec::buffers::RankViews`, which check each call's buffers) and its executor, computed
+//! once at creation and immutable after (shareable across threads); its blocks and their
+//! transfers (their per-round parts, exported as `ncclReshardTransfer_t`) are computed on the
+//! first `ncclReshardPlanGetTransfers`, since only transports other than NCCL need them.
 
 use super::convert::TensorInput;
 use super::types::*;
@@ -11,7 +12,7 @@ use crate::exec::buffers::{CallBuffers, RankViews};
 use crate::exec::cuda::CudaExecutor;
 use crate::plan::{Block, Buffer, Config, Mode, Planner, RankProgram, Transfer};
 use std::os::raw::c_int;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// Default bound on a rank's staging (`NCCL_RESHARD_STAGING_BYTES` overrides it, the config's
 /// `maxStagingBytes` overrides both).
@@ -33,10 +34,11 @@ pub(crate) struct PlanObject {
     /// The config's mode (reported by `ncclReshardPlanGetInfo`).
     mode: Mode,
     program: Arc<RankProgram>,
-    blocks: Vec<Block>,
-    /// The blocks' transfers the program was formed from, in export order: by round,
-    /// then block, then offset in the block.
-    transfers: Vec<Transfer>,
+    planner: Planner,
+    /// The rank's blocks and the transfers the program is formed from (one function of the
+    /// blocks: `Planner::transfers`), the transfers in export order: by round, then block,
+    /// then offset in the block. Computed when first exported.
+    export: OnceLock<(Vec<Block>, Vec<Transfer>)>,
     views: RankViews,
     executor: CudaExecutor,
 }
@@ -58,10 +60,9 @@ impl PlanObject {
         }
         let planner = Planner::new(specs, config)?;
         let views = RankViews::new(rank, planner.tensors(), &offsets, names)?;
-        let blocks = planner.rank_blocks(rank)?;
-        let mut transfers = planner.transfers(&blocks);
-        let program = Arc::new(planner.program_from_transfers(rank, &blocks, &transfers)?);
-        transfers.sort_by_key(|t| (t.round, t.block, t.offset));
+        // The same program as program_from_transfers(rank_blocks, transfers), without listing
+        // the blocks (tests/transfers.rs checks that they agree).
+        let program = Arc::new(planner.rank_program(rank)?);
         // Checked here, not per call: a call refused on one rank after its peers posted their
         // messages would leave them waiting.
         let limit = staging_limit(max_staging_bytes);
@@ -98,8 +99,8 @@ impl PlanObject {
             rank,
             mode,
             program,
-            blocks,
-            transfers,
+            planner,
+            export: OnceLock::new(),
             views,
             executor,
         })
@@ -147,12 +148,26 @@ impl PlanObject {
         }
     }
 
+    /// The rank's blocks and transfers in export order, computed on first use.
+    fn export(&self) -> Result<&(Vec<Block>, Vec<Transfer>)> {
+        if let Some(export) = self.export.get() {
+            return Ok(export);
+        }
+        let blocks = self.planner.rank_blocks(self.rank)?;
+        let mut transfers = self.planner.transfers(&blocks);
+        transfers.sort_by_key(|t| (t.round, t.block, t.offset));
+        // Another thread may have set it meanwhile: both computed the same.
+        let _ = self.export.set((blocks, transfers));
+        Ok(self.export.get().expect("set above"))
+    }
+
     /// The C form of every transfer, in export order (see `ncclReshardTransfer_t`).
     pub fn transfers(&self) -> Result<Vec<ncclReshardTransfer_t>> {
-        self.transfers
+        let (blocks, transfers) = self.export()?;
+        transfers
             .iter()
             .map(|transfer| {
-                let b = &self.blocks[transfer.block];
+                let b = &blocks[transfer.block];
                 let (kind, peer) = if b.from == b.to {
                     (ncclReshardTransferKind_t::ncclReshardTransferLocal, b.to)
                 } else if b.from == self.rank {
