@@ -37,8 +37,8 @@ Options:
   -V, --version  Print the version
 
 Case files are JSON; see `ncclreshard help check` for the format. Models are presets
-(deepseek-v3, qwen3-235b-a22b, qwen3-32b, llama-3.1-70b, dsv3-toy) or files; see
-`ncclreshard help simulate`.
+(deepseek-v3, kimi-k2, qwen3-235b-a22b, qwen3-32b, llama-3.1-70b, dsv3-toy) or files;
+see `ncclreshard help simulate`.
 Exit status: 0 success, 1 a check failed, 2 usage or input-file error.
 ";
 

@@ -58,8 +58,9 @@ Usage: ncclreshard refit --model NAME|FILE --train SPEC --infer SPEC [OPTIONS]
 Progress goes to stderr; the summary table to stdout.
 
 Options:
-  --model NAME|FILE  deepseek-v3, qwen3-235b-a22b, qwen3-32b, llama-3.1-70b, dsv3-toy, a
-                     HuggingFace config.json or an M2N *.model.json listing (required)
+  --model NAME|FILE  deepseek-v3, kimi-k2, qwen3-235b-a22b, qwen3-32b, llama-3.1-70b,
+                     dsv3-toy, a HuggingFace config.json or an M2N *.model.json listing
+                     (required)
   --train SPEC       Megatron-style training parallelism, e.g. tp4,pp4,dp2 (required)
   --infer SPEC       vLLM-style inference parallelism, e.g. tp4,dp8 (required)
   --system FILE      An NCCL M2N system_configs/*.json instead of --train and --infer

@@ -54,8 +54,9 @@ measurements. Planning hundreds of ranks takes a while; progress goes to stderr,
 stdout.
 
 Options:
-  --model NAME|FILE  deepseek-v3, qwen3-235b-a22b, qwen3-32b, llama-3.1-70b, dsv3-toy, a
-                     HuggingFace config.json or an M2N *.model.json tensor listing (required)
+  --model NAME|FILE  deepseek-v3, kimi-k2, qwen3-235b-a22b, qwen3-32b, llama-3.1-70b,
+                     dsv3-toy, a HuggingFace config.json or an M2N *.model.json tensor listing
+                     (required)
   --train SPEC       Megatron-style training parallelism: tp,cp,pp,dp,ep,etp (and fsdp), e.g.
                      pp16,ep16 (dp defaults to the smallest that fits ep) (required)
   --infer SPEC       vLLM-style inference parallelism: tp,dp[,ep], e.g. tp32,dp8 (required)
