@@ -469,3 +469,73 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
         c.maxStagingBytes as u64,
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(ranks: &[c_int], kind: c_int) -> ncclReshardLayout_t {
+        let mut l = default_layout();
+        l.size = std::mem::size_of::<ncclReshardLayout_t>();
+        l.meshNdim = 1;
+        l.meshShape[0] = ranks.len() as i64;
+        l.ranks = ranks.as_ptr();
+        l.placements[0] = ncclReshardPlacement_t {
+            kind,
+            dim: 0,
+            splitFactor: 0,
+        };
+        l
+    }
+
+    fn tensor(src: &ncclReshardLayout_t, dst: &ncclReshardLayout_t) -> ncclReshardTensor_t {
+        let mut t = default_tensor();
+        t.size = std::mem::size_of::<ncclReshardTensor_t>();
+        t.ndim = 1;
+        t.shape[0] = 8;
+        t.dtype = DType::Float32.nccl_code();
+        t.src = src;
+        t.dst = dst;
+        t
+    }
+
+    fn convert(tensors: &[ncclReshardTensor_t]) -> Result<Vec<TensorInput>> {
+        // SAFETY: every tensor and layout outlives the call; tables hold meshShape entries.
+        unsafe { super::tensors(tensors.as_ptr(), tensors.len() as c_int) }
+    }
+
+    #[test]
+    fn errors_name_the_field_of_the_tensor_they_are_in() {
+        let good_table = [0, 1];
+        let bad_table = [2, -3];
+        let good = layout(&good_table, 1);
+        let bad_rank = layout(&bad_table, 1);
+        let bad_kind = layout(&good_table, 7);
+        let error = |t: &[ncclReshardTensor_t]| convert(t).err().expect("refused").message;
+        let ok = tensor(&good, &good);
+        assert_eq!(
+            error(&[ok, tensor(&good, &bad_rank)]),
+            "tensors[1].dst->ranks[1] is -3; ranks are non-negative"
+        );
+        assert!(error(&[tensor(&bad_kind, &good)])
+            .starts_with("tensors[0].src->placements[0].kind is 7; use ncclReshardReplicate"));
+    }
+
+    #[test]
+    fn tensors_on_equal_rank_tables_share_one_mesh() {
+        // Two copies of one table and a different one, interleaved as a model's layouts are.
+        let (a, a_copy, b) = ([4, 5, 6, 7], [4, 5, 6, 7], [0, 1, 2, 3]);
+        let (la, la_copy, lb) = (layout(&a, 1), layout(&a_copy, 0), layout(&b, 1));
+        let mut tensors = Vec::new();
+        for _ in 0..3 {
+            tensors.extend([tensor(&lb, &la), tensor(&lb, &la_copy)]);
+        }
+        let converted = convert(&tensors).unwrap();
+        let dst: Vec<&Mesh> = converted.iter().map(|t| &t.spec.dst.mesh).collect();
+        let src: Vec<&Mesh> = converted.iter().map(|t| &t.spec.src.mesh).collect();
+        assert!(dst.iter().all(|m| m.shares_table(dst[0])));
+        assert!(src.iter().all(|m| m.shares_table(src[0])));
+        assert!(!src[0].shares_table(dst[0]));
+        assert_eq!(dst[0].ranks(), &[4, 5, 6, 7]);
+    }
+}

@@ -147,6 +147,12 @@ impl Mesh {
         }
     }
 
+    /// Whether both meshes are one rank table (not only equal ones).
+    #[cfg(test)]
+    pub(crate) fn shares_table(&self, other: &Mesh) -> bool {
+        Arc::ptr_eq(&self.table, &other.table)
+    }
+
     pub fn shape(&self) -> &[u64] {
         &self.table.shape
     }
