@@ -7,6 +7,7 @@
 
 use super::config::{Config, Mode};
 use super::fingerprint::mix;
+use super::loads::{Loads, FORWARD_SCALE};
 use crate::layout::{IndexRuns, TensorSpec};
 use std::borrow::Cow;
 
@@ -74,6 +75,7 @@ pub(crate) fn assign(
     unit: &Unit<'_>,
     config: &Config,
     rounds: u32,
+    loads: &Loads,
     keep: impl Fn(u32, u32, bool) -> bool,
     mut sink: impl FnMut(Assignment),
 ) {
@@ -150,16 +152,32 @@ pub(crate) fn assign(
     let bytes_of = |region: &[IndexRuns]| -> u64 {
         region.iter().map(IndexRuns::len).product::<u64>() * elem_size
     };
+    // Network groups: receivers that no replica reaches over NVLink, by node when relaying.
+    let network_groups: Vec<&[u32]> = groups
+        .iter()
+        .filter(|(node, _)| node.is_none())
+        .map(|&(_, members)| members)
+        .collect();
+    // Forwarding between receiving nodes: a fraction of the data crosses the network once, to
+    // one node (the hub), which forwards it to the other nodes in the next round. Only when
+    // the senders are busier than any receiver ([`Loads::forward_fraction`]), and only for
+    // data received at least two rounds before the last, so a forwarded chunk's in-node relay
+    // (round + 2) still lands in the plan's extra round.
+    let forwarded_share = if relay && rounds >= 2 && network_groups.len() >= 2 {
+        loads.forward_fraction(&sorted_senders, network_groups.len() as u64)
+    } else {
+        0
+    };
     // Relayed overlaps: the region's chunks, computed once for every relay group. Each chunk
     // goes whole to one member (contiguous where the region is, so it can be forwarded
     // without packing); the rotation spreads chunks over members and rounds.
-    let largest_group = groups
+    let largest_group = network_groups
         .iter()
-        .filter(|(node, _)| relay && node.is_none())
-        .map(|(_, members)| members.len() as u64)
+        .filter(|_| relay)
+        .map(|members| members.len() as u64)
         .max()
         .unwrap_or(1);
-    let chunks = if largest_group > 1 {
+    let chunks = if largest_group > 1 || forwarded_share > 0 {
         let n = u64::from(rounds)
             .max(largest_group)
             .min(bytes_of(&unit.region) / config.split_min_bytes.saturating_mul(RELAY_CHUNK_FACTOR))
@@ -168,20 +186,27 @@ pub(crate) fn assign(
     } else {
         Vec::new()
     };
+    // Which chunks are forwarded: a hash of (unit, chunk) below the share, so that over a
+    // sender's many units the forwarded bytes approach the share.
+    let forwarded: Vec<bool> = (0..chunks.len() as u64)
+        .map(|c| forwarded_share > 0 && mix([rotation, c]) % FORWARD_SCALE < forwarded_share)
+        .collect();
     // Network legs: (receiver, region, round) for every group, dealt out together.
     let mut network: Vec<Leg<'_>> = Vec::new();
-    for (node, members) in groups {
+    for (node, members) in &groups {
         if let Some(n) = node {
-            let candidates: Vec<u32> = on_node(n).iter().map(|&(_, s)| s).collect();
+            let candidates: Vec<u32> = on_node(*n).iter().map(|&(_, s)| s).collect();
             let legs: Vec<Leg<'_>> = members
                 .iter()
                 .map(|&r| (r, Cow::Borrowed(unit.region.as_slice()), None))
                 .collect();
             deal(&legs, &candidates, rotation, config, &bytes_of, &mut out);
-            continue;
         }
+    }
+    let any_forwarded = forwarded.contains(&true);
+    for members in &network_groups {
         let g = members.len() as u64;
-        if g == 1 || !relay {
+        if chunks.is_empty() || !relay || (g == 1 && !any_forwarded) {
             network.extend(
                 members
                     .iter()
@@ -190,6 +215,13 @@ pub(crate) fn assign(
             continue;
         }
         for (c, chunk) in chunks.iter().enumerate() {
+            if forwarded[c] {
+                continue;
+            }
+            if g == 1 {
+                network.push((members[0], Cow::Borrowed(chunk.as_slice()), None));
+                continue;
+            }
             // Independent offsets for round and member: in any round, the units' chunks land
             // on all members alike.
             let c = c as u64;
@@ -200,6 +232,31 @@ pub(crate) fn assign(
                 if j != first {
                     out(members[first], r, chunk, Some(round + 1), true);
                 }
+            }
+        }
+    }
+    // Forwarded chunks: to one member of the hub node in round r, from it to its node mates
+    // and to one member (the entry) of every other node in r + 1, from each entry to its
+    // node mates in r + 2.
+    for (c, chunk) in chunks.iter().enumerate() {
+        if !forwarded[c] {
+            continue;
+        }
+        let c = c as u64;
+        let round = ((c + rotation / 65_521) % u64::from(rounds - 1)) as u32;
+        let hub_group = ((c + rotation / 8_191) % network_groups.len() as u64) as usize;
+        let entry = |members: &[u32]| ((c + rotation) % members.len() as u64) as usize;
+        let hub_members = network_groups[hub_group];
+        let hub = hub_members[entry(hub_members)];
+        network.push((hub, Cow::Borrowed(chunk.as_slice()), Some(round)));
+        for (i, members) in network_groups.iter().enumerate() {
+            let first = members[entry(members)];
+            if i != hub_group {
+                out(hub, first, chunk, Some(round + 1), true);
+            }
+            for &r in members.iter().filter(|&&r| r != first) {
+                let relay_round = if i == hub_group { round + 1 } else { round + 2 };
+                out(first, r, chunk, Some(relay_round), true);
             }
         }
     }

@@ -11,6 +11,7 @@ mod blocks;
 mod config;
 mod fingerprint;
 mod fxhash;
+mod loads;
 mod messages;
 mod program;
 mod rounds;
@@ -34,6 +35,7 @@ use crate::layout::{next_index, DType, DimPiece, IndexRuns, Layout, RankView, Si
 use assign::{assign, Unit};
 use blocks::assignment_blocks;
 use fxhash::{FxHashMap, FxHashSet};
+use loads::Loads;
 use messages::{Emitter, End};
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -49,6 +51,8 @@ pub struct Planner {
     layout_ids: Vec<[u32; 2]>,
     /// Rounds the data is spread over (1 in groupable mode); relays add one more.
     rounds: u32,
+    /// Estimated bytes per rank: which senders are busier than any receiver.
+    loads: Loads,
 }
 
 /// Geometry computed once per rank call and shared by every tensor with the same layout,
@@ -155,13 +159,15 @@ impl Planner {
             }
         }
         let fingerprint = fingerprint(&tensors, &config);
-        let rounds = rounds_for(&tensors, &layout_ids, &config);
+        let loads = Loads::new(&tensors, &layout_ids, &config.topology);
+        let rounds = rounds_for(&loads, &config);
         Ok(Planner {
             tensors,
             config,
             fingerprint,
             layout_ids,
             rounds,
+            loads,
         })
     }
 
@@ -229,6 +235,7 @@ impl Planner {
                     own_is_dst,
                     &self.config,
                     self.rounds,
+                    &self.loads,
                     &|from, to, relay| {
                         if own_is_dst {
                             to == rank || (relay && from == rank)
@@ -410,42 +417,15 @@ impl Planner {
 
 /// Rounds for a plan: 1 in groupable mode, the config's count, or enough that the busiest
 /// rank moves about [`ROUND_TARGET_BYTES`] per round, estimated from the tensors alone (every
-/// rank must get the same count): a destination rank receives its shard of each tensor, a
-/// source rank sends its share of what every destination replica needs. Per-rank sums are
-/// taken per distinct layout, so the cost is tensors + ranks × layouts.
-fn rounds_for(tensors: &[TensorSpec], layout_ids: &[[u32; 2]], config: &Config) -> u32 {
+/// rank must get the same count; [`Loads`]).
+fn rounds_for(loads: &Loads, config: &Config) -> u32 {
     if config.mode == Mode::Groupable {
         return 1;
     }
     if config.rounds > 0 {
         return config.rounds;
     }
-    let shards = |layout: &Layout| -> u128 {
-        (0..layout.placements.len())
-            .filter(|&a| layout.placements[a].dim().is_some())
-            .map(|a| u128::from(layout.mesh.shape()[a]))
-            .product::<u128>()
-            .max(1)
-    };
-    // Bytes each rank of a layout moves, per distinct layout (and the layout itself).
-    let mut per_layout: FxHashMap<u32, (&Layout, u128)> = FxHashMap::default();
-    for (t, ids) in tensors.iter().zip(layout_ids) {
-        let bytes = u128::from(t.shape.iter().product::<u64>()) * u128::from(t.elem_size());
-        let dst_ranks = t.dst.mesh.ranks().len() as u128;
-        let dst_shards = shards(&t.dst);
-        let src_ranks = (t.src.mesh.ranks().len() as u128).max(1);
-        let replicas = (dst_ranks / dst_shards).max(1);
-        per_layout.entry(ids[0]).or_insert((&t.src, 0)).1 += bytes * replicas / src_ranks;
-        per_layout.entry(ids[1]).or_insert((&t.dst, 0)).1 += bytes / dst_shards;
-    }
-    let mut per_rank: FxHashMap<u32, u128> = FxHashMap::default();
-    for (layout, bytes) in per_layout.values() {
-        for &rank in layout.mesh.ranks() {
-            *per_rank.entry(rank).or_default() += bytes;
-        }
-    }
-    let busiest = per_rank.values().copied().max().unwrap_or(0);
-    let rounds = busiest.div_ceil(u128::from(ROUND_TARGET_BYTES));
+    let rounds = loads.busiest().div_ceil(u128::from(ROUND_TARGET_BYTES));
     rounds.clamp(1, u128::from(AUTO_MAX_ROUNDS)) as u32
 }
 
@@ -463,6 +443,7 @@ fn units(
     own_is_dst: bool,
     config: &Config,
     rounds: u32,
+    loads: &Loads,
     keep: &dyn Fn(u32, u32, bool) -> bool,
     mut sink: impl FnMut(Assignment),
 ) {
@@ -507,7 +488,7 @@ fn units(
             dst_coords,
             region,
         };
-        assign(&unit, config, rounds, keep, &mut sink);
+        assign(&unit, config, rounds, loads, keep, &mut sink);
         if !next_index(&mut choice, |d| overlaps[d].len()) {
             return;
         }
