@@ -256,7 +256,9 @@ typedef struct {
  * modes) cuts the data into that many rounds (0 or unset = chosen from the tensors' sizes,
  * about 4 GiB per rank and round). `relay` (staged and auto modes, topology known): 1 (the
  * default) sends data that several replicas on one node need across the network once and
- * forwards it over NVLink; 0 sends it to each replica. `rounds` and `relay` were added in 0.2:
+ * forwards it over NVLink, and, with at least 2 rounds, lets receiving nodes forward part of
+ * an overloaded sender's data to each other over the network; 0 sends it to each replica
+ * from a source rank. `rounds` and `relay` were added in 0.2:
  * a struct from an older header (smaller `size`) gets the defaults.
  */
 typedef struct {

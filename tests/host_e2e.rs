@@ -840,3 +840,93 @@ fn replicas_on_one_node_get_network_data_once_and_relay_it() {
         }
     }
 }
+
+/// One source rank (node 0) → four replicas, one per node (nodes 1-4): the sender is four
+/// times busier than any receiver, so most of its data crosses the network once, to one node,
+/// and that node forwards it to the others (forwarding between receiving nodes).
+#[test]
+fn a_busy_sender_has_its_data_forwarded_between_receiving_nodes() {
+    let spec = TensorSpec {
+        shape: vec![256, 64],
+        dtype: DType::Bfloat16,
+        src: layout(grid(&[1], 0), &[Placement::Replicate]),
+        dst: layout(
+            Mesh::new(vec![4], vec![4, 8, 12, 16]).expect("valid mesh"),
+            &[Placement::Replicate],
+        ),
+    };
+    let tensor_bytes = 256 * 64 * 2;
+    let sent_by = |programs: &[RankProgram], rank: u32| -> u64 {
+        programs
+            .iter()
+            .filter(|p| p.rank == rank)
+            .flat_map(|p| p.sends.iter())
+            .map(|m| m.bytes)
+            .sum()
+    };
+    for mode in [Mode::Staged, Mode::Auto] {
+        for rounds in [2, 3, 5] {
+            let base = Config {
+                mode,
+                topology: Topology::RanksPerNode(4),
+                split_min_bytes: 64,
+                rounds,
+                ..Default::default()
+            };
+            let forwarded = run_checked(std::slice::from_ref(&spec), &base);
+            let direct = run_checked(
+                std::slice::from_ref(&spec),
+                &Config {
+                    relay: false,
+                    ..base.clone()
+                },
+            );
+            assert_eq!(sent_by(&direct, 0), 4 * tensor_bytes, "{base:?}");
+            let sender = sent_by(&forwarded, 0);
+            assert!(
+                sender < 2 * tensor_bytes,
+                "{base:?}: the sender sent {sender}"
+            );
+            // Receivers forward across nodes from their destination views.
+            let forwarders = forwarded
+                .iter()
+                .filter(|p| p.rank != 0)
+                .filter(|p| {
+                    p.sends.iter().any(|m| m.loc.buffer == Buffer::Dst)
+                        || p.packs.iter().any(|c| c.src.buffer == Buffer::Dst)
+                })
+                .count();
+            assert!(forwarders >= 2, "{base:?}: {forwarders} forwarders");
+        }
+    }
+}
+
+/// Forwarding between receiving nodes whose nodes hold several replicas: hub → its node
+/// mates and one member of every other node, which relays to its own mates a round later.
+#[test]
+fn forwarded_data_reaches_node_mates_of_every_receiving_node() {
+    let spec = TensorSpec {
+        shape: vec![128, 96],
+        dtype: DType::Bfloat16,
+        src: layout(grid(&[2], 0), &[Placement::Shard(1)]),
+        // 3 nodes × 2 replicas of a TP2 shard: ranks 4..16, 4 per node.
+        dst: layout(
+            grid(&[6, 2], 4),
+            &[Placement::Replicate, Placement::Shard(0)],
+        ),
+    };
+    for mode in [Mode::Staged, Mode::Auto] {
+        for rounds in [2, 4] {
+            run_checked(
+                std::slice::from_ref(&spec),
+                &Config {
+                    mode,
+                    topology: Topology::RanksPerNode(4),
+                    split_min_bytes: 64,
+                    rounds,
+                    ..Default::default()
+                },
+            );
+        }
+    }
+}

@@ -7,6 +7,7 @@
 
 use super::config::{Config, Mode};
 use super::fingerprint::mix;
+use super::loads::{Loads, FORWARD_SCALE};
 use crate::layout::{IndexRuns, TensorSpec};
 
 /// Which data one sender gives one receiver: a region of a tensor moving from `from` to `to`
@@ -59,6 +60,12 @@ impl Assignment {
 ///   node: the region is cut into chunks (about one per round, at least one per member, at
 ///   least `split_min_bytes` each); each chunk crosses the network once, to one member, in
 ///   its round, and that member forwards it to the others over NVLink in the next round.
+/// - Forwarding between receiving nodes (same conditions, at least 2 rounds, at least 2
+///   receiving nodes): when the unit's senders are busier than any receiver
+///   ([`Loads::forward_fraction`]), that share of the chunks (picked by a hash of the rotation
+///   and the chunk) crosses the network once, to one member of one node (the hub), in a round
+///   r ≤ rounds − 2; the hub forwards it to its node mates and to one member (the entry) of
+///   every other node in r + 1, and each entry to its node mates in r + 2.
 /// - Network and on-node parts are dealt round-robin over the candidate senders; when there
 ///   are fewer parts than candidates, parts are split further (down to `split_min_bytes`) so
 ///   that every candidate sends.
@@ -82,6 +89,10 @@ pub(crate) struct Prepared {
     relay_groups: Vec<Vec<u32>>,
     /// Relay chunks: regions `1..=chunks`.
     chunks: u32,
+    /// The share of chunks forwarded between receiving nodes, in 1/[`FORWARD_SCALE`] (0:
+    /// none). Then every network receiver is in a relay group (one per node) and
+    /// `relay_groups` lists them all.
+    forward_share: u64,
     /// Network legs, dealt over every replica after the steps.
     network: Vec<Leg>,
     senders: Vec<u32>,
@@ -114,6 +125,10 @@ enum LegTo {
         group: u32,
         chunk: u32,
     },
+    /// Relay chunk `chunk` when forwarded between nodes: to the hub, which the rotation picks.
+    Forward {
+        chunk: u32,
+    },
 }
 
 impl Prepared {
@@ -127,6 +142,7 @@ impl Prepared {
         region: Vec<IndexRuns>,
         config: &Config,
         rounds: u32,
+        loads: &Loads,
     ) -> Prepared {
         let senders = spec.src.replicas(src_coords);
         let receivers = spec.dst.replicas(dst_coords);
@@ -191,6 +207,13 @@ impl Prepared {
         let bytes_of = |region: &[IndexRuns]| -> u64 {
             region.iter().map(IndexRuns::len).product::<u64>() * elem_size
         };
+        // Forwarding between receiving nodes: how much, from the senders' load.
+        let network_groups = groups.iter().filter(|(node, _)| node.is_none()).count() as u64;
+        let forward_share = if relay && rounds >= 2 && network_groups >= 2 {
+            loads.forward_fraction(&sorted_senders, network_groups)
+        } else {
+            0
+        };
         // Relayed overlaps: the region's chunks, computed once for every relay group. Each
         // chunk goes whole to one member (contiguous where the region is, so it can be
         // forwarded without packing); the rotation spreads chunks over members and rounds.
@@ -200,7 +223,7 @@ impl Prepared {
             .map(|(_, members)| members.len() as u64)
             .max()
             .unwrap_or(1);
-        let chunks = if largest_group > 1 {
+        let chunks = if largest_group > 1 || forward_share > 0 {
             let n = u64::from(rounds)
                 .max(largest_group)
                 .min(bytes_of(&region) / config.split_min_bytes.saturating_mul(RELAY_CHUNK_FACTOR))
@@ -218,6 +241,7 @@ impl Prepared {
             steps: Vec::new(),
             relay_groups: Vec::new(),
             chunks: chunks.len() as u32,
+            forward_share,
             network: Vec::new(),
             senders: Vec::new(),
             rounds,
@@ -235,7 +259,7 @@ impl Prepared {
                 prepared.steps.push(Step::OnNode { candidates, legs });
                 continue;
             }
-            if members.len() == 1 || !relay {
+            if (members.len() == 1 && forward_share == 0) || !relay {
                 network.extend(members.iter().map(|&r| (LegTo::Receiver(r), 0)));
                 continue;
             }
@@ -246,6 +270,9 @@ impl Prepared {
             network.extend(
                 (0..prepared.chunks).map(|chunk| (LegTo::Relay { group, chunk }, 1 + chunk)),
             );
+        }
+        if forward_share > 0 {
+            network.extend((0..prepared.chunks).map(|chunk| (LegTo::Forward { chunk }, 1 + chunk)));
         }
         prepared.network = prepared.split_legs(&network, senders.len() as u64, config, &bytes_of);
         prepared.rotates |= senders.len() > 1 && !prepared.network.is_empty();
@@ -330,6 +357,9 @@ impl Prepared {
                 Step::Relay(group) => {
                     let members = &self.relay_groups[*group as usize];
                     for chunk in 0..self.chunks {
+                        if self.forwarded(chunk, rotation) {
+                            continue;
+                        }
                         let (first, round) = self.relay_leg(*group, chunk, rotation);
                         for &r in members {
                             if r != first {
@@ -340,7 +370,39 @@ impl Prepared {
                 }
             }
         }
+        for chunk in (0..self.chunks).filter(|&c| self.forwarded(c, rotation)) {
+            let (hub_group, hub, round) = self.hub(chunk, rotation);
+            for (g, members) in self.relay_groups.iter().enumerate() {
+                let (entry, _) = self.relay_leg(g as u32, chunk, rotation);
+                if g != hub_group as usize {
+                    emit(hub, entry, 1 + chunk, Some(round + 1), true);
+                }
+                let mates_round = if g == hub_group as usize {
+                    round + 1
+                } else {
+                    round + 2
+                };
+                for &r in members.iter().filter(|&&r| r != entry) {
+                    emit(entry, r, 1 + chunk, Some(mates_round), true);
+                }
+            }
+        }
         self.deal_legs(&self.network, &self.senders, rotation, emit);
+    }
+
+    /// Whether relay chunk `chunk` is forwarded between receiving nodes under `rotation`.
+    fn forwarded(&self, chunk: u32, rotation: u64) -> bool {
+        self.forward_share > 0
+            && mix([rotation, u64::from(chunk)]) % FORWARD_SCALE < self.forward_share
+    }
+
+    /// A forwarded chunk's hub: (relay group, member, round it arrives in, ≤ rounds − 2).
+    fn hub(&self, chunk: u32, rotation: u64) -> (u32, u32, u32) {
+        let c = u64::from(chunk);
+        let group = ((c + rotation / 8_191) % self.relay_groups.len() as u64) as u32;
+        let (member, _) = self.relay_leg(group, chunk, rotation);
+        let round = ((c + rotation / 65_521) % u64::from(self.rounds - 1)) as u32;
+        (group, member, round)
     }
 
     /// The member relay chunk `chunk` of `group` crosses the network to, and its round.
@@ -366,8 +428,21 @@ impl Prepared {
             let (to, round) = match leg.to {
                 LegTo::Receiver(r) => (r, None),
                 LegTo::Relay { group, chunk } => {
+                    if self.forwarded(chunk, rotation) {
+                        continue;
+                    }
                     let (member, round) = self.relay_leg(group, chunk, rotation);
-                    (member, Some(round))
+                    // A lone member (a group only because of forwarding) forwards nothing:
+                    // its data is spread over rounds like any pair's.
+                    let alone = self.relay_groups[group as usize].len() == 1;
+                    (member, (!alone).then_some(round))
+                }
+                LegTo::Forward { chunk } => {
+                    if !self.forwarded(chunk, rotation) {
+                        continue;
+                    }
+                    let (_, hub, round) = self.hub(chunk, rotation);
+                    (hub, Some(round))
                 }
             };
             for &part in &leg.parts {

@@ -11,6 +11,7 @@ mod blocks;
 mod config;
 mod fingerprint;
 mod fxhash;
+mod loads;
 mod messages;
 mod program;
 mod rounds;
@@ -39,6 +40,7 @@ use crate::layout::{
 use assign::Prepared;
 use blocks::{assignment_blocks, Move, Moved, Movement};
 use fxhash::FxHashMap;
+use loads::Loads;
 use messages::{Emitter, End};
 use std::ops::Range;
 use std::rc::Rc;
@@ -63,6 +65,8 @@ pub struct Planner {
     rounds: u32,
     /// The smallest part a pair's data is cut into across rounds ([`pair_part_bytes`]).
     pair_part_bytes: u64,
+    /// Estimated bytes per rank: which senders are busier than any receiver.
+    loads: Loads,
 }
 
 /// Geometry computed once per rank call and shared by every tensor with the same layout,
@@ -190,7 +194,8 @@ impl Planner {
             }
         }
         let fingerprint = fingerprint::of_interned(&tensors, &layout_ids, &layouts, &config);
-        let busiest = busiest_rank_bytes(&tensors, &layout_ids, &layouts);
+        let loads = Loads::new(&tensors, &layout_ids, &layouts, &config.topology);
+        let busiest = loads.busiest();
         drop(layouts);
         let rounds = rounds_for(busiest, &config);
         let pair_part_bytes = pair_part_bytes(busiest, distinct_ranks(&meshes).len(), &config);
@@ -204,6 +209,7 @@ impl Planner {
             class_first,
             rounds,
             pair_part_bytes,
+            loads,
         })
     }
 
@@ -349,6 +355,7 @@ impl Planner {
                 own_is_dst,
                 &self.config,
                 self.rounds,
+                &self.loads,
             );
             (!units.is_empty()).then(|| Rc::new(units))
         });
@@ -710,45 +717,6 @@ fn intern_layouts(tensors: &[TensorSpec]) -> (Vec<[u32; 2]>, Vec<&Layout>) {
     (layout_ids, layouts)
 }
 
-/// Bytes the busiest rank moves, estimated from the tensors alone (every rank gets the same
-/// value): a destination rank receives its shard of each tensor, a source rank sends its
-/// share of what every destination replica needs. Per-rank sums are taken per distinct
-/// layout, so the cost is tensors + ranks × layouts.
-fn busiest_rank_bytes(
-    tensors: &[TensorSpec],
-    layout_ids: &[[u32; 2]],
-    layouts: &[&Layout],
-) -> u128 {
-    let shards: Vec<u128> = layouts
-        .iter()
-        .map(|layout| {
-            (0..layout.placements.len())
-                .filter(|&a| layout.placements[a].dim().is_some())
-                .map(|a| u128::from(layout.mesh.shape()[a]))
-                .product::<u128>()
-                .max(1)
-        })
-        .collect();
-    // Bytes each rank of a layout moves, per distinct layout.
-    let mut per_layout = vec![0u128; layouts.len()];
-    for (t, &[src, dst]) in tensors.iter().zip(layout_ids) {
-        let bytes = u128::from(t.shape.iter().product::<u64>()) * u128::from(t.elem_size());
-        let dst_ranks = t.dst.mesh.size() as u128;
-        let dst_shards = shards[dst as usize];
-        let src_ranks = (t.src.mesh.size() as u128).max(1);
-        let replicas = (dst_ranks / dst_shards).max(1);
-        per_layout[src as usize] += bytes * replicas / src_ranks;
-        per_layout[dst as usize] += bytes / dst_shards;
-    }
-    let mut per_rank: FxHashMap<u32, u128> = FxHashMap::default();
-    for (layout, bytes) in layouts.iter().zip(per_layout) {
-        for &rank in layout.mesh.ranks() {
-            *per_rank.entry(rank).or_default() += bytes;
-        }
-    }
-    per_rank.values().copied().max().unwrap_or(0)
-}
-
 /// Rounds for a plan whose busiest rank moves `busiest` bytes: 1 in groupable mode, the
 /// config's count, or enough that the busiest rank moves about [`ROUND_TARGET_BYTES`] per
 /// round.
@@ -874,6 +842,7 @@ fn units(
     own_is_dst: bool,
     config: &Config,
     rounds: u32,
+    loads: &Loads,
 ) -> Vec<Prepared> {
     let ndim = spec.shape.len();
     let mut out = Vec::new();
@@ -911,7 +880,7 @@ fn units(
             (&own_refs, &other_refs)
         };
         out.push(Prepared::new(
-            spec, src_coords, dst_coords, region, config, rounds,
+            spec, src_coords, dst_coords, region, config, rounds, loads,
         ));
         if !next_index(&mut choice, |d| overlaps[d].len()) {
             return out;
