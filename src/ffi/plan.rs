@@ -163,7 +163,7 @@ impl PlanObject {
                 let src_view = match transfer.copy.src.buffer {
                     Buffer::Src => ncclReshardView_t::ncclReshardViewSource,
                     Buffer::Dst => ncclReshardView_t::ncclReshardViewDestination,
-                    Buffer::Staging => {
+                    Buffer::Staging | Buffer::Work => {
                         return Err(Error::internal(format!(
                             "block {} of rank {} reads the staging arena",
                             transfer.block, self.rank

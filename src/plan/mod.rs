@@ -9,6 +9,7 @@
 mod assign;
 mod blocks;
 mod config;
+mod convert;
 mod fingerprint;
 mod fxhash;
 mod messages;
@@ -22,6 +23,7 @@ pub use config::{
     AUTO_STAGE_MIN_MESSAGES, DEFAULT_SPLIT_MIN_BYTES, GROUPABLE_MAX_MESSAGES_PER_RANK,
     GROUPABLE_MAX_PIECES_PER_PAIR, MAX_ROUNDS, ROUND_TARGET_BYTES,
 };
+pub use convert::{ConvertDim, StridedConvert};
 pub use fingerprint::fingerprint;
 pub use messages::STAGING_ALIGN;
 pub use program::{
