@@ -437,13 +437,15 @@ fn run_convert(convert: &StridedConvert, memory: &mut Memory<'_>) -> Result<()> 
     Ok(())
 }
 
+/// What [`convert_box`] makes of a box: every element's destination bytes (the first
+/// `dst.size()` of 4) and every block's stored scale, each at its byte offset from the box's
+/// destination or scale location.
+pub type ConvertedBox = (Vec<(usize, [u8; 4])>, Vec<(usize, Vec<u8>)>);
+
 /// The semantics of a [`StridedConvert`] on a source slice starting at its `src`: every
 /// element's destination bytes (at its offset from `dst`) and every block's stored scale (at
 /// its offset from `scale`), by `crate::quant`'s arithmetic. The GPU kernel computes the same.
-pub fn convert_box(
-    convert: &StridedConvert,
-    src: &[u8],
-) -> (Vec<(usize, [u8; 4])>, Vec<(usize, Vec<u8>)>) {
+pub fn convert_box(convert: &StridedConvert, src: &[u8]) -> ConvertedBox {
     let arithmetic = &convert.arithmetic;
     let dims = &convert.dims;
     let src_size = arithmetic.src.size() as usize;

@@ -28,8 +28,10 @@ pub struct ConvertDim {
 /// amaxes, block scales, values).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StridedConvert {
-    /// The tensor, for messages and the exported transfers.
+    /// The tensor, and the global index of the box's first element, for messages and the
+    /// exported transfers.
     pub tensor: u32,
+    pub start: Vec<u64>,
     pub src: Loc,
     pub dst: Loc,
     /// Where the scales go (scaled conversions only).

@@ -14,6 +14,7 @@ mod fingerprint;
 mod fxhash;
 mod messages;
 mod program;
+mod quantize;
 mod rounds;
 
 pub use assign::Assignment;
@@ -29,10 +30,12 @@ pub use messages::STAGING_ALIGN;
 pub use program::{
     Buffer, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan, StridedCopy,
 };
+pub use quantize::{region, region_of, WorkRegion};
 pub use rounds::Transfer;
 
 use crate::error::{Error, Result};
 use crate::layout::{next_index, DType, DimPiece, IndexRuns, Layout, RankView, Side, TensorSpec};
+use crate::quant::Conversion;
 use assign::{assign, Unit};
 use blocks::assignment_blocks;
 use fxhash::{FxHashMap, FxHashSet};
@@ -51,6 +54,9 @@ pub struct Planner {
     layout_ids: Vec<[u32; 2]>,
     /// Rounds the data is spread over (1 in groupable mode); relays add one more.
     rounds: u32,
+    /// Tensors that arrive in another dtype (`plan/quantize.rs`): the blocks are then made by
+    /// an inner planner over their conversion classes.
+    conversions: Option<Box<quantize::Conversions>>,
 }
 
 /// Geometry computed once per rank call and shared by every tensor with the same layout,
@@ -164,7 +170,57 @@ impl Planner {
             fingerprint,
             layout_ids,
             rounds,
+            conversions: None,
         })
+    }
+
+    /// Like [`Planner::new`], with what each tensor becomes on its way: `conversions[t]`
+    /// (`None`: it arrives as it is) converts tensor t from its `dtype` to the conversion's
+    /// (docs/quantization.md). Errors name the tensor (`tensors[3]: …`): a conversion its
+    /// tensor does not allow, layouts where neither side holds a quantization block whole,
+    /// groupable mode.
+    pub fn with_conversions(
+        tensors: Vec<TensorSpec>,
+        conversions: Vec<Option<Conversion>>,
+        config: Config,
+    ) -> Result<Planner> {
+        let mut planner = Planner::new(tensors, config)?;
+        if let Some(c) =
+            quantize::Conversions::new(&planner.tensors, &conversions, &planner.config)?
+        {
+            planner.fingerprint = fingerprint::with_conversions(planner.fingerprint, &conversions);
+            planner.rounds = c.inner().rounds();
+            planner.conversions = Some(Box::new(c));
+        }
+        Ok(planner)
+    }
+
+    /// What each tensor becomes on its way (`None` when no tensor converts).
+    pub fn conversions(&self) -> Option<&[Option<Conversion>]> {
+        self.conversions.as_deref().map(|c| c.conversions())
+    }
+
+    /// The scale tensors of quantized tensors, in tensor order: (tensor, scale shape, scale
+    /// destination layout, bytes per scale). The k-th is the program's destination view
+    /// `tensors().len() + k` (`Loc::tensor`).
+    pub fn scale_tensors(&self) -> Vec<(u32, Vec<u64>, Layout, u32)> {
+        self.conversions
+            .as_deref()
+            .map_or_else(Vec::new, |c| c.scale_tensors())
+    }
+
+    /// The conversions `rank` runs before and after the rounds, for `rank`'s blocks (as
+    /// [`Planner::rank_blocks`] gives them), with workspace locations naming regions
+    /// ([`region_of`]) rather than offsets in the rank's workspace: the exported form.
+    pub fn conversion_steps(
+        &self,
+        rank: u32,
+        blocks: &[Block],
+    ) -> (Vec<StridedConvert>, Vec<StridedConvert>) {
+        match &self.conversions {
+            Some(c) => c.converts(&self.tensors, rank, blocks),
+            None => (Vec::new(), Vec::new()),
+        }
     }
 
     /// Rounds the data is spread over (see [`Config::rounds`]); relayed data takes one more.
@@ -190,6 +246,7 @@ impl Planner {
             .tensors
             .iter()
             .flat_map(|t| t.src.mesh.ranks().iter().chain(t.dst.mesh.ranks()).copied())
+            .chain(self.conversions.iter().flat_map(|c| c.scale_ranks()))
             .collect();
         ranks.sort_unstable();
         ranks.dedup();
@@ -199,6 +256,9 @@ impl Planner {
     /// This rank's assignments: those it receives (local copies included) and those it sends,
     /// each list in canonical order (tensor, then region corner).
     pub fn assignments(&self, rank: u32) -> Vec<Assignment> {
+        if let Some(c) = &self.conversions {
+            return c.assignments(rank);
+        }
         self.assignments_with(rank, &mut Memo::default())
     }
 
@@ -249,6 +309,9 @@ impl Planner {
     /// This rank's blocks — every box of data it receives, sends or copies locally, with the
     /// copy geometry on both ends — in canonical order (tensor, region corner, block order).
     pub fn rank_blocks(&self, rank: u32) -> Result<Vec<Block>> {
+        if let Some(c) = &self.conversions {
+            return c.rank_blocks(&self.tensors, rank);
+        }
         let mut memo = Memo::default();
         let assignments = self.assignments_with(rank, &mut memo);
         let mut blocks = Vec::new();
@@ -299,6 +362,9 @@ impl Planner {
     /// then each pair's transfers (pairs ascending) by round, in the order its messages are
     /// formed from.
     pub fn transfers(&self, blocks: &[Block]) -> Vec<Transfer> {
+        if let Some(c) = &self.conversions {
+            return c.inner().transfers(blocks);
+        }
         type PairBlocks<'b> = BTreeMap<(u32, u32), Vec<(usize, Option<u32>, &'b StridedCopy)>>;
         let mut transfers = Vec::new();
         // Per (sender, receiver): (block index, fixed round, copy) in canonical order.
@@ -338,6 +404,9 @@ impl Planner {
         blocks: &[Block],
         transfers: &[Transfer],
     ) -> Result<RankProgram> {
+        if let Some(c) = &self.conversions {
+            return c.program(&self.tensors, rank, blocks, transfers, self.fingerprint);
+        }
         let mut program = RankProgram {
             rank,
             fingerprint: self.fingerprint,

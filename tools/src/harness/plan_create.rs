@@ -512,6 +512,8 @@ fn decode(input: &mut Decisions) -> Descriptors {
         tensor.srcOffset = input.usize(|b| usize::from(b % 4) * 4096);
         tensor.dstOffset = input.usize(|b| usize::from(b % 4) * 4096);
         tensor.name = name;
+        // Zero would ask for a conversion to int8: the seeds predate conversions.
+        tensor.dstDtype = NCCL_RESHARD_UNDEF_INT;
         tensors.put(i * stride, tensor);
         tensor_values.push(tensor);
     }
