@@ -24,7 +24,9 @@ Commands:
   check       Plan, run on the host executor and verify every case of case files
   layout      Show every rank's local shard (shape and global index runs)
   plan        Summarise rank programs and the traffic between ranks
-  simulate    Estimate a model refit on a cluster: reshard vs gather+broadcast vs lower bound
+  simulate    Estimate a model refit on a cluster: reshard vs NCCL M2N vs gather+broadcast
+              vs the physical floor (simulated, calibrated against published measurements)
+  calibrate   The published refit measurements next to what the simulator gives for them
   refit       Run a scaled-down model refit on the host, verify every byte, simulate it
   bench       Measure planning (--plan), host execution (--exec) and host copies (--copy)
   bench-plan  Time the planner on a generated many-tensor plan

@@ -420,6 +420,7 @@ fn help_and_version() {
         "layout",
         "plan",
         "simulate",
+        "calibrate",
         "refit",
         "bench",
         "bench-plan",
@@ -454,7 +455,7 @@ fn json_of(out: &Output) -> Value {
 }
 
 #[test]
-fn simulate_json_reports_the_three_estimates() {
+fn simulate_json_reports_every_method_the_floors_and_the_costs() {
     let out = ncclreshard(&[
         "simulate", "--model", "dsv3-toy", "--train", "pp1,ep8", "--infer", "tp8", "--json",
     ]);
@@ -462,8 +463,15 @@ fn simulate_json_reports_the_three_estimates() {
     let json = json_of(&out);
     for key in [
         "reshard_s",
+        "reshard_p90_s",
+        "m2n_hierarchical_s",
+        "m2n_direct_s",
+        "m2n_hierarchical_one_comm_s",
         "gather_broadcast_s",
         "lower_bound_s",
+        "direct_bound_s",
+        "setup_s",
+        "peak_staging_bytes",
         "bytes_total",
         "messages_max_per_rank",
         "messages_mean_per_rank",
@@ -484,32 +492,103 @@ fn simulate_json_reports_the_three_estimates() {
         json["lower_bound_s"].as_f64().unwrap(),
     );
     assert!(reshard >= bound * (1.0 - 1e-9), "{reshard} < {bound}");
+    assert!(json["direct_bound_s"].as_f64().unwrap() >= bound);
+    assert!(json["reshard_p90_s"].as_f64().unwrap() >= reshard);
+    assert_eq!(json["trials"], 5);
+    assert_eq!(json["fits"], true);
+    for peer in ["m2n_hierarchical_s", "m2n_direct_s", "gather_broadcast_s"] {
+        assert!(
+            json[peer].as_f64().unwrap() >= bound * (1.0 - 1e-9),
+            "{peer}"
+        );
+    }
+    // The engine post-processing is charged to every method alike.
+    let post = &json["with_engine_postprocess"];
+    let charge = post["engine_postprocess_s"].as_f64().unwrap();
+    assert!(charge > 0.0);
+    assert!(
+        (post["reshard_s"].as_f64().unwrap() - reshard - charge).abs() < 1e-9
+            && (post["gather_broadcast_s"].as_f64().unwrap()
+                - json["gather_broadcast_s"].as_f64().unwrap()
+                - charge)
+                .abs()
+                < 1e-9
+    );
     assert!(json["bytes_total"].as_u64().unwrap() >= json["model_bytes"].as_u64().unwrap());
     assert!(json["busiest_link"]["busy_fraction"].as_f64().unwrap() > 0.0);
 
-    // The text form names the three estimates; a custom cluster is taken.
-    let out = ncclreshard(&[
-        "simulate",
-        "--model",
-        "dsv3-toy",
-        "--train",
-        "pp1,ep8",
-        "--infer",
-        "tp8",
-        "--cluster",
-        "gb200-nvl72,nic_gbits=200",
-    ]);
+    // The text form names every method; a custom cluster is taken.
+    let toy = |cluster: &str, json: &[&str]| {
+        let args = [
+            "simulate",
+            "--model",
+            "dsv3-toy",
+            "--train",
+            "pp1,ep8",
+            "--infer",
+            "tp8",
+            "--cluster",
+            cluster,
+        ];
+        ncclreshard(&[&args[..], json].concat())
+    };
+    let out = toy("gb200-nvl72,nic_gbits=200", &[]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     for needle in [
         "reshard (ncclreshard)",
+        "M2N hierarchical",
+        "M2N direct",
         "gather+broadcast",
-        "lower bound",
+        "floor",
+        "direct-plan bound",
+        "with engine post-processing",
+        "setup (once)",
         "busiest link",
         "gb200-nvl72",
     ] {
         assert!(text.contains(needle), "lacks {needle:?}:\n{text}");
     }
+
+    // A GPU with 10 MB free holds neither the staging nor NCCL's buffers: the reshard is
+    // reported, not simulated; the other methods still are.
+    let out = toy("dgx-h100,free_memory_gb=0.01", &["--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json = json_of(&out);
+    assert_eq!(json["fits"], false);
+    assert!(json["reshard_s"].is_null());
+    assert!(json["peak_staging_bytes"].as_u64().unwrap() > 0);
+    assert!(json["m2n_hierarchical_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn calibrate_compares_every_published_measurement() {
+    let out = ncclreshard(&["calibrate", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows = json_of(&out);
+    let rows = rows.as_array().expect("an array of rows");
+    assert!(rows.len() >= 9);
+    for row in rows {
+        let (published, simulated, ratio) = (
+            row["published_s"].as_f64().unwrap(),
+            row["simulated_s"].as_f64().unwrap(),
+            row["ratio"].as_f64().unwrap(),
+        );
+        assert!(row["name"].is_string());
+        assert!((ratio - simulated / published).abs() < 1e-9, "{row}");
+        assert_eq!(row["within_25_percent"], (ratio - 1.0).abs() <= 0.25);
+    }
+    for name in [
+        "NeMo RL gather+broadcast, DeepSeek-V3, 256+256 H100",
+        "M2N reshard_model_bench hierarchical, DeepSeek-V3, 256 GB200",
+        "M2N reshard_model_bench direct, Qwen3-235B, 128 GB200",
+    ] {
+        assert!(rows.iter().any(|r| r["name"] == name), "no row {name:?}");
+    }
+    let out = ncclreshard(&["calibrate"]);
+    let text = stdout(&out);
+    assert!(text.contains("rows within ±25 %"), "{text}");
+    assert!(text.contains("14.21–15.52 s"), "{text}");
 }
 
 /// A minimal XML well-formedness check: tags nest and close, attribute quotes pair up and
@@ -577,9 +656,10 @@ fn refit_runs_verifies_and_draws_the_traffic() {
         "ranks                   64 (32 train, 32 infer)",
         "every byte OK",
         "gather+broadcast bytes",
-        "Simulated at full size: qwen3-32b",
+        "Simulated (not measured) at full size: qwen3-32b",
         "reshard (ncclreshard)",
-        "lower bound",
+        "M2N hierarchical",
+        "floor",
     ] {
         assert!(text.contains(needle), "lacks {needle:?}:\n{text}");
     }
@@ -809,6 +889,15 @@ fn model_command_mistakes_exit_2_with_a_message() {
             [&["simulate", "--model", "qwen3-32b", "--bogus"][..], &spec].concat(),
             "--bogus",
         ),
+        (
+            [
+                &["simulate", "--model", "qwen3-32b", "--trials", "many"][..],
+                &spec,
+            ]
+            .concat(),
+            "--trials",
+        ),
+        ([&["calibrate", "extra.json"][..]].concat(), "takes no FILE"),
         (
             [
                 &["refit", "--model", "qwen3-32b", "--scale", "0"][..],

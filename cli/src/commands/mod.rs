@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_plan;
+mod calibrate;
 mod check;
 mod layout;
 mod plan;
@@ -23,11 +24,12 @@ pub struct Command {
     pub run: fn(&Parsed) -> Result<u8, Failure>,
 }
 
-const COMMANDS: [Command; 7] = [
+const COMMANDS: [Command; 8] = [
     check::COMMAND,
     layout::COMMAND,
     plan::COMMAND,
     simulate::COMMAND,
+    calibrate::COMMAND,
     refit::COMMAND,
     bench::COMMAND,
     bench_plan::COMMAND,

@@ -29,6 +29,8 @@ pub const COMMAND: Command = Command {
         value("mode"),
         value("rounds"),
         flag("no-relay"),
+        value("trials"),
+        value("seed"),
         value("svg"),
         flag("no-simulate"),
         flag("json"),
@@ -50,8 +52,9 @@ Usage: ncclreshard refit --model NAME|FILE --train SPEC --infer SPEC [OPTIONS]
    source view with values derived from each element's global index, runs all ranks as
    threads of the host executor and checks every destination element (and the bytes around
    strided views), like `ncclreshard check`.
-2. Simulates the same refit at full size on --cluster: reshard vs gather+broadcast vs the
-   physical lower bound (see `ncclreshard simulate`).
+2. Simulates the same refit at full size on --cluster: reshard vs NCCL M2N vs
+   gather+broadcast vs the physical floor (see `ncclreshard simulate`; simulated, not
+   measured: `ncclreshard calibrate` shows how well the model reproduces measurements).
 Progress goes to stderr; the summary table to stdout.
 
 Options:
@@ -70,6 +73,8 @@ Options:
   --mode MODE        auto (default), staged or groupable
   --rounds N         Staged/auto: rounds to spread the data over (default 0: automatic)
   --no-relay         Send each replica its data across the network (no NVLink relays)
+  --trials N         Monte Carlo trials of the simulation (default 5; 0: no jitter)
+  --seed N           Seed of the trials (default 1)
   --svg FILE         Write the rank-to-rank traffic heatmap of the full-size plan (of the
                      host run's plan with --no-simulate) as SVG
   --no-simulate      Skip the full-size simulation
@@ -110,10 +115,16 @@ struct SimJson {
     model: String,
     cluster: String,
     model_bytes: u64,
-    reshard_s: f64,
+    fits: bool,
+    reshard_s: Option<f64>,
+    reshard_p90_s: Option<f64>,
+    m2n_hierarchical_s: f64,
+    m2n_direct_s: f64,
     gather_broadcast_s: f64,
     lower_bound_s: f64,
     lower_bound_binding: String,
+    direct_bound_s: f64,
+    with_engine_postprocess: simulate::WithPostprocessJson,
     bytes_total: u64,
     messages_max_per_rank: u64,
 }
@@ -145,6 +156,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         })
         .transpose()?;
     let simulate_too = !parsed.flag("no-simulate");
+    let options = simulate::sim_options(parsed, "refit")?;
     let json = parsed.flag("json");
 
     // 1. The host run.
@@ -211,7 +223,10 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             cluster.name
         );
         let config = refit_setup::config_with_options(parsed, "refit", mode, &cluster)?;
-        Some((simulate::simulate(&refit, &cluster, config)?, refit.bytes()))
+        Some((
+            simulate::simulate(&refit, &cluster, config, &options)?,
+            refit.bytes(),
+        ))
     } else {
         None
     };
@@ -289,10 +304,16 @@ fn sim_json(args: &RefitArgs, s: &Simulation, model_bytes: u64) -> SimJson {
         model: args.model.name().to_string(),
         cluster: s.cluster.name.clone(),
         model_bytes,
-        reshard_s: s.reshard.time_s,
+        fits: s.reshard.fits(),
+        reshard_s: simulate::finite(s.reshard.time_s),
+        reshard_p90_s: simulate::finite(s.reshard.p90_s),
+        m2n_hierarchical_s: s.m2n_hierarchical.sim.time_s,
+        m2n_direct_s: s.m2n_direct.sim.time_s,
         gather_broadcast_s: s.baseline.time_s,
         lower_bound_s: s.bound.time_s,
         lower_bound_binding: s.bound.binding.to_string(),
+        direct_bound_s: s.bound.direct_time_s,
+        with_engine_postprocess: simulate::WithPostprocessJson::new(s),
         bytes_total: s.reshard.bytes_total,
         messages_max_per_rank: s.reshard.messages_max_per_rank,
     }
@@ -379,7 +400,7 @@ fn table(
     match full {
         Some((s, bytes)) => {
             text += &format!(
-                "\nSimulated at full size: {} ({} per copy) on {}\n",
+                "\nSimulated (not measured) at full size: {} ({} per copy) on {}\n",
                 args.model.name(),
                 out::bytes(*bytes),
                 simulate::cluster_text(&s.cluster)

@@ -10,7 +10,8 @@ use crate::Failure;
 use ncclreshard::{Config, RankProgram};
 use ncclreshard_tools::models::Refit;
 use ncclreshard_tools::sim::{
-    self, BoundKind, Cluster, Direction, LinkKind, LinkUse, LowerBound, SimReport,
+    self, BoundKind, Cluster, Direction, LinkKind, LinkUse, LowerBound, M2nParams, M2nReport,
+    MemoryUse, Schedule, SimOptions, SimReport, ENGINE_POSTPROCESS_S,
 };
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -31,19 +32,26 @@ pub const COMMAND: Command = Command {
         value("mode"),
         value("rounds"),
         flag("no-relay"),
+        value("trials"),
+        value("seed"),
         flag("json"),
     ],
     run,
 };
 
-const HELP: &str = r#"Estimate a weight refit on a cluster: reshard vs gather+broadcast vs lower bound
+const HELP: &str = r#"Estimate a weight refit on a cluster: reshard vs NCCL M2N vs gather+broadcast vs the floor
 
 Usage: ncclreshard simulate --model NAME|FILE --train SPEC --infer SPEC [OPTIONS]
 
 Builds the refit's tensors (training layout → inference layout), plans every rank's program
-with the same planner users run, and runs them through the cluster model (docs/simulator.md);
-also the gather+broadcast baseline (NeMo RL's bucketed broadcast) and the physical lower bound.
-Planning hundreds of ranks takes a while; progress goes to stderr, results to stdout.
+with the same planner users run, and runs them through the calibrated cluster model
+(docs/simulator.md): achievable link speeds, NCCL's per-message, per-round and per-peer costs,
+a rail-optimised fabric, copy speed by run length, memory, jitter (median and p90 over
+--trials). Also NCCL M2N's hierarchical and direct algorithms and NeMo RL's gather+broadcast on
+the same model, the physical floor (forwarding allowed) and the floor of direct plans. These
+are simulations; `ncclreshard calibrate` shows how well the model reproduces published
+measurements. Planning hundreds of ranks takes a while; progress goes to stderr, results to
+stdout.
 
 Options:
   --model NAME|FILE  deepseek-v3, qwen3-235b-a22b, qwen3-32b, llama-3.1-70b, dsv3-toy, a
@@ -53,53 +61,113 @@ Options:
   --infer SPEC       vLLM-style inference parallelism: tp,dp[,ep], e.g. tp32,dp8 (required)
   --system FILE      An NCCL M2N system_configs/*.json instead of --train and --infer
   --cluster C        dgx-h100 (default), gb200-nvl72, or key=value pairs on top of a preset:
-                     dgx-h100,nic_gbits=200,latency_us=5 (keys: gpus_per_node, nvlink_domain,
-                     nvlink_gbs, nic_gbs, nic_gbits, latency_us, hbm_copy_gbs, peer_fraction,
-                     gpu_memory_gb)
+                     dgx-h100,nic_gbits=200,oversubscription=2,pxn=0 (every key and its
+                     default: docs/simulator.md §1; `ideal` drops efficiencies and costs)
   --dtype NAME       Element type of the weights, torch's name (default bfloat16)
   --experts E        stacked (default) or per-expert routed expert tensors
   --colocated        Inference runs on the training ranks (default: the ranks after them)
   --mode MODE        auto (default), staged or groupable
   --rounds N         Staged/auto: rounds to spread the data over (default 0: automatic)
   --no-relay         Send each replica its data across the network (no NVLink relays)
-  --json             JSON output: reshard_s, gather_broadcast_s, lower_bound_s, bytes_total,
-                     messages_max_per_rank, messages_mean_per_rank, busiest_link, ...
+  --trials N         Monte Carlo trials with jitter (default 5; 0: one run without jitter)
+  --seed N           Seed of the trials (default 1)
+  --json             JSON output: reshard_s (median), reshard_p90_s, lower_bound_s (the
+                     physical floor), direct_bound_s, m2n_hierarchical_s, m2n_direct_s,
+                     gather_broadcast_s, peak_staging_bytes, setup_s, fits, ...
   -h, --help         Show this help
 
 The planner is told that ranks sharing an NVLink domain share a node (8 on dgx-h100, 72 on
-gb200-nvl72), so it prefers NVLink senders there.
+gb200-nvl72), so it prefers NVLink senders there. A plan whose staging and NCCL buffers do not
+fit in a GPU's free memory is reported, not simulated (exit status 0, "fits": false).
 
 Example:
   ncclreshard simulate --model deepseek-v3 --train pp16,ep16 --infer tp32,dp8 --cluster dgx-h100
 "#;
 
-/// The three estimates of one refit, and what planning it took.
+/// Monte Carlo trials unless `--trials` says otherwise.
+pub const DEFAULT_TRIALS: u32 = 5;
+
+/// Every estimate of one refit, and what planning it took.
 pub struct Simulation {
     pub cluster: Cluster,
     pub programs: Vec<RankProgram>,
     pub reshard: SimReport,
+    /// M2N as its own benchmark runs it: one communicator per pipeline-stage pair.
+    pub m2n_hierarchical: M2nReport,
+    pub m2n_direct: M2nReport,
+    /// M2N hierarchical on one communicator, one call per tensor in order (how NeMo RL and
+    /// vLLM's `nccl_m2n` engine call it).
+    pub m2n_one_comm: M2nReport,
     pub baseline: SimReport,
     pub bound: LowerBound,
     pub plan_s: f64,
     pub simulate_s: f64,
 }
 
-/// Plans every rank of `refit` with `config` and simulates it on `cluster`, with the baseline
-/// and the bound.
-pub fn simulate(refit: &Refit, cluster: &Cluster, config: Config) -> Result<Simulation, Failure> {
+impl Simulation {
+    /// The seconds of every method, in report order, with their names.
+    pub fn methods(&self) -> [(&'static str, f64); 5] {
+        [
+            ("reshard (ncclreshard)", self.reshard.time_s),
+            ("M2N hierarchical", complete(&self.m2n_hierarchical)),
+            ("M2N direct", complete(&self.m2n_direct)),
+            ("M2N one communicator", complete(&self.m2n_one_comm)),
+            ("gather+broadcast", self.baseline.time_s),
+        ]
+    }
+}
+
+/// An M2N estimate's time, infinite when M2N cannot move every tensor of the refit.
+fn complete(m2n: &M2nReport) -> f64 {
+    m2n.complete_time().unwrap_or(f64::INFINITY)
+}
+
+/// `--trials N` and `--seed N`.
+pub fn sim_options(parsed: &Parsed, command: &'static str) -> Result<SimOptions, Failure> {
+    let trials = parsed
+        .number::<u32>("trials")
+        .map_err(|e| usage(command, e))?
+        .unwrap_or(DEFAULT_TRIALS);
+    let seed = parsed
+        .number::<u64>("seed")
+        .map_err(|e| usage(command, e))?
+        .unwrap_or(1);
+    Ok(SimOptions { trials, seed })
+}
+
+/// Plans every rank of `refit` with `config` and simulates it on `cluster`, with the peers'
+/// methods and the bounds.
+pub fn simulate(
+    refit: &Refit,
+    cluster: &Cluster,
+    config: Config,
+    options: &SimOptions,
+) -> Result<Simulation, Failure> {
     let planner = refit_setup::planner(&refit.tensors, config)?;
     let (programs, planned) = refit_setup::plan_all(&planner, "planning ranks")?;
-    let ((reshard, baseline, bound), simulated) = work::track("simulating", 0, |_| {
-        (
-            sim::simulate(&programs, cluster),
-            sim::gather_broadcast(&refit.tensors, cluster),
-            sim::lower_bound(&refit.tensors, cluster),
-        )
-    });
+    let ((reshard, (m2n_hierarchical, m2n_direct, m2n_one_comm), baseline, bound), simulated) =
+        work::track("simulating", 0, |_| {
+            let peers = |params: &M2nParams, schedule: Schedule| {
+                sim::m2n(&refit.names, &refit.tensors, cluster, params, schedule)
+            };
+            (
+                sim::simulate_with(&programs, cluster, options),
+                (
+                    peers(&M2nParams::hierarchical(), Schedule::ModelBench),
+                    peers(&M2nParams::direct(), Schedule::ModelBench),
+                    peers(&M2nParams::hierarchical(), Schedule::OneCommunicator),
+                ),
+                sim::gather_broadcast(&refit.tensors, cluster),
+                sim::lower_bound(&refit.tensors, cluster),
+            )
+        });
     Ok(Simulation {
         cluster: cluster.clone(),
         programs,
         reshard,
+        m2n_hierarchical,
+        m2n_direct,
+        m2n_one_comm,
         baseline,
         bound,
         plan_s: planned.as_secs_f64(),
@@ -108,13 +176,51 @@ pub fn simulate(refit: &Refit, cluster: &Cluster, config: Config) -> Result<Simu
 }
 
 #[derive(Serialize)]
-struct ClusterJson {
+pub struct ClusterJson {
     name: String,
     gpus_per_node: u32,
     nvlink_domain: u32,
     nvlink_gbs: f64,
     nic_gbs: f64,
+    nvlink_efficiency: f64,
+    nic_efficiency: f64,
+    nodes_per_leaf: u32,
+    oversubscription: f64,
+    pxn: bool,
     latency_us: f64,
+    host_op_us: f64,
+    p2p_channels_per_peer: u32,
+    free_memory_bytes: u64,
+}
+
+impl ClusterJson {
+    pub fn new(c: &Cluster, ranks: usize) -> ClusterJson {
+        ClusterJson {
+            name: c.name.clone(),
+            gpus_per_node: c.gpus_per_node,
+            nvlink_domain: c.nvlink_domain,
+            nvlink_gbs: c.nvlink_bw / 1e9,
+            nic_gbs: c.nic_bw / 1e9,
+            nvlink_efficiency: c.nvlink_efficiency,
+            nic_efficiency: c.nic_efficiency,
+            nodes_per_leaf: c.nodes_per_leaf,
+            oversubscription: c.oversubscription,
+            pxn: c.pxn,
+            latency_us: c.latency_s * 1e6,
+            host_op_us: c.host_op_s * 1e6,
+            p2p_channels_per_peer: c.p2p_channels_per_peer(ranks),
+            free_memory_bytes: c.free_memory_bytes,
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct MemoryJson {
+    rank: u32,
+    staging_bytes: u64,
+    nccl_buffer_bytes: u64,
+    free_bytes: u64,
+    fits: bool,
 }
 
 #[derive(Serialize)]
@@ -149,6 +255,57 @@ struct BaselineJson {
 }
 
 #[derive(Serialize)]
+struct M2nJson {
+    /// The time of the tensors M2N can move; the refit's `m2n_*_s` is null when it cannot
+    /// move them all.
+    time_s: f64,
+    calls: u64,
+    /// Tensors M2N cannot move (left out of `time_s`).
+    skipped_tensors: usize,
+    first_skipped: Option<String>,
+    bytes_total: u64,
+    host_s: f64,
+}
+
+impl M2nJson {
+    fn new(r: &M2nReport) -> M2nJson {
+        M2nJson {
+            time_s: r.sim.time_s,
+            calls: r.calls,
+            skipped_tensors: r.skipped.len(),
+            first_skipped: r.first_skipped.clone(),
+            bytes_total: r.sim.bytes_total,
+            host_s: r.sim.phase("host").unwrap_or(0.0),
+        }
+    }
+}
+
+/// Every method's time plus the engine post-processing every method pays.
+#[derive(Serialize)]
+pub struct WithPostprocessJson {
+    engine_postprocess_s: f64,
+    reshard_s: Option<f64>,
+    m2n_hierarchical_s: Option<f64>,
+    m2n_direct_s: Option<f64>,
+    m2n_hierarchical_one_comm_s: Option<f64>,
+    gather_broadcast_s: f64,
+}
+
+impl WithPostprocessJson {
+    pub fn new(s: &Simulation) -> WithPostprocessJson {
+        let post = ENGINE_POSTPROCESS_S;
+        WithPostprocessJson {
+            engine_postprocess_s: post,
+            reshard_s: finite(s.reshard.time_s).map(|t| t + post),
+            m2n_hierarchical_s: s.m2n_hierarchical.complete_time().map(|t| t + post),
+            m2n_direct_s: s.m2n_direct.complete_time().map(|t| t + post),
+            m2n_hierarchical_one_comm_s: s.m2n_one_comm.complete_time().map(|t| t + post),
+            gather_broadcast_s: s.baseline.time_s + post,
+        }
+    }
+}
+
+#[derive(Serialize)]
 struct Output {
     model: String,
     train: String,
@@ -164,11 +321,30 @@ struct Output {
     tensors: usize,
     parameters: u64,
     model_bytes: u64,
-    reshard_s: f64,
+    /// False when some rank's staging and NCCL buffers exceed its free memory: the reshard
+    /// was not simulated and its times are null.
+    fits: bool,
+    /// Median over the trials (or the one run without jitter).
+    reshard_s: Option<f64>,
+    reshard_p90_s: Option<f64>,
+    trials: u32,
+    /// One-time costs before the first call (connections, NVRTC), not in `reshard_s`.
+    setup_s: f64,
+    /// NCCL M2N as its benchmark runs it (one communicator per pipeline-stage pair); null
+    /// when M2N cannot move every tensor (`m2n_*.first_skipped` says why).
+    m2n_hierarchical_s: Option<f64>,
+    m2n_direct_s: Option<f64>,
+    /// NCCL M2N hierarchical on one communicator, one call per tensor (NeMo RL, vLLM).
+    m2n_hierarchical_one_comm_s: Option<f64>,
     gather_broadcast_s: f64,
+    /// The physical floor (forwarding allowed).
     lower_bound_s: f64,
-    reshard_over_lower_bound: f64,
-    gather_broadcast_over_reshard: f64,
+    /// The floor of direct plans (no forwarding between destination domains).
+    direct_bound_s: f64,
+    reshard_over_lower_bound: Option<f64>,
+    m2n_hierarchical_over_reshard: Option<f64>,
+    gather_broadcast_over_reshard: Option<f64>,
+    with_engine_postprocess: WithPostprocessJson,
     bytes_total: u64,
     bytes_offnode: u64,
     bytes_local: u64,
@@ -178,10 +354,18 @@ struct Output {
     bytes_max_per_rank: u64,
     staged_ranks: usize,
     staging_bytes_max: u64,
+    /// The largest staging arena of any rank.
+    peak_staging_bytes: u64,
+    /// The rank needing the most device memory (staging plus NCCL buffers) and what is free.
+    memory: Option<MemoryJson>,
     busiest_link: Option<LinkJson>,
     reshard_phases: BTreeMap<&'static str, f64>,
+    m2n_hierarchical: M2nJson,
+    m2n_direct: M2nJson,
+    m2n_hierarchical_one_comm: M2nJson,
     gather_broadcast: BaselineJson,
     lower_bound_binding: String,
+    direct_bound_binding: String,
     lower_bounds: Vec<BoundJson>,
     plan_s: f64,
     simulate_s: f64,
@@ -205,6 +389,7 @@ fn bound_kind(kind: BoundKind) -> &'static str {
         BoundKind::DomainEgress => "domain_egress",
         BoundKind::GpuIngress => "gpu_ingress",
         BoundKind::GpuEgress => "gpu_egress",
+        BoundKind::DirectEgress => "direct_egress",
     }
 }
 
@@ -212,18 +397,20 @@ fn phases(report: &SimReport) -> BTreeMap<&'static str, f64> {
     report.phases.iter().map(|p| (p.name, p.seconds)).collect()
 }
 
-fn ratio(a: f64, b: f64) -> f64 {
-    if b > 0.0 {
-        a / b
-    } else {
-        f64::NAN
-    }
+/// `Some(t)` for a finite time (a simulated call), `None` for one that was not simulated.
+pub fn finite(t: f64) -> Option<f64> {
+    t.is_finite().then_some(t)
+}
+
+fn ratio(a: f64, b: f64) -> Option<f64> {
+    (b > 0.0 && a.is_finite() && b.is_finite()).then(|| a / b)
 }
 
 fn run(parsed: &Parsed) -> Result<u8, Failure> {
     let args = RefitArgs::parse(parsed, "simulate")?;
     let cluster = refit_setup::cluster(parsed, "simulate")?;
     let mode = refit_setup::mode(parsed, "simulate")?;
+    let options = sim_options(parsed, "simulate")?;
     let started = Instant::now();
     let refit = args.refit(1)?;
     let build_s = started.elapsed().as_secs_f64();
@@ -231,7 +418,9 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         return Err(usage("simulate", "the model has no tensors"));
     }
     let config = refit_setup::config_with_options(parsed, "simulate", mode, &cluster)?;
-    let s = simulate(&refit, &cluster, config)?;
+    let s = simulate(&refit, &cluster, config, &options)?;
+    let memory = s.reshard.memory;
+    let reshard = finite(s.reshard.time_s);
     let output = Output {
         model: args.model.name().to_string(),
         train: args.train_text.clone(),
@@ -243,22 +432,25 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         dtype: args.options.dtype.to_string(),
         experts: args.experts_name(),
         mode: mode.name(),
-        cluster: ClusterJson {
-            name: cluster.name.clone(),
-            gpus_per_node: cluster.gpus_per_node,
-            nvlink_domain: cluster.nvlink_domain,
-            nvlink_gbs: cluster.nvlink_bw / 1e9,
-            nic_gbs: cluster.nic_bw / 1e9,
-            latency_us: cluster.latency_s * 1e6,
-        },
+        cluster: ClusterJson::new(&cluster, s.programs.len()),
         tensors: refit.tensors.len(),
         parameters: args.parameters(),
         model_bytes: refit.bytes(),
-        reshard_s: s.reshard.time_s,
+        fits: s.reshard.fits(),
+        reshard_s: reshard,
+        reshard_p90_s: finite(s.reshard.p90_s),
+        trials: s.reshard.trials,
+        setup_s: s.reshard.setup_s,
+        m2n_hierarchical_s: s.m2n_hierarchical.complete_time(),
+        m2n_direct_s: s.m2n_direct.complete_time(),
+        m2n_hierarchical_one_comm_s: s.m2n_one_comm.complete_time(),
         gather_broadcast_s: s.baseline.time_s,
         lower_bound_s: s.bound.time_s,
+        direct_bound_s: s.bound.direct_time_s,
         reshard_over_lower_bound: ratio(s.reshard.time_s, s.bound.time_s),
+        m2n_hierarchical_over_reshard: ratio(complete(&s.m2n_hierarchical), s.reshard.time_s),
         gather_broadcast_over_reshard: ratio(s.baseline.time_s, s.reshard.time_s),
+        with_engine_postprocess: WithPostprocessJson::new(&s),
         bytes_total: s.reshard.bytes_total,
         bytes_offnode: s.reshard.bytes_offnode,
         bytes_local: s.reshard.bytes_local,
@@ -273,6 +465,19 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             .map(|p| p.staging_bytes)
             .max()
             .unwrap_or(0),
+        peak_staging_bytes: s
+            .programs
+            .iter()
+            .map(|p| p.staging_bytes)
+            .max()
+            .unwrap_or(0),
+        memory: memory.map(|m| MemoryJson {
+            rank: m.rank,
+            staging_bytes: m.staging_bytes,
+            nccl_buffer_bytes: m.nccl_bytes,
+            free_bytes: m.free_bytes,
+            fits: m.fits(),
+        }),
         busiest_link: s.reshard.busiest_link.as_ref().map(|l| {
             let (kind, direction) = link_json(l);
             LinkJson {
@@ -284,6 +489,9 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             }
         }),
         reshard_phases: phases(&s.reshard),
+        m2n_hierarchical: M2nJson::new(&s.m2n_hierarchical),
+        m2n_direct: M2nJson::new(&s.m2n_direct),
+        m2n_hierarchical_one_comm: M2nJson::new(&s.m2n_one_comm),
         gather_broadcast: BaselineJson {
             time_s: s.baseline.time_s,
             bytes_total: s.baseline.bytes_total,
@@ -293,6 +501,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             phases: phases(&s.baseline),
         },
         lower_bound_binding: s.bound.binding.to_string(),
+        direct_bound_binding: s.bound.direct_binding.to_string(),
         lower_bounds: s
             .bound
             .bounds
@@ -327,7 +536,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
     );
     text += &estimates_text(&s);
     text += &format!(
-        "\n  bytes total             {} ({} off-node, {} local copies)\n  messages                {} total; per rank max {}, mean {:.1}\n  most bytes on a rank    {}\n  staged ranks            {} of {} (staging up to {})\n  busiest link            {}\n  planning                {} ({} ranks on {} threads; building the refit {})\n",
+        "\n  bytes total             {} ({} off-node, {} local copies)\n  messages                {} total; per rank max {}, mean {:.1}\n  most bytes on a rank    {}\n  staged ranks            {} of {} (staging up to {})\n  busiest link            {}\n  phases (max over ranks) {}\n  planning                {} ({} ranks on {} threads; building the refit {}; simulating {})\n",
         out::bytes(output.bytes_total),
         out::bytes(output.bytes_offnode),
         out::bytes(output.bytes_local),
@@ -342,40 +551,140 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             .busiest_link
             .as_ref()
             .map_or("none".to_string(), ToString::to_string),
+        s.reshard
+            .phases
+            .iter()
+            .map(|p| format!("{} {}", p.name, out::seconds(p.seconds)))
+            .collect::<Vec<_>>()
+            .join(", "),
         out::seconds(s.plan_s),
         output.ranks,
         work::threads(),
         out::seconds(build_s),
+        out::seconds(s.simulate_s),
     );
     out::print(&text);
     Ok(0)
 }
 
-/// `dgx-h100 (8 GPUs per node, NVLink domain 8 at 450 GB/s, NIC 50 GB/s per GPU)`.
+/// `rank 132: 3.82 GB staging + 268.44 MB NCCL buffers of 8.55 GB free`.
+fn memory_text(m: &MemoryUse) -> String {
+    format!(
+        "rank {}: {} staging + {} NCCL buffers of {} free",
+        m.rank,
+        out::bytes(m.staging_bytes),
+        out::bytes(m.nccl_bytes),
+        out::bytes(m.free_bytes)
+    )
+}
+
+/// A method's name without its parenthesis (`reshard (ncclreshard)` → `reshard`).
+fn short_name(name: &str) -> &str {
+    name.split(" (").next().unwrap_or(name)
+}
+
+/// `dgx-h100 (8 GPUs per node, NVLink domain 8 at 450 GB/s, NIC 50 GB/s per GPU, …)`.
 pub fn cluster_text(c: &Cluster) -> String {
     format!(
-        "{} ({} GPUs per node, NVLink domain {} at {:.0} GB/s, NIC {:.0} GB/s per GPU)",
+        "{} ({} GPUs per node, NVLink domain {} at {:.0} GB/s ({:.0} % reached), NIC {:.0} GB/s per GPU ({:.0} %), {}:1 spine, PXN {})",
         c.name,
         c.gpus_per_node,
         c.nvlink_domain,
         c.nvlink_bw / 1e9,
-        c.nic_bw / 1e9
+        c.nvlink_efficiency * 100.0,
+        c.nic_bw / 1e9,
+        c.nic_efficiency * 100.0,
+        c.oversubscription,
+        if c.pxn { "on" } else { "off" },
     )
 }
 
-/// The three estimates as aligned lines with their ratios.
+/// The estimates as aligned lines with their ratios: every method, the floors, the engine
+/// post-processing, memory and one-time costs.
 pub fn estimates_text(s: &Simulation) -> String {
-    let (reshard, baseline, bound) = (s.reshard.time_s, s.baseline.time_s, s.bound.time_s);
-    format!(
-        "  {:<24}{:<10}  {} the lower bound\n  {:<24}{:<10}  {} the reshard time\n  {:<24}{:<10}  {}\n",
-        "reshard (ncclreshard)",
-        out::seconds(reshard),
-        out::ratio(reshard, bound),
+    let bound = s.bound.time_s;
+    let reshard = s.reshard.time_s;
+    let row = |name: &str, value: String, note: String| format!("  {name:<24}{value:<12}{note}\n");
+    let mut text = String::new();
+    match (s.reshard.fits(), s.reshard.memory) {
+        (false, Some(m)) => {
+            text += &row(
+                "reshard (ncclreshard)",
+                "not run".to_string(),
+                format!("does not fit: {}", memory_text(&m)),
+            );
+        }
+        _ => {
+            let spread = if s.reshard.trials > 0 {
+                format!(
+                    " (median of {} trials, p90 {})",
+                    s.reshard.trials,
+                    out::seconds(s.reshard.p90_s)
+                )
+            } else {
+                String::new()
+            };
+            text += &row(
+                "reshard (ncclreshard)",
+                out::seconds(reshard),
+                format!("{} the floor{spread}", out::ratio(reshard, bound)),
+            );
+        }
+    }
+    let versus = |t: f64| {
+        if reshard.is_finite() {
+            format!("{} the reshard", out::ratio(t, reshard))
+        } else {
+            String::new()
+        }
+    };
+    for (name, m2n) in [
+        ("M2N hierarchical", &s.m2n_hierarchical),
+        ("M2N direct", &s.m2n_direct),
+        ("M2N one communicator", &s.m2n_one_comm),
+    ] {
+        text += &match (m2n.complete_time(), &m2n.first_skipped) {
+            (Some(t), _) => row(name, out::seconds(t), versus(t)),
+            (None, why) => row(
+                name,
+                "cannot".to_string(),
+                format!(
+                    "M2N cannot move {} of the tensors; first: {}",
+                    m2n.skipped.len(),
+                    why.as_deref().unwrap_or("-")
+                ),
+            ),
+        };
+    }
+    text += &row(
         "gather+broadcast",
-        out::seconds(baseline),
-        out::ratio(baseline, reshard),
-        "lower bound",
-        out::seconds(bound),
-        s.bound.binding,
-    )
+        out::seconds(s.baseline.time_s),
+        versus(s.baseline.time_s),
+    );
+    text += &row("floor", out::seconds(bound), s.bound.binding.to_string());
+    text += &row(
+        "direct-plan bound",
+        out::seconds(s.bound.direct_time_s),
+        s.bound.direct_binding.to_string(),
+    );
+    let post = ENGINE_POSTPROCESS_S;
+    text += &format!(
+        "  with engine post-processing ({}, every method): {}\n",
+        out::seconds(post),
+        s.methods()
+            .iter()
+            .filter(|(_, t)| t.is_finite())
+            .map(|(name, t)| format!("{} {}", short_name(name), out::seconds(t + post)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if let Some(m) = s.reshard.memory {
+        text += &row("memory (peak rank)", out::bytes(m.total()), memory_text(&m));
+    }
+    text += &row(
+        "setup (once)",
+        out::seconds(s.reshard.setup_s),
+        "connecting every peer and compiling the copy kernel, not in the times above".to_string(),
+    );
+    text
 }

@@ -29,7 +29,8 @@ pub struct BaselineParams {
     /// inference engine's `load_weights`), serial with the gathers. See docs/simulator.md for
     /// where the default comes from.
     pub per_tensor_s: f64,
-    /// Fixed cost of launching one collective, besides `cluster.latency_s` per ring hop.
+    /// Fixed cost of launching one collective, besides the cluster's group cost and
+    /// `cluster.latency_s` per ring hop between domains.
     pub launch_s: f64,
     /// The broadcasting rank; `None`: the smallest source rank (training rank 0).
     pub root: Option<u32>,
@@ -41,8 +42,9 @@ const NEMO_RL_BUCKET_RATIO: f64 = 0.02;
 /// NeMo RL's bucket cap (5 GiB).
 const NEMO_RL_BUCKET_MAX: u64 = 5 << 30;
 /// Per-checkpoint-tensor software cost inferred from NeMo RL's NIXL refit of DeepSeek-V3
-/// (docs/simulator.md §4).
-const NEMO_RL_PER_TENSOR_S: f64 = 170e-6;
+/// (docs/simulator.md §4): (9.25 s − 1.60 s of transfers − the engine post-processing every
+/// refit pays) ÷ 45,395 tensors.
+pub const NEMO_RL_PER_TENSOR_S: f64 = 153e-6;
 
 impl BaselineParams {
     /// NeMo RL's packed broadcast on `cluster`.
@@ -52,7 +54,7 @@ impl BaselineParams {
                 .min(NEMO_RL_BUCKET_MAX),
             buffers: 2,
             per_tensor_s: NEMO_RL_PER_TENSOR_S,
-            launch_s: 10e-6,
+            launch_s: cluster.launch_s,
             root: None,
             group: BroadcastGroup::AllSourceRanks,
         }
@@ -118,7 +120,9 @@ pub fn gather_broadcast_with(
     let bcast_bw = ring_bw(cluster, &comm);
     let comm_domains = domains(cluster, &comm).len();
     let comm_nodes: BTreeSet<u32> = comm.iter().map(|&r| cluster.node(r)).collect();
-    let bcast_latency = params.launch_s + comm_domains as f64 * cluster.latency_s;
+    let bcast_latency = params.launch_s + cluster.group_s + comm_domains as f64 * cluster.latency_s;
+    // `torch.cat` of a bucket: contiguous copies.
+    let pack_bw = cluster.contiguous_copy_bw();
 
     // Walk the checkpoint tensors into buckets, accumulating each bucket's gather seconds.
     let mut buckets: Vec<(f64, u64)> = Vec::new(); // (gather seconds, bytes)
@@ -179,7 +183,7 @@ pub fn gather_broadcast_with(
             0.0
         };
         // The root packs the bucket into one buffer (`torch.cat`) before broadcasting it.
-        let pack = bytes as f64 / cluster.hbm_copy_bw;
+        let pack = bytes as f64 / pack_bw;
         pack_s += pack;
         gather_end = gather_end.max(buffer_free) + gather_s + pack;
         let previous = bcast_end.last().copied().unwrap_or(0.0);
@@ -196,9 +200,9 @@ pub fn gather_broadcast_with(
     let busiest_link = bottleneck_domain(cluster, &comm).map(|(rank, gpus)| {
         let bytes = total_bytes / gpus as u64;
         let (kind, bw) = if comm_domains > 1 {
-            (LinkKind::Nic, cluster.nic_bw)
+            (LinkKind::Nic, cluster.nic_achievable())
         } else {
-            (LinkKind::NvLink, cluster.nvlink_bw)
+            (LinkKind::NvLink, cluster.nvlink_achievable())
         };
         LinkUse {
             rank,
@@ -254,6 +258,10 @@ pub fn gather_broadcast_with(
                 seconds: broadcast_s,
             },
         ],
+        p90_s: time_s,
+        trials: 0,
+        setup_s: 0.0,
+        memory: None,
     }
 }
 
@@ -298,7 +306,12 @@ fn gathered(spec: &TensorSpec, cluster: &Cluster, root: u32) -> Gathered {
     // Pipeline-parallel hop: every source rank forwards its shard toward the root's stage.
     if !layout.mesh.contains(root) {
         let from = group.first().copied().unwrap_or(root);
-        gather_s += max_local as f64 / cluster.link_bw(from, root);
+        let link = if cluster.same_domain(from, root) {
+            cluster.nvlink_achievable()
+        } else {
+            cluster.nic_achievable()
+        };
+        gather_s += max_local as f64 / link;
         gather_bytes += bytes;
         if cluster.node(from) != cluster.node(root) {
             gather_offnode += bytes;
@@ -338,10 +351,10 @@ fn domains(cluster: &Cluster, ranks: &[u32]) -> BTreeMap<u32, u32> {
 fn ring_bw(cluster: &Cluster, ranks: &[u32]) -> f64 {
     let per_domain = domains(cluster, ranks);
     if per_domain.len() <= 1 {
-        return cluster.nvlink_bw;
+        return cluster.nvlink_achievable();
     }
     let fewest = per_domain.values().copied().min().unwrap_or(1);
-    (f64::from(fewest) * cluster.nic_bw).min(cluster.nvlink_bw)
+    (f64::from(fewest) * cluster.nic_achievable()).min(cluster.nvlink_achievable())
 }
 
 /// The ring's bottleneck domain: (its first ring rank, its ring GPUs).

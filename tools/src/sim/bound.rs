@@ -11,15 +11,20 @@ pub enum BoundKind {
     /// Bytes an NVLink domain (a node on DGX) needs that no source view inside it holds,
     /// over the NIC ingress of its participating GPUs.
     DomainIngress,
-    /// Bytes held (on the source side) only inside a set of domains, once per domain outside
-    /// the set that needs them, over the set's NIC egress. The sets tried are those that hold
-    /// some overlap (a node; a pipeline stage spanning two nodes…).
+    /// Bytes held (on the source side) only inside a set of domains and needed outside it,
+    /// once (forwarding between destination domains is allowed), over the set's NIC egress.
+    /// The sets tried are those that hold some overlap (a node; a pipeline stage spanning two
+    /// nodes…).
     DomainEgress,
     /// Bytes a GPU needs that its own source view does not hold, over its NVLink + NIC
     /// ingress.
     GpuIngress,
     /// Bytes held by exactly one GPU that some other GPU needs, over its NVLink + NIC egress.
     GpuEgress,
+    /// Like [`BoundKind::DomainEgress`], but once per destination domain outside the set that
+    /// needs the bytes: the bound of *direct* plans, where every byte a domain receives comes
+    /// from a source domain (no forwarding between destination domains).
+    DirectEgress,
 }
 
 /// One bound: `bytes` must cross a boundary of `bandwidth` bytes per second at `subject`
@@ -42,6 +47,7 @@ impl fmt::Display for Bound {
             BoundKind::DomainEgress => "NVLink domain egress",
             BoundKind::GpuIngress => "GPU ingress",
             BoundKind::GpuEgress => "GPU egress",
+            BoundKind::DirectEgress => "NVLink domain egress, direct plans",
         };
         let subject = match (self.kind, self.domains.as_slice()) {
             (BoundKind::GpuIngress | BoundKind::GpuEgress, _) => format!("rank {}", self.subject),
@@ -67,9 +73,15 @@ impl fmt::Display for Bound {
 /// The floor under any plan: the largest of the bounds below.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LowerBound {
+    /// The physical floor: the largest of the domain ingress, domain egress (forwarding
+    /// allowed), GPU ingress and GPU egress bounds.
     pub time_s: f64,
     /// The bound that sets `time_s`.
     pub binding: Bound,
+    /// The floor of direct plans (no forwarding between destination domains): the largest of
+    /// the bounds including [`BoundKind::DirectEgress`]. At least `time_s`.
+    pub direct_time_s: f64,
+    pub direct_binding: Bound,
     /// The worst subject of every kind, in [`BoundKind`] order.
     pub bounds: Vec<Bound>,
 }
@@ -85,9 +97,11 @@ pub struct LowerBound {
 /// - domain ingress: an overlap needed by some rank of a domain and held by no source rank of
 ///   that domain must enter it at least once, through the NICs of its participating GPUs;
 /// - domain egress: an overlap whose holders all sit inside a set of domains must leave the set
-///   once per domain outside it that needs it (one NIC transfer feeds one domain); the sets
-///   tried are the holder sets that occur, so data replicated over a pipeline stage's nodes
-///   is bounded by the stage's NICs together;
+///   at least once if a domain outside it needs it (a destination domain may forward it to
+///   the others); the sets tried are the holder sets that occur, so data replicated over a
+///   pipeline stage's nodes is bounded by the stage's NICs together;
+/// - direct egress (the floor of direct plans only): the same, once per domain outside the
+///   set that needs it;
 /// - GPU ingress / egress: a consumer not holding the bytes receives them once; bytes held by
 ///   a single GPU and needed elsewhere leave it at least once (NVLink or NIC).
 ///
@@ -159,17 +173,28 @@ pub fn lower_bound(tensors: &[TensorSpec], cluster: &Cluster) -> LowerBound {
             .map(|(&d, &b)| bound(BoundKind::DomainIngress, d, vec![d], b, domains_bw(&[d])))
             .collect(),
     );
-    let egress = worst(BoundKind::DomainEgress, acc.egress_bounds(&domains_bw));
+    let egress = worst(
+        BoundKind::DomainEgress,
+        acc.egress_bounds(BoundKind::DomainEgress, &domains_bw),
+    );
+    let direct = worst(
+        BoundKind::DirectEgress,
+        acc.egress_bounds(BoundKind::DirectEgress, &domains_bw),
+    );
     let bounds = vec![
         ingress,
         egress,
         per_gpu(BoundKind::GpuIngress, &acc.gpu_in),
         per_gpu(BoundKind::GpuEgress, &acc.gpu_out),
+        direct,
     ];
-    let binding = worst(BoundKind::DomainIngress, bounds.clone());
+    let binding = worst(BoundKind::DomainIngress, bounds[..4].to_vec());
+    let direct_binding = worst(BoundKind::DomainIngress, bounds.clone());
     LowerBound {
         time_s: binding.time_s,
         binding,
+        direct_time_s: direct_binding.time_s,
+        direct_binding,
         bounds,
     }
 }
@@ -216,9 +241,9 @@ impl Accumulator {
         }
     }
 
-    /// For every holder set K that occurs: bytes held only inside K, times the domains outside
-    /// K needing them.
-    fn egress_bounds(&self, bandwidth: &dyn Fn(&[u32]) -> f64) -> Vec<Bound> {
+    /// For every holder set K that occurs: bytes held only inside K and needed outside it —
+    /// once (`DomainEgress`) or once per domain outside K needing them (`DirectEgress`).
+    fn egress_bounds(&self, kind: BoundKind, bandwidth: &dyn Fn(&[u32]) -> f64) -> Vec<Bound> {
         let mut sets: Vec<&Vec<u32>> = self.by_domains.keys().map(|(held, _)| held).collect();
         sets.sort_unstable();
         sets.dedup();
@@ -229,15 +254,20 @@ impl Accumulator {
                     .iter()
                     .filter(|((held, _), _)| is_subset(held, set))
                     .map(|((_, needed), &b)| {
-                        b * needed
+                        let outside = needed
                             .iter()
                             .filter(|d| set.binary_search(d).is_err())
-                            .count() as u64
+                            .count() as u64;
+                        if kind == BoundKind::DirectEgress {
+                            b * outside
+                        } else {
+                            b * outside.min(1)
+                        }
                     })
                     .sum();
                 let bw = bandwidth(set);
                 Bound {
-                    kind: BoundKind::DomainEgress,
+                    kind,
                     subject: set[0],
                     domains: set.clone(),
                     bytes,
@@ -287,7 +317,7 @@ fn dim_overlaps(src: &[DimPiece], dst: &[DimPiece]) -> Vec<(usize, usize, u64)> 
 
 /// Calls `sink(bytes, holders, consumers)` for every non-empty overlap of a source shard and a
 /// destination shard of `spec`.
-fn overlaps(spec: &TensorSpec, mut sink: impl FnMut(u64, &[u32], &[u32])) {
+pub(crate) fn overlaps(spec: &TensorSpec, mut sink: impl FnMut(u64, &[u32], &[u32])) {
     let ndim = spec.shape.len();
     let elem = u64::from(spec.elem_size());
     let src_pieces: Vec<Vec<DimPiece>> = (0..ndim)

@@ -1,7 +1,7 @@
 //! Max-min fair sharing of links by flows, event driven.
 //!
-//! Each flow crosses at most [`MAX_LINKS`] links (a sender's egress, a receiver's ingress and
-//! optionally a private cap). Between events every link's capacity is shared max-min fairly
+//! Each flow crosses at most [`MAX_LINKS`] links (GPU egress and ingress, NVLink hops of PXN
+//! routing, leaf uplinks and downlinks, a per-peer cap). Between events every link's capacity is shared max-min fairly
 //! among the active flows crossing it (progressive filling: the most constrained link fixes the
 //! rate of its flows, which then leave the problem); an event is flows becoming active or
 //! finishing, after which rates are recomputed.
@@ -16,19 +16,20 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 /// Links one flow may cross.
-pub(crate) const MAX_LINKS: usize = 3;
+pub(crate) const MAX_LINKS: usize = 5;
 
 /// Width of the event-merging window, relative to the simulated clock (or to the makespan
 /// floor early on).
 const TIME_TOLERANCE: f64 = 1e-3;
 
-/// One transfer: `bytes` over `links`, not before `start` seconds.
+/// One transfer: `bytes` over `links`; a `capped` flow never moves faster than the run's
+/// per-flow cap. When it starts is the caller's to say ([`run_gated`]).
 #[derive(Clone, Debug)]
 pub(crate) struct Flow {
     pub links: [u32; MAX_LINKS],
     pub nlinks: u8,
+    pub capped: bool,
     pub bytes: f64,
-    pub start: f64,
 }
 
 impl Flow {
@@ -37,30 +38,23 @@ impl Flow {
     }
 }
 
-/// What happened: each flow's finish time and the bytes that crossed each link.
+/// What happened: the bytes that crossed each link.
 pub(crate) struct Outcome {
-    pub finish: Vec<f64>,
     pub link_bytes: Vec<f64>,
-}
-
-/// Runs `flows` over links of the given capacities (bytes per second) until every flow is done.
-pub(crate) fn run(flows: &[Flow], capacity: &[f64]) -> Outcome {
-    let all: Vec<(u32, f64)> = (0..flows.len() as u32)
-        .map(|f| (f, flows[f as usize].start))
-        .collect();
-    run_gated(flows, capacity, all, &mut |_, _, _| {})
 }
 
 /// Called when a flow finishes: (flow, time, releases to add).
 pub(crate) type OnFinish<'a> = dyn FnMut(u32, f64, &mut Vec<(u32, f64)>) + 'a;
 
-/// Like [`run`], but a flow starts only once released: `initial` releases some (flow, start
-/// time) pairs; when a flow finishes, `on_finish(flow, time, release)` may release more, each
-/// at a start time no earlier than `time`. `Flow::start` is not used. A flow never released
-/// finishes at infinity.
+/// Runs `flows` over links of the given capacities (bytes per second), capped flows at most
+/// `cap` bytes per second, until every released flow is done. A flow starts only once
+/// released: `initial` releases some (flow, start time) pairs; when a flow finishes,
+/// `on_finish(flow, time, release)` may release more, each at a start time no earlier than
+/// `time`. A flow never released never finishes.
 pub(crate) fn run_gated(
     flows: &[Flow],
     capacity: &[f64],
+    cap: f64,
     initial: Vec<(u32, f64)>,
     on_finish: &mut OnFinish<'_>,
 ) -> Outcome {
@@ -157,7 +151,7 @@ pub(crate) fn run_gated(
             first_done = f64::INFINITY;
             continue;
         }
-        filler.fill(flows, &active, capacity, &mut new_rate);
+        filler.fill(flows, &active, capacity, cap, &mut new_rate);
         first_done = f64::INFINITY;
         for &f in &active {
             let f = f as usize;
@@ -172,7 +166,7 @@ pub(crate) fn run_gated(
             first_done = first_done.min(done_at[f]);
         }
     }
-    Outcome { finish, link_bytes }
+    Outcome { link_bytes }
 }
 
 /// Progressive filling with scratch space reused across events (indexed by link).
@@ -205,8 +199,16 @@ impl Filler {
         }
     }
 
-    /// Sets `rate[f]` for every active flow to its max-min fair share.
-    fn fill(&mut self, flows: &[Flow], active: &[u32], capacity: &[f64], rate: &mut [f64]) {
+    /// Sets `rate[f]` for every active flow to its max-min fair share, capped flows at most
+    /// `cap`.
+    fn fill(
+        &mut self,
+        flows: &[Flow],
+        active: &[u32],
+        capacity: &[f64],
+        cap: f64,
+        rate: &mut [f64],
+    ) {
         for &l in &self.touched {
             self.count[l as usize] = 0;
         }
@@ -252,6 +254,7 @@ impl Filler {
                 Reverse((share_key(self.left[li] / f64::from(self.unfixed[li])), l))
             })
             .collect();
+        let mut capped_left = cap.is_finite() && active.iter().any(|&f| flows[f as usize].capped);
         while let Some(Reverse((key, l))) = heap.pop() {
             let li = l as usize;
             let n = self.unfixed[li];
@@ -263,6 +266,29 @@ impl Filler {
                 // Freezing flows elsewhere only raises a link's share: re-queue it at its
                 // current share (the popped key was a lower bound).
                 heap.push(Reverse((share_key(share), l)));
+                continue;
+            }
+            if capped_left && share >= cap {
+                // Every link offers at least the cap: capped flows are held by their cap alone
+                // (this is the per-peer cap as a private link of each flow, without the links).
+                capped_left = false;
+                for &f in active {
+                    let fi = f as usize;
+                    if self.fixed[fi] || !flows[fi].capped {
+                        continue;
+                    }
+                    self.fixed[fi] = true;
+                    rate[fi] = cap;
+                    for &other in flows[fi].links() {
+                        let oi = other as usize;
+                        self.left[oi] = (self.left[oi] - cap).max(0.0);
+                        self.unfixed[oi] -= 1;
+                    }
+                }
+                if self.unfixed[li] > 0 {
+                    let share = (self.left[li] / f64::from(self.unfixed[li])).max(0.0);
+                    heap.push(Reverse((share_key(share), l)));
+                }
                 continue;
             }
             let from = self.start[li] as usize;

@@ -1,30 +1,48 @@
 //! The refit simulator (DESIGN §6): what a reshard would cost on a cluster we cannot run here.
+//! Its numbers are simulations; [`calibrate`] compares it with every public measurement it
+//! can reproduce.
 //!
-//! Three estimates from the same [`Cluster`] model:
+//! Every estimate uses the same [`Cluster`] model (link speeds NCCL reaches, NCCL's
+//! per-message, per-round and per-peer costs, a rail-optimised fabric with PXN, copy speed by
+//! run length, free memory, jitter):
 //!
-//! - [`simulate`] runs the real per-rank programs (from [`ncclreshard::Planner::rank_program`]):
-//!   local copies and packs at HBM copy speed, then every (sender, receiver) pair's messages as
-//!   one flow sharing NVLink or NIC links max-min fairly, then unpacks.
+//! - [`simulate`] / [`simulate_with`] run the real per-rank programs (from
+//!   [`ncclreshard::Planner::rank_program`]): host posting, packs, every (sender, receiver)
+//!   pair's messages of a round as one flow sharing links max-min fairly, unpacks; rounds per
+//!   rank without global barriers; median and p90 over jittered trials; memory and one-time
+//!   setup.
+//! - [`m2n`] models NCCL M2N's direct and hierarchical reshard, one call per tensor, as its
+//!   benchmark or as NeMo RL calls it; [`nemo_rl_reshard`] NeMo RL's `nccl_reshard` refit.
 //! - [`gather_broadcast`] models the baseline NeMo RL, veRL and slime use: gather every tensor
 //!   inside its source group, then broadcast it whole from one training rank to every
 //!   inference rank, bucket by bucket.
-//! - [`lower_bound`] is the physical floor: bytes that must enter or leave each NVLink domain
-//!   and each GPU, divided by the bandwidth available there.
+//! - [`lower_bound`] gives the physical floor (forwarding allowed) and the floor of direct
+//!   plans: bytes that must enter or leave each NVLink domain and each GPU, divided by the
+//!   rated bandwidth there.
 //!
 //! The model, its parameters, their sources and where it is uncertain are in
-//! `docs/simulator.md`. Everything here is pure computation on plain data: no I/O, no
-//! threads, deterministic; all functions are safe to call from several threads.
+//! `docs/simulator.md`. Everything here is pure computation on plain data: no I/O,
+//! deterministic (trials draw from a seed); [`simulate_with`] runs its trials on scoped
+//! threads; all functions are safe to call from several threads.
 
 mod baseline;
 mod bound;
+pub mod calibrate;
 mod cluster;
+mod fabric;
 mod flows;
+mod m2n;
+mod peers;
 mod reshard;
 
-pub use baseline::{gather_broadcast, gather_broadcast_with, BaselineParams, BroadcastGroup};
+pub use baseline::{
+    gather_broadcast, gather_broadcast_with, BaselineParams, BroadcastGroup, NEMO_RL_PER_TENSOR_S,
+};
 pub use bound::{lower_bound, Bound, BoundKind, LowerBound};
 pub use cluster::Cluster;
-pub use reshard::simulate;
+pub use m2n::{m2n, LoadBalance, M2nAlgorithm, M2nParams, M2nReport, Schedule, M2N_CALL_S};
+pub use peers::{is_feed_forward, nemo_rl_reshard, ENGINE_POSTPROCESS_S};
+pub use reshard::{simulate, simulate_with, SimOptions};
 
 use std::fmt;
 
@@ -108,9 +126,49 @@ pub struct SimReport {
     /// The link with the highest busy fraction; `None` when nothing crossed a link.
     pub busiest_link: Option<LinkUse>,
     pub phases: Vec<Phase>,
+    /// The 90th percentile of the time over the Monte Carlo trials (`time_s` when there were
+    /// none).
+    pub p90_s: f64,
+    /// Monte Carlo trials behind `time_s` (their median) and `p90_s`; 0: one run without
+    /// jitter.
+    pub trials: u32,
+    /// One-time costs before the first call (connections to every peer, kernel compilation),
+    /// not part of `time_s`.
+    pub setup_s: f64,
+    /// Device memory of the rank that needs the most; `None` where the method's memory is not
+    /// modelled.
+    pub memory: Option<MemoryUse>,
+}
+
+/// Device memory a rank needs for one call besides its weights, against what is free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryUse {
+    pub rank: u32,
+    /// The rank's staging arena (its largest round's).
+    pub staging_bytes: u64,
+    /// NCCL's buffers for the rank's point-to-point connections.
+    pub nccl_bytes: u64,
+    /// [`Cluster::free_memory_bytes`].
+    pub free_bytes: u64,
+}
+
+impl MemoryUse {
+    pub fn total(&self) -> u64 {
+        self.staging_bytes.saturating_add(self.nccl_bytes)
+    }
+
+    pub fn fits(&self) -> bool {
+        self.total() <= self.free_bytes
+    }
 }
 
 impl SimReport {
+    /// False when a rank's staging and NCCL buffers exceed its free memory: the call was not
+    /// simulated and `time_s` is infinite.
+    pub fn fits(&self) -> bool {
+        self.memory.map_or(true, |m| m.fits())
+    }
+
     /// Seconds of the phase named `name`, if present.
     pub fn phase(&self, name: &str) -> Option<f64> {
         self.phases
@@ -118,4 +176,53 @@ impl SimReport {
             .find(|p| p.name == name)
             .map(|p| p.seconds)
     }
+}
+
+/// A small deterministic random source (SplitMix64) for the Monte Carlo trials, so that a
+/// seed gives the same estimate on every machine.
+#[derive(Clone, Debug)]
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    pub fn unit(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    }
+
+    /// Exponentially distributed with the given mean (0 when the mean is 0).
+    pub fn exp(&mut self, mean: f64) -> f64 {
+        if mean > 0.0 {
+            -mean * self.unit().ln()
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The median and the 90th percentile (nearest rank) of `samples`.
+pub(crate) fn median_p90(samples: &mut [f64]) -> (f64, f64) {
+    if samples.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    samples.sort_by(f64::total_cmp);
+    let n = samples.len();
+    let median = if n % 2 == 1 {
+        samples[n / 2]
+    } else {
+        0.5 * (samples[n / 2 - 1] + samples[n / 2])
+    };
+    let p90 = samples[((0.9 * n as f64).ceil() as usize).clamp(1, n) - 1];
+    (median, p90)
 }

@@ -1,47 +1,134 @@
 //! Simulating the real per-rank programs of a reshard.
 
+use super::fabric::Network;
 use super::flows::{self, Flow};
-use super::{Cluster, Direction, LinkKind, LinkUse, Phase, SimReport};
+use super::{median_p90, Cluster, MemoryUse, Phase, Rng, SimReport};
 use ncclreshard::plan::{RankProgram, StridedCopy};
 use std::collections::HashMap;
 
-/// Links per GPU, in link-id order: NVLink egress, NVLink ingress, NIC egress, NIC ingress.
-const LINKS_PER_GPU: usize = 4;
-const LINKS: [(LinkKind, Direction); LINKS_PER_GPU] = [
-    (LinkKind::NvLink, Direction::Egress),
-    (LinkKind::NvLink, Direction::Ingress),
-    (LinkKind::Nic, Direction::Egress),
-    (LinkKind::Nic, Direction::Ingress),
-];
+/// How [`simulate_with`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimOptions {
+    /// Monte Carlo trials with jitter (`Cluster::jitter_s`, `Cluster::flow_jitter`); the
+    /// report's time is their median and `p90_s` their 90th percentile. 0: one run without
+    /// jitter.
+    pub trials: u32,
+    /// Seed of the trials' random draws (the same seed gives the same estimate).
+    pub seed: u64,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions { trials: 0, seed: 1 }
+    }
+}
+
+/// Estimates the time of a reshard from every participating rank's program, without jitter
+/// ([`simulate_with`] with no trials).
+pub fn simulate(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
+    simulate_with(programs, cluster, &SimOptions::default())
+}
 
 /// Estimates the time of a reshard from every participating rank's program.
 ///
-/// `programs` should hold one program per rank of the plan (ranks without one are idle). Each
-/// rank first runs its local copies and packs at `cluster.hbm_copy_bw`; then its messages are
-/// in flight (one NCCL group): the messages of one (sender, receiver) pair form one flow of
-/// their summed bytes that starts once both ends have prepared, plus `cluster.latency_s` per
-/// message; flows share each GPU's NVLink (same domain) or NIC (different domains) egress and
-/// ingress max-min fairly; a rank unpacks once all its flows are done. Sends are taken as the
-/// truth for what crosses the network (receives mirror them by construction).
+/// `programs` should hold one program per rank of the plan (ranks without one are idle;
+/// ranks may be any communicator ranks). First the memory: a rank's staging plus NCCL's
+/// buffers for its connections must fit in `cluster.free_memory_bytes`, else the call is not
+/// simulated (`fits()` is false, the time infinite). Then each rank, as the executor runs it
+/// (docs/simulator.md §2):
 ///
-/// Ranks may be any communicator ranks (sparse is fine). The cluster should pass
-/// [`Cluster::validate`]: a zero bandwidth gives an infinite time, not an error.
+/// - its host posts the fingerprint exchange (two operations per peer, one group), then for
+///   every round its operations (`host_op_s` each) and one group (`group_s`), never waiting
+///   for the GPU;
+/// - its GPU runs the round's packs (one launch, each copy at `hbm_copy_bw` times the copy
+///   kernel's efficiency for its run length), then the round's messages: those of one
+///   (sender, receiver) pair form one flow that starts once both ends are in the round, have
+///   packed and have posted the round, plus the pair's per-message latency; flows share
+///   NVLink, NIC, PXN and leaf links max-min fairly, a network pair at most NCCL's channels
+///   per peer; once its flows are done it unpacks and enters its next round.
 ///
-/// Programs with several rounds run as their stream would: a rank packs round `r`, its
-/// round-`r` flows start once the peer is in round `r` too (and has packed), and it unpacks
-/// once they are all done, then moves to its next round — ranks drift apart freely, and flows
-/// of different rounds share links when their ranks are in different rounds.
-pub fn simulate(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
-    let mut rounds: Vec<u32> = programs
-        .iter()
-        .flat_map(|p| p.round_spans.iter().map(|s| s.round))
-        .collect();
-    rounds.sort_unstable();
-    rounds.dedup();
-    if rounds.len() <= 1 {
-        return simulate_round(programs, cluster);
+/// Ranks drift apart freely; flows of different rounds share links when their ranks are in
+/// different rounds. With trials, every rank's start of every round is delayed by an
+/// exponential draw (`jitter_s`) and every flow carries an exponentially drawn extra
+/// fraction of its bytes (`flow_jitter`). Sends are taken as the truth for what crosses the
+/// network (receives mirror them by construction).
+pub fn simulate_with(
+    programs: &[RankProgram],
+    cluster: &Cluster,
+    options: &SimOptions,
+) -> SimReport {
+    let model = Model::build(programs, cluster);
+    let memory = memory_use(programs, cluster, &model);
+    let setup_s = setup_seconds(programs, cluster, &model);
+    let counts = counts(programs, cluster);
+    if !memory.map_or(true, |m| m.fits()) {
+        return report(
+            programs,
+            counts,
+            Run::not_run(),
+            (f64::INFINITY, 0),
+            setup_s,
+            memory,
+        );
     }
-    simulate_rounds(programs, cluster, &rounds)
+    // The run without jitter and the trials, together on the machine's threads.
+    let mut runs = runs(&model, cluster, options);
+    let nominal = runs.remove(0);
+    let link_bytes = nominal.link_bytes.clone();
+    let (time, p90, trials) = if options.trials == 0 {
+        (nominal.time_s, nominal.time_s, 0)
+    } else {
+        let mut samples: Vec<f64> = runs.iter().map(|r| r.time_s).collect();
+        let (median, p90) = median_p90(&mut samples);
+        (median, p90, options.trials)
+    };
+    let mut report = report(programs, counts, nominal, (time, trials), setup_s, memory);
+    report.p90_s = p90;
+    report.busiest_link = model.network.busiest_port(&link_bytes, report.time_s);
+    report
+}
+
+/// The run without jitter, then `options.trials` jittered runs, on as many threads as the
+/// machine offers. Trial `t` draws from its own seed, so the result does not depend on the
+/// threads.
+fn runs(model: &Model<'_>, cluster: &Cluster, options: &SimOptions) -> Vec<Run> {
+    let jobs: Vec<Option<u32>> = std::iter::once(None)
+        .chain((0..options.trials).map(Some))
+        .collect();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len());
+    let one = |job: Option<u32>| match job {
+        None => model.run(cluster, None),
+        Some(t) => {
+            let mut rng = Rng::new(
+                options
+                    .seed
+                    .wrapping_mul(0x9E37_79B9)
+                    .wrapping_add(u64::from(t)),
+            );
+            model.run(cluster, Some(&mut rng))
+        }
+    };
+    let mut done: Vec<(usize, Run)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|k| {
+                let (one, jobs) = (&one, &jobs);
+                scope.spawn(move || {
+                    (k..jobs.len())
+                        .step_by(threads)
+                        .map(|i| (i, one(jobs[i])))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("a run does not panic"))
+            .collect()
+    });
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, run)| run).collect()
 }
 
 /// One (sender, receiver) pair's messages of one round: a flow.
@@ -49,252 +136,400 @@ struct PairFlow {
     round: usize,
     from: usize,
     to: usize,
-    messages: u64,
+    /// The pair's per-message latencies, summed.
+    latency_s: f64,
 }
 
-/// The multi-round model of [`simulate`]; `labels` are every round any rank has, ascending.
-fn simulate_rounds(programs: &[RankProgram], cluster: &Cluster, labels: &[u32]) -> SimReport {
-    let copy_bytes = |copies: &[StridedCopy]| copies.iter().map(StridedCopy::bytes).sum::<u64>();
-    let nr = labels.len();
-    let mut ranks: Vec<u32> = programs
-        .iter()
-        .map(|p| p.rank)
-        .chain(programs.iter().flat_map(|p| p.sends.iter().map(|m| m.peer)))
-        .collect();
-    ranks.sort_unstable();
-    ranks.dedup();
-    let index = |rank: u32| ranks.binary_search(&rank).expect("every rank is indexed");
-    let n = ranks.len();
+/// Everything about a call that does not change between trials.
+struct Model<'a> {
+    nr: usize,
+    n: usize,
+    /// Per (rank, round): seconds of the packs (and local copies), of the unpacks, and the
+    /// time the host has posted the round.
+    pack: Vec<f64>,
+    unpack: Vec<f64>,
+    posted: Vec<f64>,
+    /// Per rank: its host's total posting time.
+    host: Vec<f64>,
+    ends_of: Vec<Vec<u32>>,
+    flows: Vec<Flow>,
+    meta: Vec<PairFlow>,
+    network: Network<'a>,
+    /// Distinct ranks of the communicator the programs span.
+    ranks: Vec<u32>,
+}
 
-    let mut capacity: Vec<f64> = (0..n * LINKS_PER_GPU)
-        .map(|l| match LINKS[l % LINKS_PER_GPU].0 {
-            LinkKind::NvLink => cluster.nvlink_bw,
-            LinkKind::Nic => cluster.nic_bw,
-        })
-        .collect();
-    // Per (rank, round): pack and unpack seconds, and the flows the rank is an end of.
-    let mut pack = vec![0.0f64; n * nr];
-    let mut unpack = vec![0.0f64; n * nr];
-    let mut ends_of: Vec<Vec<u32>> = vec![Vec::new(); n * nr];
-    let mut flows: Vec<Flow> = Vec::new();
-    let mut meta: Vec<PairFlow> = Vec::new();
-    let (mut bytes_total, mut bytes_offnode, mut bytes_local) = (0u64, 0u64, 0u64);
-    for p in programs {
-        let i = index(p.rank);
-        let local = copy_bytes(&p.local_copies);
-        bytes_local += local;
-        pack[i * nr] += local as f64 / cluster.hbm_copy_bw;
-        for round in p.rounds() {
-            let k = labels
-                .binary_search(&round.round)
-                .expect("every round is labelled");
-            pack[i * nr + k] += copy_bytes(round.packs) as f64 / cluster.hbm_copy_bw;
-            unpack[i * nr + k] += copy_bytes(round.unpacks) as f64 / cluster.hbm_copy_bw;
-            for run in round.sends.chunk_by(|a, b| a.peer == b.peer) {
-                let (from, to) = (p.rank, run[0].peer);
-                let j = index(to);
-                let bytes: u64 = run.iter().map(|m| m.bytes).sum();
-                bytes_total += bytes;
-                if cluster.node(from) != cluster.node(to) {
-                    bytes_offnode += bytes;
-                }
-                let f = flows.len() as u32;
-                flows.push(pair_flow(cluster, (from, to), (i, j), bytes, &mut capacity));
-                meta.push(PairFlow {
-                    round: k,
-                    from: i,
-                    to: j,
-                    messages: run.len() as u64,
-                });
-                ends_of[i * nr + k].push(f);
-                if j != i {
-                    ends_of[j * nr + k].push(f);
-                }
-            }
+/// One run's outcome.
+struct Run {
+    time_s: f64,
+    phases: [f64; 4],
+    link_bytes: Vec<f64>,
+}
+
+impl Run {
+    fn not_run() -> Run {
+        Run {
+            time_s: f64::INFINITY,
+            phases: [0.0; 4],
+            link_bytes: Vec::new(),
         }
     }
+}
 
-    // Each rank's progress: the round it is in, when that round's packs were done, the last
-    // finish of its flows in it, and how many are still moving.
-    let mut position = vec![0usize; n];
-    let mut ready = vec![0.0f64; n];
-    let mut last = vec![0.0f64; n];
-    let mut outstanding: Vec<usize> = ends_of.iter().map(Vec::len).collect();
-    let mut finished = vec![0.0f64; n];
-    let mut busy = vec![0.0f64; n];
-    // Enters rank i into round k at time t, passing through rounds it has no flows in, and
-    // releases the flows whose other end is already there.
-    let enter = |i: usize,
-                 mut k: usize,
-                 mut t: f64,
-                 position: &mut Vec<usize>,
-                 ready: &mut Vec<f64>,
-                 last: &mut Vec<f64>,
-                 finished: &mut Vec<f64>,
-                 release: &mut Vec<(u32, f64)>| {
-        while k < nr {
-            position[i] = k;
-            ready[i] = t + pack[i * nr + k];
-            last[i] = ready[i];
-            // No flow of a round can finish before both its ends entered it.
-            if !ends_of[i * nr + k].is_empty() {
-                for &f in &ends_of[i * nr + k] {
-                    let m = &meta[f as usize];
-                    let other = if m.from == i { m.to } else { m.from };
-                    if other == i || position[other] == k {
-                        let start =
-                            ready[i].max(ready[other]) + m.messages as f64 * cluster.latency_s;
-                        release.push((f, start));
+/// Seconds the copy kernel takes for `copy`: its bytes at `hbm_copy_bw` times the efficiency
+/// of its contiguous run length and alignment ([`Cluster::copy_efficiency`]).
+pub(crate) fn copy_seconds(copy: &StridedCopy, cluster: &Cluster) -> f64 {
+    let bytes = copy.bytes();
+    if bytes == 0 {
+        return 0.0;
+    }
+    let mut align = 16u64;
+    let values = [copy.chunk_bytes, copy.src.offset, copy.dst.offset]
+        .into_iter()
+        .chain(copy.dims.iter().flat_map(|d| [d.src_stride, d.dst_stride]));
+    for v in values {
+        while align > 1 && v % align != 0 {
+            align /= 2;
+        }
+    }
+    bytes as f64 / (cluster.hbm_copy_bw * Cluster::copy_efficiency(copy.chunk_bytes, align))
+}
+
+/// Seconds of one kernel running `copies` (a launch when there is any).
+fn kernel_seconds<'c>(copies: impl IntoIterator<Item = &'c StridedCopy>, cluster: &Cluster) -> f64 {
+    let mut any = false;
+    let s: f64 = copies
+        .into_iter()
+        .inspect(|_| any = true)
+        .map(|c| copy_seconds(c, cluster))
+        .sum();
+    if any {
+        s + cluster.launch_s
+    } else {
+        0.0
+    }
+}
+
+impl<'a> Model<'a> {
+    fn build(programs: &[RankProgram], cluster: &'a Cluster) -> Model<'a> {
+        let mut labels: Vec<u32> = programs
+            .iter()
+            .flat_map(|p| p.rounds_iter().map(|r| r.round))
+            .collect();
+        labels.sort_unstable();
+        labels.dedup();
+        let nr = labels.len().max(1);
+        let mut ranks: Vec<u32> = programs
+            .iter()
+            .map(|p| p.rank)
+            .chain(programs.iter().flat_map(|p| p.sends.iter().map(|m| m.peer)))
+            .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        let index = |rank: u32| ranks.binary_search(&rank).expect("every rank is indexed");
+        let n = ranks.len();
+        let mut network = Network::new(cluster, cluster.p2p_peer_cap(n));
+
+        let mut pack = vec![0.0f64; n * nr];
+        let mut unpack = vec![0.0f64; n * nr];
+        let mut posted = vec![0.0f64; n * nr];
+        let mut host = vec![0.0f64; n];
+        let mut ends_of: Vec<Vec<u32>> = vec![Vec::new(); n * nr];
+        let mut flows: Vec<Flow> = Vec::new();
+        let mut meta: Vec<PairFlow> = Vec::new();
+        for p in programs {
+            let i = index(p.rank);
+            // The fingerprint exchange: one 8-byte send and receive per peer, one group,
+            // finished after one message latency.
+            let peers = p.peers();
+            let mut clock = 0.0;
+            if !peers.is_empty() {
+                let latency = peers
+                    .iter()
+                    .map(|&q| cluster.message_latency(p.rank, q))
+                    .fold(0.0, f64::max);
+                clock += 2.0 * peers.len() as f64 * cluster.host_op_s + cluster.group_s;
+                clock += latency;
+            }
+            let mut first = true;
+            for round in p.rounds_iter() {
+                let k = labels
+                    .binary_search(&round.round)
+                    .expect("every round is labelled");
+                let local: &[StridedCopy] = if first { &p.local_copies } else { &[] };
+                first = false;
+                pack[i * nr + k] += kernel_seconds(local.iter().chain(round.packs), cluster);
+                unpack[i * nr + k] += kernel_seconds(round.unpacks, cluster);
+                let ops = round.sends.len() + round.recvs.len();
+                if ops > 0 {
+                    clock += ops as f64 * cluster.host_op_s + cluster.group_s;
+                }
+                posted[i * nr + k] = clock;
+                for run in round.sends.chunk_by(|a, b| a.peer == b.peer) {
+                    let (from, to) = (p.rank, run[0].peer);
+                    let j = index(to);
+                    let bytes: u64 = run.iter().map(|m| m.bytes).sum();
+                    let f = flows.len() as u32;
+                    flows.push(network.route(from, to, bytes as f64));
+                    meta.push(PairFlow {
+                        round: k,
+                        from: i,
+                        to: j,
+                        latency_s: run.len() as f64 * cluster.message_latency(from, to),
+                    });
+                    ends_of[i * nr + k].push(f);
+                    if j != i {
+                        ends_of[j * nr + k].push(f);
                     }
                 }
-                return;
             }
-            t = ready[i] + unpack[i * nr + k];
-            k += 1;
+            host[i] = clock;
+            // Rounds the rank has no part in are posted when its last posted round was.
+            for k in 1..nr {
+                posted[i * nr + k] = posted[i * nr + k].max(posted[i * nr + k - 1]);
+            }
         }
-        position[i] = nr;
-        finished[i] = t;
-    };
-    let mut initial = Vec::new();
-    // Ranks not yet entered sit at an impossible position so nobody releases to them early.
-    position.iter_mut().for_each(|p| *p = usize::MAX);
-    for i in 0..n {
-        enter(
-            i,
-            0,
-            0.0,
-            &mut position,
-            &mut ready,
-            &mut last,
-            &mut finished,
-            &mut initial,
+        Model {
+            nr,
+            n,
+            pack,
+            unpack,
+            posted,
+            host,
+            ends_of,
+            flows,
+            meta,
+            network,
+            ranks,
+        }
+    }
+
+    /// One run; with `rng`, jittered.
+    fn run(&self, cluster: &Cluster, mut rng: Option<&mut Rng>) -> Run {
+        let (n, nr) = (self.n, self.nr);
+        let delay: Vec<f64> = (0..n * nr)
+            .map(|_| rng.as_mut().map_or(0.0, |r| r.exp(cluster.jitter_s)))
+            .collect();
+        let flows: Vec<Flow> = self
+            .flows
+            .iter()
+            .map(|f| {
+                let mut f = f.clone();
+                if let Some(r) = rng.as_mut() {
+                    f.bytes *= 1.0 + r.exp(cluster.flow_jitter);
+                }
+                f
+            })
+            .collect();
+        let (pack, unpack, posted, ends_of, meta) = (
+            &self.pack,
+            &self.unpack,
+            &self.posted,
+            &self.ends_of,
+            &self.meta,
         );
-    }
-    let outcome = flows::run_gated(&flows, &capacity, initial, &mut |f, t, release| {
-        let m = &meta[f as usize];
-        let k = m.round;
-        for e in [m.from, m.to] {
-            if e == m.to && m.to == m.from {
-                continue;
+
+        // Each rank's progress: the round it is in, when that round's packs were done, the
+        // last finish of its flows in it, and how many are still moving.
+        let mut position = vec![usize::MAX; n];
+        let mut ready = vec![0.0f64; n];
+        let mut last = vec![0.0f64; n];
+        let mut outstanding: Vec<usize> = ends_of.iter().map(Vec::len).collect();
+        let mut finished = vec![0.0f64; n];
+        let mut busy = vec![0.0f64; n];
+        // Enters rank i into round k at time t, passing through rounds it has no flows in,
+        // and releases the flows whose other end is already there.
+        let enter = |i: usize,
+                     mut k: usize,
+                     mut t: f64,
+                     position: &mut Vec<usize>,
+                     ready: &mut Vec<f64>,
+                     last: &mut Vec<f64>,
+                     finished: &mut Vec<f64>,
+                     release: &mut Vec<(u32, f64)>| {
+            while k < nr {
+                let slot = i * nr + k;
+                position[i] = k;
+                ready[i] = (t + pack[slot]).max(posted[slot]) + delay[slot];
+                last[i] = ready[i];
+                if !ends_of[slot].is_empty() {
+                    for &f in &ends_of[slot] {
+                        let m = &meta[f as usize];
+                        let other = if m.from == i { m.to } else { m.from };
+                        if other == i || position[other] == k {
+                            release.push((f, ready[i].max(ready[other]) + m.latency_s));
+                        }
+                    }
+                    return;
+                }
+                t = ready[i] + unpack[slot];
+                k += 1;
             }
-            let slot = e * nr + k;
-            outstanding[slot] -= 1;
-            last[e] = last[e].max(t);
-            if outstanding[slot] == 0 {
-                busy[e] += last[e] - ready[e];
-                let done = last[e] + unpack[slot];
-                enter(
-                    e,
-                    k + 1,
-                    done,
-                    &mut position,
-                    &mut ready,
-                    &mut last,
-                    &mut finished,
-                    release,
-                );
-            }
+            position[i] = nr;
+            finished[i] = t;
+        };
+        let mut initial = Vec::new();
+        for i in 0..n {
+            enter(
+                i,
+                0,
+                0.0,
+                &mut position,
+                &mut ready,
+                &mut last,
+                &mut finished,
+                &mut initial,
+            );
         }
-    });
-    let stuck = position.iter().any(|&k| k != nr);
-    let time_s = if stuck {
-        f64::INFINITY
-    } else {
-        finished.iter().copied().fold(0.0, f64::max)
-    };
-
-    let sum_per_rank = |v: &[f64]| -> f64 {
-        (0..n)
-            .map(|i| v[i * nr..(i + 1) * nr].iter().sum::<f64>())
-            .fold(0.0, f64::max)
-    };
-    report(
-        programs,
-        time_s,
-        (bytes_total, bytes_offnode, bytes_local),
-        busiest_link(&outcome.link_bytes, &capacity, &ranks, time_s),
-        [
-            sum_per_rank(&pack),
-            busy.iter().copied().fold(0.0, f64::max),
-            sum_per_rank(&unpack),
-        ],
-    )
-}
-
-/// The flow of one (sender, receiver) pair (`ends`: their dense indices): the sender's egress
-/// and the receiver's ingress, NVLink inside a domain and NICs between; with a peer fraction,
-/// also a private link (pushed onto `capacity`) that caps this pair. Starts at 0.
-fn pair_flow(
-    cluster: &Cluster,
-    (from, to): (u32, u32),
-    (i, j): (usize, usize),
-    bytes: u64,
-    capacity: &mut Vec<f64>,
-) -> Flow {
-    let (out, inn) = if cluster.same_domain(from, to) {
-        (0, 1)
-    } else {
-        (2, 3)
-    };
-    let mut links = [
-        (i * LINKS_PER_GPU + out) as u32,
-        (j * LINKS_PER_GPU + inn) as u32,
-        0,
-    ];
-    let mut nlinks = 2;
-    if let Some(fraction) = cluster.peer_fraction {
-        links[2] = capacity.len() as u32;
-        capacity.push(fraction * cluster.link_bw(from, to));
-        nlinks = 3;
-    }
-    Flow {
-        links,
-        nlinks,
-        bytes: bytes as f64,
-        start: 0.0,
+        let outcome = flows::run_gated(
+            &flows,
+            &self.network.capacity,
+            self.network.peer_cap,
+            initial,
+            &mut |f, t, release| {
+                let m = &meta[f as usize];
+                let k = m.round;
+                for e in [m.from, m.to] {
+                    if e == m.to && m.to == m.from {
+                        continue;
+                    }
+                    let slot = e * nr + k;
+                    outstanding[slot] -= 1;
+                    last[e] = last[e].max(t);
+                    if outstanding[slot] == 0 {
+                        busy[e] += last[e] - ready[e];
+                        let done = last[e] + unpack[slot];
+                        enter(
+                            e,
+                            k + 1,
+                            done,
+                            &mut position,
+                            &mut ready,
+                            &mut last,
+                            &mut finished,
+                            release,
+                        );
+                    }
+                }
+            },
+        );
+        let stuck = position.iter().any(|&k| k != nr);
+        let time_s = if stuck {
+            f64::INFINITY
+        } else {
+            finished.iter().copied().fold(0.0, f64::max)
+        };
+        let sum_per_rank = |v: &[f64]| -> f64 {
+            (0..n)
+                .map(|i| v[i * nr..(i + 1) * nr].iter().sum::<f64>())
+                .fold(0.0, f64::max)
+        };
+        Run {
+            time_s,
+            phases: [
+                sum_per_rank(pack),
+                busy.iter().copied().fold(0.0, f64::max),
+                sum_per_rank(unpack),
+                self.host.iter().copied().fold(0.0, f64::max),
+            ],
+            link_bytes: outcome.link_bytes,
+        }
     }
 }
 
-/// The link with the highest busy fraction over `time_s` (ties: the lowest link id).
-fn busiest_link(
-    link_bytes: &[f64],
-    capacity: &[f64],
-    ranks: &[u32],
-    time_s: f64,
-) -> Option<LinkUse> {
-    (0..ranks.len() * LINKS_PER_GPU)
-        .filter(|&l| link_bytes[l] > 0.0)
-        .map(|l| {
-            let busy = if time_s > 0.0 {
-                link_bytes[l] / capacity[l] / time_s
-            } else {
-                0.0
+/// NCCL buffer bytes of one connection to `peer`: its channels times `chunk × 8` steps
+/// (NCCL's `p2pChunkSize × NCCL_STEPS`: 128 KiB chunks over the network, 512 KiB over
+/// NVLink).
+fn connection_bytes(cluster: &Cluster, rank: u32, peer: u32, channels: u32) -> u64 {
+    let chunk: u64 = if cluster.same_domain(rank, peer) {
+        512 << 10
+    } else {
+        128 << 10
+    };
+    u64::from(channels) * chunk * 8
+}
+
+/// The rank needing the most memory for staging plus NCCL connections. `None` for no
+/// programs.
+fn memory_use(programs: &[RankProgram], cluster: &Cluster, model: &Model) -> Option<MemoryUse> {
+    let channels = cluster.p2p_channels_per_peer(model.ranks.len());
+    programs
+        .iter()
+        .map(|p| {
+            let connections = |list: &[ncclreshard::plan::Message]| -> u64 {
+                let mut peers: Vec<u32> = list.iter().map(|m| m.peer).collect();
+                peers.sort_unstable();
+                peers.dedup();
+                peers
+                    .iter()
+                    .map(|&q| connection_bytes(cluster, p.rank, q, channels))
+                    .sum()
             };
-            (l, busy)
+            MemoryUse {
+                rank: p.rank,
+                staging_bytes: p.staging_bytes,
+                nccl_bytes: connections(&p.sends) + connections(&p.recvs),
+                free_bytes: cluster.free_memory_bytes,
+            }
         })
-        .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
-        .map(|(l, busy)| LinkUse {
-            rank: ranks[l / LINKS_PER_GPU],
-            kind: LINKS[l % LINKS_PER_GPU].0,
-            direction: LINKS[l % LINKS_PER_GPU].1,
-            bytes: link_bytes[l].round() as u64,
-            busy_fraction: busy,
-        })
+        .max_by_key(|m| (m.total(), std::cmp::Reverse(m.rank)))
 }
 
-/// The report of a call: times and link use as simulated, message and byte counts from the
-/// programs. `bytes` is (total, off-node, local); `phases` the prepare, transfer and unpack
-/// seconds.
+/// One-time costs: compiling the copy kernel, and connecting every (peer, channel) of the
+/// rank with the most connections, one after another.
+fn setup_seconds(programs: &[RankProgram], cluster: &Cluster, model: &Model) -> f64 {
+    let channels = f64::from(cluster.p2p_channels_per_peer(model.ranks.len()));
+    let connections = programs
+        .iter()
+        .map(|p| {
+            let distinct = |list: &[ncclreshard::plan::Message]| {
+                let mut peers: Vec<u32> = list.iter().map(|m| m.peer).collect();
+                peers.sort_unstable();
+                peers.dedup();
+                peers.len()
+            };
+            distinct(&p.sends) + distinct(&p.recvs)
+        })
+        .max()
+        .unwrap_or(0);
+    let copies = programs
+        .iter()
+        .any(|p| !p.packs.is_empty() || !p.unpacks.is_empty() || !p.local_copies.is_empty());
+    connections as f64 * channels * cluster.connect_s + if copies { cluster.compile_s } else { 0.0 }
+}
+
+/// Byte totals of the programs: (total over links, off-node, local copies).
+fn counts(programs: &[RankProgram], cluster: &Cluster) -> (u64, u64, u64) {
+    let mut pairs: HashMap<(u32, u32), u64> = HashMap::new();
+    let mut local = 0u64;
+    for p in programs {
+        local += p.bytes_copied_locally();
+        for m in &p.sends {
+            *pairs.entry((p.rank, m.peer)).or_default() += m.bytes;
+        }
+    }
+    let total = pairs.values().sum();
+    let offnode = pairs
+        .iter()
+        .filter(|((a, b), _)| cluster.node(*a) != cluster.node(*b))
+        .map(|(_, b)| b)
+        .sum();
+    (total, offnode, local)
+}
+
+/// The report of a call: times as simulated, message and byte counts from the programs.
 fn report(
     programs: &[RankProgram],
-    time_s: f64,
     (bytes_total, bytes_offnode, bytes_local): (u64, u64, u64),
-    busiest_link: Option<LinkUse>,
-    [prepare, transfer, unpack]: [f64; 3],
+    run: Run,
+    (time_s, trials): (f64, u32),
+    setup_s: f64,
+    memory: Option<MemoryUse>,
 ) -> SimReport {
     let participants = programs.iter().filter(|p| !p.is_empty()).count();
     let posted = |p: &RankProgram| (p.sends.len() + p.recvs.len()) as u64;
     let total_posted: u64 = programs.iter().map(posted).sum();
+    let [prepare, transfer, unpack, host] = run.phases;
     SimReport {
         time_s,
         bytes_total,
@@ -312,7 +547,7 @@ fn report(
             .map(|p| p.bytes_sent().max(p.bytes_received()))
             .max()
             .unwrap_or(0),
-        busiest_link,
+        busiest_link: None,
         phases: vec![
             Phase {
                 name: "prepare",
@@ -326,96 +561,14 @@ fn report(
                 name: "unpack",
                 seconds: unpack,
             },
+            Phase {
+                name: "host",
+                seconds: host,
+            },
         ],
+        p90_s: time_s,
+        trials,
+        setup_s,
+        memory,
     }
-}
-
-/// One round (or a one-round program): local copies and packs, one group, unpacks.
-fn simulate_round(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
-    let copy_bytes = |copies: &[StridedCopy]| copies.iter().map(StridedCopy::bytes).sum::<u64>();
-
-    // One flow per (sender, receiver) pair.
-    let mut pairs: HashMap<(u32, u32), (u64, u64)> = HashMap::new();
-    for p in programs {
-        // Sends come grouped by peer: add each run of one peer's messages at once.
-        for run in p.sends.chunk_by(|a, b| a.peer == b.peer) {
-            let entry = pairs.entry((p.rank, run[0].peer)).or_default();
-            entry.0 += run.iter().map(|m| m.bytes).sum::<u64>();
-            entry.1 += run.len() as u64;
-        }
-    }
-    let mut pairs: Vec<((u32, u32), (u64, u64))> = pairs.into_iter().collect();
-    pairs.sort_unstable_by_key(|&(pair, _)| pair);
-
-    // Ranks may be sparse (any communicator rank): index the ones that appear densely.
-    let mut ranks: Vec<u32> = programs
-        .iter()
-        .map(|p| p.rank)
-        .chain(pairs.iter().flat_map(|&((from, to), _)| [from, to]))
-        .collect();
-    ranks.sort_unstable();
-    ranks.dedup();
-    let index = |rank: u32| ranks.binary_search(&rank).expect("every rank is indexed");
-
-    // Phase 1 per rank: local copies and packs.
-    let mut prepared = vec![0.0f64; ranks.len()];
-    let mut unpack_s = vec![0.0f64; ranks.len()];
-    let mut bytes_local = 0u64;
-    for p in programs {
-        let local = copy_bytes(&p.local_copies);
-        bytes_local += local;
-        let r = index(p.rank);
-        prepared[r] = (local + copy_bytes(&p.packs)) as f64 / cluster.hbm_copy_bw;
-        unpack_s[r] = copy_bytes(&p.unpacks) as f64 / cluster.hbm_copy_bw;
-    }
-
-    let gpu_links = ranks.len() * LINKS_PER_GPU;
-    let mut capacity: Vec<f64> = (0..gpu_links)
-        .map(|l| match LINKS[l % LINKS_PER_GPU].0 {
-            LinkKind::NvLink => cluster.nvlink_bw,
-            LinkKind::Nic => cluster.nic_bw,
-        })
-        .collect();
-    let mut bytes_total = 0u64;
-    let mut bytes_offnode = 0u64;
-    let mut flow_list = Vec::with_capacity(pairs.len());
-    let mut ends = Vec::with_capacity(pairs.len());
-    for &((from, to), (bytes, count)) in &pairs {
-        bytes_total += bytes;
-        if cluster.node(from) != cluster.node(to) {
-            bytes_offnode += bytes;
-        }
-        let (i, j) = (index(from), index(to));
-        ends.push((i, j));
-        let mut flow = pair_flow(cluster, (from, to), (i, j), bytes, &mut capacity);
-        flow.start = prepared[i].max(prepared[j]) + count as f64 * cluster.latency_s;
-        flow_list.push(flow);
-    }
-
-    let outcome = flows::run(&flow_list, &capacity);
-
-    // A rank leaves its group when all its flows are done, then unpacks.
-    let mut group_end = prepared.clone();
-    for (&(i, j), &done) in ends.iter().zip(&outcome.finish) {
-        group_end[i] = group_end[i].max(done);
-        group_end[j] = group_end[j].max(done);
-    }
-    let mut time_s = 0.0f64;
-    let mut transfer_s = 0.0f64;
-    for r in 0..ranks.len() {
-        time_s = time_s.max(group_end[r] + unpack_s[r]);
-        transfer_s = transfer_s.max(group_end[r] - prepared[r]);
-    }
-
-    report(
-        programs,
-        time_s,
-        (bytes_total, bytes_offnode, bytes_local),
-        busiest_link(&outcome.link_bytes, &capacity, &ranks, time_s),
-        [
-            prepared.iter().copied().fold(0.0, f64::max),
-            transfer_s,
-            unpack_s.iter().copied().fold(0.0, f64::max),
-        ],
-    )
 }
