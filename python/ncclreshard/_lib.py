@@ -162,6 +162,13 @@ class Transfer_t(ctypes.Structure):
         ("srcView", ctypes.c_int),
         ("blockOffset", ctypes.c_uint64),
         ("blockBytes", ctypes.c_uint64),
+        # Added in 0.4 (conversions on the way).
+        ("dstView", ctypes.c_int),
+        ("srcDtype", ctypes.c_int),
+        ("dstDtype", ctypes.c_int),
+        ("scaleView", ctypes.c_int),
+        ("scaleOffset", ctypes.c_uint64),
+        ("scaleStride", ctypes.c_int64 * MAX_DIMS),
     ]
 
 
