@@ -4,6 +4,12 @@
 //! convert steps and the dtypes on the wire (FP8 when the sender converts).
 
 use ncclreshard::ffi::*;
+use ncclreshard::quant::{amax, Conversion, ScaleFormat, Scheme};
+use ncclreshard::{DType, Layout, Mesh, Placement, TensorSpec};
+use ncclreshard_tools::check::{
+    expected_conversion, rank_buffers, verify_converted_view, verify_scale_view,
+};
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::os::raw::c_int;
 
@@ -364,4 +370,291 @@ fn receivers_convert_blocks_no_source_shard_holds_whole() {
     assert_eq!(scales, 2 * 4);
     // SAFETY: a plan this test created.
     unsafe { ncclReshardPlanDestroy(plan) };
+}
+
+/// A rank's memory for running exported transfers: its views as `check` fills them (scale
+/// views after the tensors') and its workspace views, keyed by (tensor, view), grown on write.
+struct RankMemory {
+    src: Vec<Vec<u8>>,
+    dst: Vec<Vec<u8>>,
+    work: HashMap<(usize, c_int), Vec<u8>>,
+}
+
+/// The workspace or user view a transfer of `tensor` names (`tensor` ≥ ntensors: a scale
+/// tensor, whose workspace views belong to its data tensor `scaled[k]`).
+fn view_mut<'m>(
+    m: &'m mut RankMemory,
+    tensor: usize,
+    view: c_int,
+    scaled: &[usize],
+) -> &'m mut Vec<u8> {
+    let n = m.src.len();
+    let data = if tensor >= n {
+        scaled[tensor - n]
+    } else {
+        tensor
+    };
+    match view {
+        v if v == ncclReshardView_t::ncclReshardViewSource as c_int => &mut m.src[tensor],
+        v if v == ncclReshardView_t::ncclReshardViewDestination as c_int => &mut m.dst[tensor],
+        v => m.work.entry((data, v)).or_default(),
+    }
+}
+
+/// Every byte offset of a strided copy (`chunkBytes` at each point of the `count` grid), on
+/// the read side and the write side.
+fn copy_offsets(x: &ncclReshardTransfer_t) -> Vec<(usize, usize)> {
+    let dims = x.copyNdim as usize;
+    let mut out = Vec::new();
+    let total: i64 = x.count[..dims].iter().product();
+    for mut point in 0..total {
+        let (mut s, mut d) = (x.srcOffset as i64, x.dstOffset as i64);
+        for k in (0..dims).rev() {
+            let i = point % x.count[k];
+            point /= x.count[k];
+            s += i * x.srcStride[k];
+            d += i * x.dstStride[k];
+        }
+        for b in 0..x.chunkBytes as i64 {
+            out.push(((s + b) as usize, (d + b) as usize));
+        }
+    }
+    out
+}
+
+fn write_at(buffer: &mut Vec<u8>, at: usize, bytes: &[u8]) {
+    if buffer.len() < at + bytes.len() {
+        buffer.resize(at + bytes.len(), 0);
+    }
+    buffer[at..at + bytes.len()].copy_from_slice(bytes);
+}
+
+/// Runs one convert transfer by the header's description, with the tensor's conversion.
+fn run_convert(
+    m: &mut RankMemory,
+    x: &ncclReshardTransfer_t,
+    conversion: &Conversion,
+    spec: &TensorSpec,
+    scale_tensor: Option<usize>,
+    scaled: &[usize],
+) {
+    let t = x.tensor as usize;
+    let dims = x.ndim as usize;
+    let src_dtype = DType::from_nccl_code(x.srcDtype).unwrap();
+    let arithmetic = conversion.arithmetic(src_dtype);
+    let block = conversion.block_shape(&spec.shape);
+    let count: Vec<i64> = x.count[..dims].to_vec();
+    let grid: Vec<i64> = (0..dims)
+        .map(|k| (count[k] as u64).div_ceil(block[k]) as i64)
+        .collect();
+    let elements: i64 = count.iter().product();
+    let index = |mut e: i64| -> Vec<i64> {
+        let mut i = vec![0; dims];
+        for k in (0..dims).rev() {
+            i[k] = e % count[k];
+            e /= count[k];
+        }
+        i
+    };
+    let block_of = |i: &[i64]| -> usize {
+        (0..dims).fold(0usize, |acc, k| {
+            acc * grid[k] as usize + (i[k] / block[k] as i64) as usize
+        })
+    };
+    let size = src_dtype.size() as usize;
+    let src = view_mut(m, t, x.srcView, scaled).clone();
+    let values: Vec<(Vec<i64>, f32)> = (0..elements)
+        .map(|e| {
+            let i = index(e);
+            let at = x.srcOffset as i64 + (0..dims).map(|k| i[k] * x.srcStride[k]).sum::<i64>();
+            let at = at as usize;
+            (i, arithmetic.load(&src[at..at + size]))
+        })
+        .collect();
+    let nblocks: i64 = grid.iter().product();
+    let mut divisors = vec![1.0f32; nblocks as usize];
+    if conversion.is_scaled() {
+        let mut amaxes = vec![Vec::new(); nblocks as usize];
+        for (i, v) in &values {
+            amaxes[block_of(i)].push(*v);
+        }
+        let scale_view = scale_tensor.expect("a scaled tensor has a scale tensor");
+        let stored = conversion.scale_format.size() as usize;
+        for b in 0..nblocks {
+            let mut bi = vec![0i64; dims];
+            let mut rest = b;
+            for k in (0..dims).rev() {
+                bi[k] = rest % grid[k];
+                rest /= grid[k];
+            }
+            let scale = arithmetic.block_scale(amax(amaxes[b as usize].iter().copied()));
+            divisors[b as usize] = scale.divisor;
+            let at =
+                x.scaleOffset as i64 + (0..dims).map(|k| bi[k] * x.scaleStride[k]).sum::<i64>();
+            write_at(
+                view_mut(m, scale_view, x.scaleView, scaled),
+                at as usize,
+                &scale.stored[..stored],
+            );
+        }
+    }
+    let out_size = conversion.dtype.size() as usize;
+    for (i, v) in &values {
+        let mut bytes = [0u8; 4];
+        arithmetic.convert(*v, divisors[block_of(i)], &mut bytes);
+        let at = x.dstOffset as i64 + (0..dims).map(|k| i[k] * x.dstStride[k]).sum::<i64>();
+        write_at(
+            view_mut(m, t, x.dstView, scaled),
+            at as usize,
+            &bytes[..out_size],
+        );
+    }
+}
+
+/// Runs every rank's exported transfers (`ncclReshardPlanGetTransfers`) with byte copies and
+/// the header's convert rule, then checks every converted element and scale against the
+/// reference quantizer's conversion of the whole tensor: the export is enough to run a plan
+/// that quantizes.
+fn run_exported(spec: &TensorSpec, conversion: &Conversion, c: &ncclReshardTensor_t) -> u64 {
+    let specs = std::slice::from_ref(spec);
+    let conversions = [Some(conversion.clone())];
+    let mut ranks: Vec<u32> = spec
+        .src
+        .mesh
+        .ranks()
+        .iter()
+        .chain(spec.dst.mesh.ranks())
+        .copied()
+        .collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let scaled: Vec<usize> = if conversion.is_scaled() {
+        vec![0]
+    } else {
+        vec![]
+    };
+    let mut memory: HashMap<u32, RankMemory> = HashMap::new();
+    let mut lists: HashMap<u32, Vec<ncclReshardTransfer_t>> = HashMap::new();
+    for &r in &ranks {
+        let plan = create(c, r as c_int).unwrap();
+        lists.insert(r, transfers(plan));
+        // SAFETY: a plan this test created.
+        unsafe { ncclReshardPlanDestroy(plan) };
+        let b = rank_buffers(specs, Some(&conversions), r).unwrap();
+        memory.insert(
+            r,
+            RankMemory {
+                src: b.src,
+                dst: b.dst,
+                work: HashMap::new(),
+            },
+        );
+    }
+    let is = |x: &ncclReshardTransfer_t, k: ncclReshardTransferKind_t| x.kind == k as c_int;
+    let convert = ncclReshardTransferKind_t::ncclReshardTransferConvert;
+    let scale_tensor = conversion.is_scaled().then_some(1usize);
+    // Converts reading the source view first, then the copies round by round (sends and
+    // local copies applied to both ends: a receive has its send's geometry), then the
+    // converts reading the unconverted view.
+    for &r in &ranks {
+        for x in lists[&r].iter().filter(|x| is(x, convert)) {
+            if x.srcView == ncclReshardView_t::ncclReshardViewSource as c_int {
+                let m = memory.get_mut(&r).unwrap();
+                run_convert(m, x, conversion, spec, scale_tensor, &scaled);
+            }
+        }
+    }
+    let last = lists.values().flatten().map(|x| x.round).max().unwrap_or(0);
+    for round in 0..=last {
+        for &r in &ranks {
+            for x in lists[&r].iter().filter(|x| x.round == round) {
+                let send = is(x, ncclReshardTransferKind_t::ncclReshardTransferSend);
+                let local = is(x, ncclReshardTransferKind_t::ncclReshardTransferLocal);
+                if !send && !local {
+                    continue;
+                }
+                let t = x.tensor as usize;
+                let from = view_mut(memory.get_mut(&r).unwrap(), t, x.srcView, &scaled).clone();
+                let to = view_mut(
+                    memory.get_mut(&(x.peer as u32)).unwrap(),
+                    t,
+                    x.dstView,
+                    &scaled,
+                );
+                for (s, d) in copy_offsets(x) {
+                    write_at(to, d, &[from[s]]);
+                }
+            }
+        }
+    }
+    for &r in &ranks {
+        for x in lists[&r].iter().filter(|x| is(x, convert)) {
+            if x.srcView == ncclReshardView_t::ncclReshardViewUnconverted as c_int {
+                // After every receive: the last round of the plan.
+                assert_eq!(x.round, last);
+                let m = memory.get_mut(&r).unwrap();
+                run_convert(m, x, conversion, spec, scale_tensor, &scaled);
+            }
+        }
+    }
+    let expected = expected_conversion(spec, conversion, 0);
+    let mut checked = 0;
+    for &r in &ranks {
+        let m = &memory[&r];
+        checked += verify_converted_view(spec, conversion, &expected, 0, r, &m.dst[0])
+            .unwrap_or_else(|e| panic!("{e}"));
+        if conversion.is_scaled() {
+            checked += verify_scale_view(spec, conversion, &expected, 0, r, &m.dst[1])
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+    checked
+}
+
+fn rust_layout(first: u32, n: u32, dim: usize) -> Layout {
+    Layout::new(
+        Mesh::new(vec![u64::from(n)], (first..first + n).collect()).unwrap(),
+        vec![Placement::Shard(dim)],
+    )
+}
+
+#[test]
+fn exported_transfers_run_a_quantizing_plan_elsewhere() {
+    // Senders convert (FP32 scales) and receivers convert (E8M0, inverted), as above.
+    let cases = [
+        ((0, 2, 0), (2, 3, 1), ScaleFormat::Float32, false),
+        ((0, 3, 0), (3, 3, 1), ScaleFormat::E8m0, true),
+    ];
+    for ((sf, sn, sd), (df, dn, dd), format, inverse) in cases {
+        let spec = TensorSpec {
+            shape: vec![512, 384],
+            dtype: DType::Bfloat16,
+            src: rust_layout(sf, sn, sd),
+            dst: rust_layout(df, dn, dd),
+        };
+        let conversion = Conversion {
+            scale_format: format,
+            scale_inverse: inverse,
+            ..Conversion::quantize(
+                DType::Float8E4M3,
+                Scheme::Block {
+                    rows: 128,
+                    cols: 128,
+                },
+            )
+        };
+        let (src, dst) = (
+            c_layout(sf as c_int, i64::from(sn), sd as c_int),
+            c_layout(df as c_int, i64::from(dn), dd as c_int),
+        );
+        let mut quant = block_quant();
+        quant.scaleFormat = match format {
+            ScaleFormat::Float32 => 0,
+            ScaleFormat::E8m0 => 1,
+        };
+        quant.scaleInverse = c_int::from(inverse);
+        let c = tensor(&src, &dst, &quant);
+        let checked = run_exported(&spec, &conversion, &c);
+        assert_eq!(checked, 512 * 384 + 4 * 3, "every element and scale");
+    }
 }
