@@ -312,7 +312,9 @@ struct Descriptors {
     config: Option<Memory>,
     _node_table: Vec<c_int>,
     rank: c_int,
-    /// The quant structs tensors point to.
+    /// The quant structs tensors point to, boxed so that their addresses stay put while the
+    /// vector grows.
+    #[allow(clippy::vec_box)]
     _quants: Vec<Box<ncclReshardQuant_t>>,
 }
 
