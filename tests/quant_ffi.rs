@@ -658,3 +658,55 @@ fn exported_transfers_run_a_quantizing_plan_elsewhere() {
         assert_eq!(checked, 512 * 384 + 4 * 3, "every element and scale");
     }
 }
+
+#[test]
+fn calls_check_the_scale_views_before_anything_runs() {
+    let (src, dst) = (c_layout(0, 2, 0), c_layout(2, 3, 1));
+    let quant = block_quant();
+    let mut t = tensor(&src, &dst, &quant);
+    let plan = create(&t, 2).unwrap();
+    // Rank 2 receives columns [0, 128) as FP8 and its 4 × 1 scales: ncclReshardMulti needs a
+    // scale view after the tensor's.
+    let mut memory = vec![0u8; 1 << 20];
+    let base = memory.as_mut_ptr();
+    let recv: [*mut std::ffi::c_void; 2] = [base.cast(), std::ptr::null_mut()];
+    // SAFETY: the tables hold ntensors (sends) and ntensors + scaleTensors (receives) entries;
+    // the call is refused before it touches memory, CUDA or NCCL.
+    let r = unsafe {
+        ncclReshardMulti(
+            std::ptr::null(),
+            recv.as_ptr(),
+            plan,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    };
+    let message = last_error();
+    assert_eq!(r, INVALID_ARGUMENT, "{message}");
+    assert!(
+        message
+            .contains("recvbuffs[1] is NULL but rank 2 receives data of the scales of tensors[0]"),
+        "{message}"
+    );
+    // SAFETY: a plan this test created.
+    unsafe { ncclReshardPlanDestroy(plan) };
+    // The single-buffer call: a scale view on top of the tensor's is refused naming the
+    // offset.
+    t.scaleOffset = 64;
+    let plan = create(&t, 2).unwrap();
+    // SAFETY: as above.
+    let r = unsafe {
+        ncclReshard(
+            std::ptr::null(),
+            base.cast(),
+            plan,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    };
+    let message = last_error();
+    assert_eq!(r, INVALID_ARGUMENT, "{message}");
+    assert!(message.contains("tensors[0].scaleOffset = 64"), "{message}");
+    // SAFETY: a plan this test created.
+    unsafe { ncclReshardPlanDestroy(plan) };
+}
