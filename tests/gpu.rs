@@ -907,6 +907,51 @@ fn quantized_plans_match_the_host_executor() {
             for p in send.into_iter().chain(recv).filter(|&p| p != 0) {
                 rank.device.free(p);
             }
+            // The single-buffer call (`ncclReshard`): every view, scale views included, at
+            // 256-byte aligned offsets of one send and one receive buffer.
+            let pack = |views: &[Vec<u8>]| -> (Vec<u8>, Vec<u64>) {
+                let mut buffer = Vec::new();
+                let mut offsets = Vec::new();
+                for v in views {
+                    buffer.resize(align(buffer.len() as u64) as usize, 0);
+                    offsets.push(buffer.len() as u64);
+                    buffer.extend_from_slice(v);
+                }
+                (buffer, offsets)
+            };
+            let (send_image, src_offsets) = pack(&memory.src);
+            let (recv_image, dst_offsets) = pack(&memory.dst);
+            let (send, recv) = (
+                rank.device.upload(&send_image),
+                rank.device.upload(&recv_image),
+            );
+            let executor = CudaExecutor::new(
+                Arc::new(planner.rank_program(rank.r).unwrap()),
+                src_offsets,
+                dst_offsets.clone(),
+                false,
+            );
+            executor
+                .execute(
+                    &CallBuffers::Single {
+                        send: send as usize,
+                        recv: recv as usize,
+                    },
+                    rank.comm,
+                    rank.device.stream.cast(),
+                )
+                .unwrap_or_else(|e| panic!("{name} (single buffer), rank {}: {e}", rank.r));
+            let got = rank.device.download(recv, recv_image.len());
+            for (v, (&o, want)) in dst_offsets.iter().zip(&views).enumerate() {
+                let o = o as usize;
+                assert!(
+                    got[o..o + want.len()] == want[..],
+                    "{name} (single buffer), rank {}, view {v}: differs from the per-tensor call",
+                    rank.r
+                );
+            }
+            rank.device.free(send);
+            rank.device.free(recv);
             views
         });
         let mut bytes = 0;
