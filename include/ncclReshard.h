@@ -17,7 +17,7 @@
 
 /** Library version this header belongs to (see ncclReshardGetVersion). */
 #define NCCL_RESHARD_MAJOR 0
-#define NCCL_RESHARD_MINOR 3
+#define NCCL_RESHARD_MINOR 4
 #define NCCL_RESHARD_PATCH 0
 #define NCCL_RESHARD_VERSION_CODE NCCL_RESHARD_VERSION(NCCL_RESHARD_MAJOR, NCCL_RESHARD_MINOR, NCCL_RESHARD_PATCH)
 
@@ -41,16 +41,29 @@
   NULL                          /* strides: NULL = dense row-major         */ \
 }
 #define NCCL_RESHARD_TENSOR_INITIALIZER { \
-  sizeof(ncclReshardTensor_t),             /* size                       */ \
-  NCCL_RESHARD_VERSION_CODE,               /* version                    */ \
-  0,                                       /* ndim                       */ \
-  {0},                                     /* shape                      */ \
-  (ncclDataType_t)NCCL_RESHARD_UNDEF_INT,  /* dtype: set it (no default) */ \
-  NULL,                                    /* src: set it                */ \
-  NULL,                                    /* dst: set it                */ \
-  0,                                       /* srcOffset                  */ \
-  0,                                       /* dstOffset                  */ \
-  NULL                                     /* name: optional             */ \
+  sizeof(ncclReshardTensor_t),             /* size                            */ \
+  NCCL_RESHARD_VERSION_CODE,               /* version                         */ \
+  0,                                       /* ndim                            */ \
+  {0},                                     /* shape                           */ \
+  (ncclDataType_t)NCCL_RESHARD_UNDEF_INT,  /* dtype: set it (no default)      */ \
+  NULL,                                    /* src: set it                     */ \
+  NULL,                                    /* dst: set it                     */ \
+  0,                                       /* srcOffset                       */ \
+  0,                                       /* dstOffset                       */ \
+  NULL,                                    /* name: optional                  */ \
+  (ncclDataType_t)NCCL_RESHARD_UNDEF_INT,  /* dstDtype: dtype (no conversion) */ \
+  NULL,                                    /* quant: none (a plain cast)      */ \
+  0                                        /* scaleOffset                     */ \
+}
+#define NCCL_RESHARD_QUANT_INITIALIZER { \
+  sizeof(ncclReshardQuant_t),  /* size                                   */ \
+  NCCL_RESHARD_VERSION_CODE,   /* version                                */ \
+  NCCL_RESHARD_UNDEF_INT,      /* scheme: set it                         */ \
+  0,                           /* blockRows: 128                         */ \
+  0,                           /* blockCols: 128                         */ \
+  NCCL_RESHARD_UNDEF_INT,      /* scaleFormat: ncclReshardScaleFloat32   */ \
+  NCCL_RESHARD_UNDEF_INT,      /* scaleInverse: 0 (store the scale)      */ \
+  NULL                         /* scaleLayout: dst's mesh and placements */ \
 }
 #define NCCL_RESHARD_CONFIG_INITIALIZER { \
   sizeof(ncclReshardConfig_t),  /* size                                                    */ \
@@ -82,7 +95,9 @@
   0,                              /* fingerprint                         */ \
   0,                              /* sendBytes                           */ \
   0,                              /* recvBytes                           */ \
-  0                               /* rounds                              */ \
+  0,                              /* rounds                              */ \
+  0,                              /* scaleTensors                        */ \
+  0                               /* workBytes                           */ \
 }
 #define NCCL_RESHARD_TRANSFER_INITIALIZER { \
   sizeof(ncclReshardTransfer_t),  /* size                                */ \
@@ -104,7 +119,13 @@
   0,                              /* round                               */ \
   ncclReshardViewSource,          /* srcView                             */ \
   0,                              /* blockOffset                         */ \
-  0                               /* blockBytes                          */ \
+  0,                              /* blockBytes                          */ \
+  ncclReshardViewDestination,     /* dstView                             */ \
+  0,                              /* srcDtype                            */ \
+  0,                              /* dstDtype                            */ \
+  ncclReshardViewDestination,     /* scaleView                           */ \
+  0,                              /* scaleOffset                         */ \
+  {0}                             /* scaleStride                         */ \
 }
 
 
@@ -159,6 +180,11 @@ typedef enum {
    * This rank holds the data on both sides and copies it locally (`peer` is itself).
    */
   ncclReshardTransferLocal = 2,
+  /**
+   * This rank converts a box of a tensor to its `dstDtype` (`peer` is itself): see
+   * `ncclReshardTransfer_t`, *Conversions*.
+   */
+  ncclReshardTransferConvert = 3,
 } ncclReshardTransferKind_t;
 
 /**
@@ -174,7 +200,63 @@ typedef enum {
    * forwards bytes it received in an earlier round (a relay).
    */
   ncclReshardViewDestination = 1,
+  /**
+   * A converted tensor's source view after conversion, on its sender: a dense row-major
+   * array of the rank's local source shape in the tensor's `dstDtype`, holding the blocks
+   * the rank holds whole (written by the rank's convert transfers).
+   */
+  ncclReshardViewConverted = 2,
+  /**
+   * A converted tensor's destination before conversion, on its receiver: a dense row-major
+   * array of the rank's local destination shape in the tensor's (source) `dtype`, into which
+   * the blocks the receiver converts arrive.
+   */
+  ncclReshardViewUnconverted = 3,
+  /**
+   * A scaled tensor's scales on its sender: a dense row-major array of one scale per block
+   * the rank holds whole in its source view, over those blocks' indices (written by its
+   * convert transfers).
+   */
+  ncclReshardViewScales = 4,
 } ncclReshardView_t;
+
+/**
+ * How a tensor's values are scaled on the way (`ncclReshardQuant_t.scheme`).
+ */
+typedef enum {
+  /**
+   * No scaling: each element is converted alone (round to nearest even, saturating for
+   * FP8).
+   */
+  ncclReshardQuantNone = 0,
+  /**
+   * One scale for the whole tensor.
+   */
+  ncclReshardQuantPerTensor = 1,
+  /**
+   * One scale per index of every dim but the last (per output channel of a weight).
+   */
+  ncclReshardQuantPerChannel = 2,
+  /**
+   * One scale per `blockRows × blockCols` block of the last two dims.
+   */
+  ncclReshardQuantBlock = 3,
+} ncclReshardQuantScheme_t;
+
+/**
+ * How scales are stored (`ncclReshardQuant_t.scaleFormat`).
+ */
+typedef enum {
+  /**
+   * FP32 (4 bytes).
+   */
+  ncclReshardScaleFloat32 = 0,
+  /**
+   * E8M0 (1 byte, a biased power-of-two exponent, as MX formats store scales); the scale
+   * is rounded up to a power of two.
+   */
+  ncclReshardScaleE8M0 = 1,
+} ncclReshardScaleFormat_t;
 
 /**
  * An opaque reshard plan: created once per rank by `ncclReshardPlanCreate`, immutable after,
@@ -218,8 +300,62 @@ typedef struct {
 } ncclReshardLayout_t;
 
 /**
+ * How a tensor is quantized on its way (`ncclReshardTensor_t.quant`): the semantics, bit for
+ * bit, are in docs/quantization.md. Per block (the whole tensor, one index of the leading
+ * dims, or `blockRows × blockCols` of the last two dims), with amax the largest magnitude of
+ * its elements (NaNs ignored): `s = max(amax, 1e-4) / fmax` in FP32 (fmax = 448 for
+ * float8_e4m3fn, 57344 for float8_e5m2), rounded up to a power of two for E8M0; each element
+ * becomes `x / s` rounded to nearest even and saturated; the stored scale is `s` (what
+ * dequantization multiplies by: DeepSeek's `weight_scale_inv`, vLLM's `weight_scale`) or,
+ * with `scaleInverse`, `1 / s`.
+ *
+ * The scales form a tensor of their own, of shape `ceil(shape[d] / block[d])` per dim, with
+ * the destination layout `scaleLayout` (NULL: the tensor's destination mesh and placements,
+ * dense), written by the reshard into each rank's scale view: at `recvbuff` + the tensor's
+ * `scaleOffset` in `ncclReshard`, in `recvbuffs[ntensors + k]` for the k-th tensor with
+ * scales in `ncclReshardMulti`. Read during `ncclReshardPlanCreate` only.
+ */
+typedef struct {
+  size_t size;
+  unsigned int version;
+  /**
+   * An `ncclReshardQuantScheme_t` (no default: set it).
+   */
+  int scheme;
+  /**
+   * `ncclReshardQuantBlock`: the block's rows (second-to-last dim) and columns (last dim),
+   * 0 = 128.
+   */
+  int64_t blockRows;
+  int64_t blockCols;
+  /**
+   * An `ncclReshardScaleFormat_t` (unset: `ncclReshardScaleFloat32`).
+   */
+  int scaleFormat;
+  /**
+   * 1: store `1 / s` instead of `s` (unset: 0).
+   */
+  int scaleInverse;
+  /**
+   * The scale tensor's destination layout (NULL: the tensor's `dst` mesh and placements).
+   */
+  const ncclReshardLayout_t *scaleLayout;
+} ncclReshardQuant_t;
+
+/**
  * One global tensor: shape, dtype, source and destination layouts, and where this rank's
  * views sit inside the buffers passed to `ncclReshard`.
+ *
+ * `dtype` is the source's element type. A tensor may arrive in another, `dstDtype`
+ * (float32, bfloat16 or float16 → bfloat16, float16, float8_e4m3fn or float8_e5m2; unset:
+ * `dtype`), converted on the way: cast element by element (round to nearest even,
+ * saturating for FP8) when `quant` is NULL, else quantized per block as `quant` says, its
+ * scales written to a scale tensor of their own (`scaleOffset`: this rank's scale view in
+ * `recvbuff` for `ncclReshard`). Conversions run where the data is whole: a block that one
+ * source shard holds is converted by its sender (the wire carries `dstDtype`), any other by
+ * each receiver, which must hold it whole (plan creation refuses layouts where neither side
+ * does). Plans with conversions cannot be made in groupable mode. `dstDtype`, `quant` and
+ * `scaleOffset` were added in 0.4.
  *
  * `srcOffset`/`dstOffset` are byte offsets of this tensor's local views from `sendbuff` /
  * `recvbuff` in `ncclReshard` (ignored by `ncclReshardMulti`, which takes one pointer per
@@ -239,6 +375,9 @@ typedef struct {
   size_t srcOffset;
   size_t dstOffset;
   const char *name;
+  ncclDataType_t dstDtype;
+  const ncclReshardQuant_t *quant;
+  size_t scaleOffset;
 } ncclReshardTensor_t;
 
 /**
@@ -326,6 +465,17 @@ typedef struct {
    * Added in 0.2: an older caller's smaller struct does not get it.
    */
   int rounds;
+  /**
+   * Tensors with scales (quantized tensors): `ncclReshardMulti`'s `recvbuffs` holds
+   * `ntensors + scaleTensors` entries. Added in 0.4.
+   */
+  int scaleTensors;
+  /**
+   * Bytes of conversion workspace a call allocates on this rank (with its staging, from
+   * the same pool): converted source data and received data waiting for conversion.
+   * Added in 0.4.
+   */
+  uint64_t workBytes;
 } ncclReshardPlanInfo_t;
 
 /**
@@ -369,6 +519,24 @@ typedef struct {
  * the same fields except `kind` and `peer`; among one pair's transfers of one round, A's sends
  * to B and B's receives from A come in the same order. Every round's sends and receives match
  * one to one across the plans of all ranks.
+ *
+ * **Conversions** (tensors with a `dstDtype` or `quant`, docs/quantization.md). Blocks a
+ * sender converts travel in `dstDtype`, read from the sender's `ncclReshardViewConverted`
+ * view; blocks a receiver converts travel in the tensor's `dtype` into its
+ * `ncclReshardViewUnconverted` view (`dstView`); `srcDtype`/`dstDtype` say which. A scaled
+ * tensor's scales travel from the sender's `ncclReshardViewScales` to the receiver's scale
+ * view, with `tensor` = ntensors + k for the k-th tensor with scales (that view is
+ * `recvbuffs[ntensors + k]`, or `recvbuff` + its `scaleOffset`) and `globalStart`/`globalCount`
+ * indices of its block grid. A convert transfer (`ncclReshardTransferConvert`, `peer` = the
+ * rank) converts the box `globalStart`/`globalCount` of `tensor`, whole quantization blocks:
+ * `count[k]` elements along each dim k < `copyNdim` (= `ndim`), element `i` read at
+ * `srcOffset + Σ i[k]·srcStride[k]` of `srcView` (Source or Unconverted) as `srcDtype` and
+ * written at `dstOffset + Σ i[k]·dstStride[k]` of `dstView` (Converted or Destination) as
+ * `dstDtype`, the scale of block `b` (its index within the box) at `scaleOffset + Σ
+ * b[k]·scaleStride[k]` of `scaleView`, by the tensor's `quant`; `chunkBytes` is 0 and `bytes`
+ * the bytes written. Ordering: a convert transfer reading the Source view has round 0 and runs
+ * before the rank's transfers that read its Converted or Scales views; one reading the
+ * Unconverted view has round = the plan's rounds and runs after every receive.
  *
  * `round`, `srcView`, `blockOffset` and `blockBytes` were added in 0.2: a caller whose struct
  * is the older size gets the other fields only. Its copies are still exact, and without
@@ -415,6 +583,29 @@ typedef struct {
    * The whole block's bytes (all transfers of the block together).
    */
   uint64_t blockBytes;
+  /**
+   * An `ncclReshardView_t`: the receiver's view `dstOffset` and `dstStride` address
+   * (`ncclReshardViewDestination`, or `ncclReshardViewUnconverted` for data a receiver
+   * converts; for a convert transfer, the view it writes). Added in 0.4, as the fields
+   * below.
+   */
+  int dstView;
+  /**
+   * The element types read and written (`ncclDataType_t`): the tensor's `dtype` on both
+   * sides for plain data, its `dstDtype` for converted data, and for a convert transfer
+   * the conversion's source and destination types.
+   */
+  int srcDtype;
+  int dstDtype;
+  /**
+   * Convert transfers of quantized tensors: the view the box's block scales go to
+   * (`ncclReshardViewScales` on a sender, `ncclReshardViewDestination` = the scale view on a
+   * receiver), the offset of its first block's scale and the byte stride between blocks
+   * along each dim.
+   */
+  int scaleView;
+  uint64_t scaleOffset;
+  int64_t scaleStride[NCCL_RESHARD_MAX_DIMS];
 } ncclReshardTransfer_t;
 
 #ifdef __cplusplus
@@ -498,8 +689,11 @@ ncclResult_t ncclReshard(const void *sendbuff,
 /**
  * Like `ncclReshard`, with one source and one destination pointer per tensor (in plan
  * order): `sendbuffs[t]` is tensor t's source view, `recvbuffs[t]` its destination view
- * (`srcOffset`/`dstOffset` are not used). Either array may be NULL on a rank that has no
- * views on that side; entries for tensors this rank does not hold on a side may be NULL.
+ * (`srcOffset`/`dstOffset`/`scaleOffset` are not used). A plan with quantized tensors also
+ * takes their scale views: `recvbuffs[ntensors + k]` is the k-th quantized tensor's (in
+ * tensor order; `ncclReshardPlanInfo_t.scaleTensors` says how many). Either array may be NULL
+ * on a rank that has no views on that side; entries for tensors this rank does not hold on a
+ * side may be NULL.
  * Groups, graphs, threads and errors as for `ncclReshard`.
  */
 ncclResult_t ncclReshardMulti(const void *const *sendbuffs,

@@ -12,6 +12,7 @@ pub mod exec;
 pub mod ffi;
 pub mod layout;
 pub mod plan;
+pub mod quant;
 
 pub use error::{Error, ErrorKind, Result};
 

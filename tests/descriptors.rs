@@ -81,6 +81,7 @@ fn key(buffer: Buffer, tensor: u32) -> BaseKey {
         Buffer::Src => BaseKey::SrcTensor(tensor),
         Buffer::Dst => BaseKey::DstTensor(tensor),
         Buffer::Staging => BaseKey::Staging,
+        Buffer::Work => BaseKey::Work,
     }
 }
 
@@ -125,7 +126,7 @@ fn compare(copy: &StridedCopy, seed: u8) {
     );
     let mut memory = HashMap::new();
     let pad = |b: &[u8], at: Buffer| -> Vec<u8> {
-        let mut v = if at == Buffer::Staging {
+        let mut v = if matches!(at, Buffer::Staging | Buffer::Work) {
             Vec::new()
         } else {
             vec![0u8; shift as usize]
@@ -137,6 +138,7 @@ fn compare(copy: &StridedCopy, seed: u8) {
         Buffer::Src => BaseKey::SendBuffer,
         Buffer::Dst => BaseKey::RecvBuffer,
         Buffer::Staging => BaseKey::Staging,
+        Buffer::Work => BaseKey::Work,
     };
     memory.insert(single_key(copy.src.buffer), pad(&src, copy.src.buffer));
     memory.insert(

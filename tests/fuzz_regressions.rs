@@ -172,3 +172,38 @@ fn groupable_plan_with_too_many_messages_per_rank_is_refused() {
     );
     assert!(!outcomes[0].planned, "{:?}", outcomes[0]);
 }
+
+/// Random inputs reach the conversion fields (`dstDtype`, `quant`, `scaleOffset`, decoded
+/// last) and every library promise holds for them: plan creation, queries, transfers.
+#[test]
+fn random_inputs_with_conversions_keep_every_promise() {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let (mut planned, mut converting) = (0, 0);
+    for _ in 0..3000 {
+        let len = 32 + (next() % 480) as usize;
+        // Mostly small bytes (typical values), some large ones (rare branches, hostile values).
+        let data: Vec<u8> = (0..len)
+            .map(|_| {
+                let r = next();
+                if r % 4 == 0 {
+                    (r >> 8) as u8
+                } else {
+                    ((r >> 8) % 16) as u8
+                }
+            })
+            .collect();
+        let outcome = plan_create::run(&data);
+        planned += usize::from(outcome.planned);
+        converting += usize::from(outcome.converts);
+    }
+    assert!(
+        planned > 0 && converting > 0,
+        "{planned} planned, {converting} converting"
+    );
+}

@@ -10,12 +10,15 @@
 use cudarc::driver::sys::{self, CUresult};
 use ncclreshard::exec::buffers::CallBuffers;
 use ncclreshard::exec::cuda::CudaExecutor;
+use ncclreshard::exec::host::{execute, RankBuffers};
 use ncclreshard::plan::{Buffer, RankProgram};
+use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
 use ncclreshard::{
     Config, DType, ErrorKind, Layout, Mesh, Mode, Placement, Planner, TensorSpec, Topology,
 };
 use ncclreshard_tools::check::{
-    destination_view_bytes, source_view_bytes, verify_destination_view,
+    check_with_conversions, destination_view_bytes, rank_buffers, source_view_bytes,
+    verify_destination_view,
 };
 use std::ffi::{c_int, c_void, CString};
 use std::sync::{Arc, OnceLock};
@@ -753,6 +756,220 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
         println!(
             "gpu: {n} ranks, {name} ({:?}, {} round(s)): byte-exact, {checked} elements",
             config.mode, config.rounds
+        );
+    }
+}
+
+/// A named plan of tensors and their conversions.
+type QuantizedCase = (&'static str, Vec<TensorSpec>, Vec<Option<Conversion>>);
+
+/// Conversions on the way (docs/quantization.md) over ranks `0..n` (n ≥ 4): FP8 blocks its
+/// senders convert, FP8 E5M2 blocks with E8M0 inverted scales its receivers convert, and a plan
+/// mixing a cast, a per-channel quantization and a plain tensor.
+fn quantized_cases(n: u32) -> Vec<QuantizedCase> {
+    let half = n / 2;
+    let lower: Vec<u32> = (0..half).collect();
+    let upper: Vec<u32> = (half..n).collect();
+    let m = |ranks: &[u32]| mesh(&[ranks.len() as u64], ranks);
+    let block = |dtype, rows, cols| Conversion::quantize(dtype, Scheme::Block { rows, cols });
+    let senders = TensorSpec {
+        shape: vec![256, 192],
+        dtype: DType::Bfloat16,
+        src: layout(m(&lower), &[Placement::Shard(0)]),
+        dst: layout(m(&upper), &[Placement::Shard(1)]),
+    };
+    // 96 rows cut into `half` shards; 40-row blocks straddle some cuts, so those travel as
+    // float32 and the receivers (all rows, 32 columns each) convert them.
+    let receivers = TensorSpec {
+        shape: vec![96, 32 * u64::from(n - half)],
+        dtype: DType::Float32,
+        src: layout(m(&lower), &[Placement::Shard(0)]),
+        dst: layout(m(&upper), &[Placement::Shard(1)]),
+    };
+    let mx = Conversion {
+        scale_format: ScaleFormat::E8m0,
+        scale_inverse: true,
+        ..block(DType::Float8E5M2, 40, 32)
+    };
+    let everyone: Vec<u32> = (0..n).collect();
+    let mixed = vec![
+        TensorSpec {
+            shape: vec![64, 48],
+            dtype: DType::Float32,
+            src: layout(m(&lower), &[Placement::Shard(1)]),
+            dst: layout(m(&everyone), &[Placement::Shard(0)]),
+        },
+        TensorSpec {
+            shape: vec![40, 64],
+            dtype: DType::Float16,
+            src: layout(m(&upper), &[Placement::Shard(0)]),
+            dst: layout(m(&lower), &[Placement::Replicate]),
+        },
+        TensorSpec {
+            shape: vec![33],
+            dtype: DType::Bfloat16,
+            src: layout(m(&lower), &[Placement::Replicate]),
+            dst: layout(m(&upper), &[Placement::Shard(0)]),
+        },
+    ];
+    vec![
+        (
+            "bf16 → fp8 64x64 blocks, senders convert",
+            vec![senders],
+            vec![Some(block(DType::Float8E4M3, 64, 64))],
+        ),
+        (
+            "f32 → fp8 e5m2 blocks, receivers convert",
+            vec![receivers],
+            vec![Some(mx)],
+        ),
+        (
+            "cast, per-channel and plain in one plan",
+            mixed,
+            vec![
+                Some(Conversion::cast(DType::Bfloat16)),
+                Some(Conversion::quantize(DType::Float8E4M3, Scheme::PerChannel)),
+                None,
+            ],
+        ),
+    ]
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL: scripts/gpu-check.sh, scripts/emulated-gpu-tests.sh"]
+fn quantized_plans_match_the_host_executor() {
+    let n = world();
+    if n < 4 {
+        println!("gpu: quantized plans skipped: {n} device(s)");
+        return;
+    }
+    for (name, tensors, conversions) in quantized_cases(n as u32) {
+        let config = config(Mode::Auto);
+        let planner =
+            Planner::with_conversions(tensors.clone(), conversions.clone(), config.clone())
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        // The host executor is the specification; its result is checked against the reference
+        // quantizer by tests/quant_e2e.rs and here once more.
+        check_with_conversions(&tensors, &conversions, &config)
+            .unwrap_or_else(|e| panic!("{name}: host: {e}"));
+        let ranks = planner.ranks();
+        let programs: Vec<RankProgram> = ranks
+            .iter()
+            .map(|&r| planner.rank_program(r).unwrap())
+            .collect();
+        let mut host: Vec<RankBuffers> = ranks
+            .iter()
+            .map(|&r| rank_buffers(&tensors, Some(&conversions), r).unwrap())
+            .collect();
+        execute(&programs, &mut host).unwrap_or_else(|e| panic!("{name}: host: {e}"));
+
+        let device_views = with_ranks(n, true, |rank| {
+            let program = planner.rank_program(rank.r).unwrap();
+            let memory = rank_buffers(&tensors, Some(&conversions), rank.r).unwrap();
+            let upload = |v: &Vec<u8>| {
+                if v.is_empty() {
+                    0
+                } else {
+                    rank.device.upload(v)
+                }
+            };
+            let send: Vec<u64> = memory.src.iter().map(upload).collect();
+            let recv: Vec<u64> = memory.dst.iter().map(upload).collect();
+            let as_usize = |v: &[u64]| v.iter().map(|&p| p as usize).collect::<Vec<_>>();
+            let (send_ptrs, recv_ptrs) = (as_usize(&send), as_usize(&recv));
+            let executor = CudaExecutor::new(
+                Arc::new(program),
+                vec![0; memory.src.len()],
+                vec![0; memory.dst.len()],
+                false,
+            );
+            executor
+                .execute(
+                    &CallBuffers::PerTensor {
+                        send: &send_ptrs,
+                        recv: &recv_ptrs,
+                    },
+                    rank.comm,
+                    rank.device.stream.cast(),
+                )
+                .unwrap_or_else(|e| panic!("{name}, rank {}: {e}", rank.r));
+            let views: Vec<Vec<u8>> = recv
+                .iter()
+                .zip(&memory.dst)
+                .map(|(&p, v)| {
+                    if p == 0 {
+                        Vec::new()
+                    } else {
+                        rank.device.download(p, v.len())
+                    }
+                })
+                .collect();
+            for p in send.into_iter().chain(recv).filter(|&p| p != 0) {
+                rank.device.free(p);
+            }
+            // The single-buffer call (`ncclReshard`): every view, scale views included, at
+            // 256-byte aligned offsets of one send and one receive buffer.
+            let pack = |views: &[Vec<u8>]| -> (Vec<u8>, Vec<u64>) {
+                let mut buffer = Vec::new();
+                let mut offsets = Vec::new();
+                for v in views {
+                    buffer.resize(align(buffer.len() as u64) as usize, 0);
+                    offsets.push(buffer.len() as u64);
+                    buffer.extend_from_slice(v);
+                }
+                (buffer, offsets)
+            };
+            let (send_image, src_offsets) = pack(&memory.src);
+            let (recv_image, dst_offsets) = pack(&memory.dst);
+            let (send, recv) = (
+                rank.device.upload(&send_image),
+                rank.device.upload(&recv_image),
+            );
+            let executor = CudaExecutor::new(
+                Arc::new(planner.rank_program(rank.r).unwrap()),
+                src_offsets,
+                dst_offsets.clone(),
+                false,
+            );
+            executor
+                .execute(
+                    &CallBuffers::Single {
+                        send: send as usize,
+                        recv: recv as usize,
+                    },
+                    rank.comm,
+                    rank.device.stream.cast(),
+                )
+                .unwrap_or_else(|e| panic!("{name} (single buffer), rank {}: {e}", rank.r));
+            let got = rank.device.download(recv, recv_image.len());
+            for (v, (&o, want)) in dst_offsets.iter().zip(&views).enumerate() {
+                let o = o as usize;
+                assert!(
+                    got[o..o + want.len()] == want[..],
+                    "{name} (single buffer), rank {}, view {v}: differs from the per-tensor call",
+                    rank.r
+                );
+            }
+            rank.device.free(send);
+            rank.device.free(recv);
+            views
+        });
+        let mut bytes = 0;
+        for (i, &r) in ranks.iter().enumerate() {
+            for (v, (got, want)) in device_views[r as usize]
+                .iter()
+                .zip(&host[i].dst)
+                .enumerate()
+            {
+                assert!(
+                    got == want,
+                    "{name}: rank {r}, destination view {v}: the kernel's bytes differ from the host executor's"
+                );
+                bytes += got.len();
+            }
+        }
+        println!(
+            "gpu: {n} ranks, {name}: kernel conversions equal the host executor's, {bytes} bytes"
         );
     }
 }

@@ -7,12 +7,13 @@
 
 use ncclreshard::ffi::{
     InitializerField, CONFIG_INITIALIZER, LAYOUT_INITIALIZER, NCCL_RESHARD_CONFIG_MAGIC,
-    NCCL_RESHARD_UNDEF_INT, PLAN_INFO_INITIALIZER, TENSOR_INITIALIZER, TRANSFER_INITIALIZER,
+    NCCL_RESHARD_UNDEF_INT, PLAN_INFO_INITIALIZER, QUANT_INITIALIZER, TENSOR_INITIALIZER,
+    TRANSFER_INITIALIZER,
 };
 use std::path::Path;
 
 /// The initialiser macros, each with the struct it initialises.
-const INITIALIZERS: [(&str, &str, &[InitializerField]); 5] = [
+const INITIALIZERS: [(&str, &str, &[InitializerField]); 6] = [
     (
         "NCCL_RESHARD_LAYOUT_INITIALIZER",
         "ncclReshardLayout_t",
@@ -22,6 +23,11 @@ const INITIALIZERS: [(&str, &str, &[InitializerField]); 5] = [
         "NCCL_RESHARD_TENSOR_INITIALIZER",
         "ncclReshardTensor_t",
         TENSOR_INITIALIZER,
+    ),
+    (
+        "NCCL_RESHARD_QUANT_INITIALIZER",
+        "ncclReshardQuant_t",
+        QUANT_INITIALIZER,
     ),
     (
         "NCCL_RESHARD_CONFIG_INITIALIZER",

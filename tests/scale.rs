@@ -185,6 +185,9 @@ fn plans_are_created_queried_and_destroyed_from_many_threads() {
         srcOffset: 0,
         dstOffset: 0,
         name: std::ptr::null(),
+        dstDtype: NCCL_RESHARD_UNDEF_INT,
+        quant: std::ptr::null(),
+        scaleOffset: 0,
     };
     // One shared plan queried by every thread while each also creates and destroys its own.
     let mut shared: ncclReshardPlan_t = std::ptr::null_mut();

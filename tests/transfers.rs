@@ -82,6 +82,9 @@ impl Descriptors {
                     srcOffset: 0,
                     dstOffset: 0,
                     name: std::ptr::null(),
+                    dstDtype: NCCL_RESHARD_UNDEF_INT,
+                    quant: std::ptr::null(),
+                    scaleOffset: 0,
                 };
                 for (d, &n) in spec.shape.iter().enumerate() {
                     c.shape[d] = n as i64;

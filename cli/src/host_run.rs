@@ -9,9 +9,11 @@ use crate::Failure;
 use ncclreshard::exec::host::{copy_block, execute, RankBuffers};
 use ncclreshard::layout::{row_major_strides, RankView, Side};
 use ncclreshard::plan::{Buffer, CopyDim, Loc, StridedCopy};
+use ncclreshard::quant::Conversion;
 use ncclreshard::{Config, IndexRuns, RankProgram, TensorSpec};
 use ncclreshard_tools::check::{
-    destination_view_bytes, source_view_bytes, verify_destination_view, MAX_CHECK_BYTES,
+    destination_view_bytes, expected_conversion, rank_buffers, verify_converted_view,
+    verify_destination_view, verify_scale_view, MAX_CHECK_BYTES,
 };
 use std::collections::HashSet;
 use std::time::Duration;
@@ -27,11 +29,13 @@ pub struct Executed {
     pub execute: Duration,
 }
 
-/// Plans every rank of `tensors`, fills their buffers and runs the host executor. `Ok(None)`:
+/// Plans every rank of `tensors` (converted on the way by `conversions`, one per tensor), fills
+/// their buffers and runs the host executor. `Ok(None)`:
 /// the executor failed, which is a failed refit (the message is on stderr), not bad input.
 /// A run needing more than `check`'s host memory limit is refused up front.
 pub fn plan_fill_execute(
     tensors: &[TensorSpec],
+    conversions: &[Option<Conversion>],
     config: Config,
 ) -> Result<Option<Executed>, Failure> {
     let needed = refit_setup::host_bytes(tensors);
@@ -42,10 +46,10 @@ pub fn plan_fill_execute(
             out::bytes(MAX_CHECK_BYTES)
         )));
     }
-    let planner = refit_setup::planner(tensors, config)?;
+    let planner = refit_setup::planner(tensors, conversions, config)?;
     let ranks = planner.ranks();
     let (programs, plan) = refit_setup::plan_all(&planner, "planning ranks")?;
-    let (mut buffers, fill) = fill(tensors, &ranks)?;
+    let (mut buffers, fill) = fill(tensors, conversions, &ranks)?;
     let execute = match run_reshard(&programs, &mut buffers) {
         Ok(took) => took,
         Err(message) => {
@@ -63,23 +67,17 @@ pub fn plan_fill_execute(
     }))
 }
 
-/// Every rank's buffers (in `ranks` order): sources filled with each element's value,
-/// destinations with sentinels.
+/// Every rank's buffers (in `ranks` order), as `check` fills them: sources with each
+/// element's value (meaningful floats for converted tensors), destinations and scale views
+/// with sentinels.
 pub fn fill(
     tensors: &[TensorSpec],
+    conversions: &[Option<Conversion>],
     ranks: &[u32],
 ) -> Result<(Vec<RankBuffers>, Duration), Failure> {
     let (buffers, took) = work::track("filling source views", ranks.len(), |done| {
         work::map(ranks, done, |&rank| {
-            let mut memory = RankBuffers::default();
-            for (t, spec) in tensors.iter().enumerate() {
-                let src = source_view_bytes(spec, t as u32, rank)?;
-                memory.src.push(src.unwrap_or_default());
-                memory
-                    .dst
-                    .push(destination_view_bytes(spec, rank)?.unwrap_or_default());
-            }
-            Ok(memory)
+            rank_buffers(tensors, Some(conversions), rank)
         })
     });
     let buffers = buffers
@@ -128,23 +126,61 @@ pub struct Verified {
 /// How many failure messages [`verify`] keeps.
 const MAX_FAILURES: usize = 10;
 
-/// Checks every destination view of every tensor on every rank of its destination mesh.
-pub fn verify(tensors: &[TensorSpec], ranks: &[u32], buffers: &[RankBuffers]) -> Verified {
-    let indexed: Vec<(usize, &TensorSpec)> = tensors.iter().enumerate().collect();
+/// Checks every destination view of every tensor on every rank of its destination mesh; a
+/// converted tensor's views and scale views against the reference quantizer's conversion of
+/// the whole tensor.
+pub fn verify(
+    tensors: &[TensorSpec],
+    conversions: &[Option<Conversion>],
+    ranks: &[u32],
+    buffers: &[RankBuffers],
+) -> Verified {
+    // A scaled tensor's scale view follows the tensors' views, in tensor order.
+    let mut next_slot = tensors.len();
+    let indexed: Vec<(usize, &TensorSpec, Option<usize>)> = tensors
+        .iter()
+        .enumerate()
+        .map(|(t, spec)| {
+            let slot = conversions[t].as_ref().filter(|c| c.is_scaled()).map(|_| {
+                next_slot += 1;
+                next_slot - 1
+            });
+            (t, spec, slot)
+        })
+        .collect();
     let (results, took) = work::track("verifying tensors", tensors.len(), |done| {
-        work::map(&indexed, done, |&(t, spec)| {
+        work::map(&indexed, done, |&(t, spec, slot)| {
             let mut elements = 0u64;
             let mut failures = Vec::new();
-            for &rank in spec.dst.mesh.ranks() {
-                let got = ranks
-                    .binary_search(&rank)
-                    .ok()
-                    .and_then(|i| buffers[i].dst.get(t));
-                let Some(got) = got else {
-                    failures.push(format!("tensor {t} rank {rank}: no destination buffer"));
+            let conversion = conversions[t].as_ref();
+            let expected = conversion.map(|c| expected_conversion(spec, c, t as u32));
+            let mut holders: Vec<u32> = spec.dst.mesh.ranks().to_vec();
+            if let Some(layout) = conversion.and_then(|c| c.scale_layout(spec)) {
+                holders.extend(layout.mesh.ranks());
+                holders.sort_unstable();
+                holders.dedup();
+            }
+            for rank in holders {
+                let memory = ranks.binary_search(&rank).ok().map(|i| &buffers[i]);
+                let Some(memory) = memory else {
+                    failures.push(format!("tensor {t} rank {rank}: no buffers"));
                     continue;
                 };
-                match verify_destination_view(spec, t as u32, rank, got) {
+                let got = |i: usize| memory.dst.get(i).map_or(&[][..], Vec::as_slice);
+                let result = match (conversion, &expected) {
+                    (Some(c), Some(e)) => verify_converted_view(spec, c, e, t as u32, rank, got(t))
+                        .and_then(|n| {
+                            Ok(n + match slot {
+                                Some(s) => verify_scale_view(spec, c, e, t as u32, rank, got(s))?,
+                                None => 0,
+                            })
+                        }),
+                    _ if spec.dst.mesh.ranks().contains(&rank) => {
+                        verify_destination_view(spec, t as u32, rank, got(t))
+                    }
+                    _ => Ok(0),
+                };
+                match result {
                     Ok(n) => elements += n,
                     Err(e) => failures.push(e.to_string()),
                 }
@@ -443,7 +479,7 @@ mod tests {
             (vec![3], 4, vec![Placement::Shard(0)]),
         )];
         let ranks: Vec<u32> = (0..7).collect();
-        let (sources, _) = fill(&tensors, &ranks).unwrap();
+        let (sources, _) = fill(&tensors, &vec![None; tensors.len()], &ranks).unwrap();
         let mut destinations = fresh_destinations(&tensors, &ranks).unwrap();
         let (bytes, _) = run_baseline(&tensors, &ranks, &sources, &mut destinations).unwrap();
         assert_eq!(bytes, baseline_bytes(&tensors));

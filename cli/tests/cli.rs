@@ -960,3 +960,52 @@ fn model_command_mistakes_exit_2_with_a_message() {
         assert!(stdout(&out).is_empty(), "{args:?} printed to stdout");
     }
 }
+
+#[test]
+fn refit_quantizes_to_fp8_blocks_on_the_way_and_moves_fewer_bytes() {
+    let run = |extra: &[&str]| -> Value {
+        let mut args = vec![
+            "refit",
+            "--model",
+            "qwen3-32b",
+            "--train",
+            "pp4",
+            "--infer",
+            "tp2,dp2",
+            "--scale",
+            "128",
+            "--no-simulate",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = ncclreshard(&args);
+        assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+        serde_json::from_str(&stdout(&out)).unwrap()
+    };
+    let plain = run(&[]);
+    let fp8 = run(&["--infer-dtype", "fp8-block128"]);
+    assert_eq!(fp8["host"]["verified"], true, "{fp8}");
+    assert_eq!(fp8["host"]["infer_dtype"], "fp8-block128");
+    // Every decoder linear weight: q, k, v, o, gate, up, down per layer.
+    assert_eq!(fp8["host"]["converted_tensors"], 64 * 7);
+    let bytes = |v: &Value| v["host"]["bytes_moved"].as_u64().unwrap();
+    assert!(
+        bytes(&fp8) < bytes(&plain) * 6 / 10,
+        "{} vs {}",
+        bytes(&fp8),
+        bytes(&plain)
+    );
+    let out = ncclreshard(&[
+        "refit",
+        "--model",
+        "qwen3-32b",
+        "--train",
+        "pp4",
+        "--infer",
+        "tp2",
+        "--infer-dtype",
+        "fp8-blockx",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--infer-dtype"), "{}", stderr(&out));
+}

@@ -275,10 +275,22 @@ struct CopyDesc {
     src_base: u32,
     dst_base: u32,
     ndims: u32,
-    reserved: u32,
+    /// 0: a copy (the only kind these tests launch).
+    kind: u32,
     count: [u64; 8],
     src_stride: [u64; 8],
     dst_stride: [u64; 8],
+    block: [u64; 8],
+    scale_stride: [u64; 8],
+    scale_offset: u64,
+    partials_offset: u64,
+    divisors_offset: u64,
+    segments_per_row: u64,
+    segment: u64,
+    scale_base: u32,
+    work_base: u32,
+    arith: u32,
+    reserved: u32,
 }
 
 /// kernels/copy.cu's `struct Tile`.

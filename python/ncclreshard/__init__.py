@@ -14,7 +14,7 @@ from .layout import Layout, local_runs, local_shape
 from .nccl import NcclLibrary, nccl_library
 from .placements import Placement, Replicate, Shard, StridedShard
 from .plan import Plan, PlanCache, PlanInfo, Transfer
-from .spec import Case, Config, TensorSpec
+from .spec import Case, Config, Quant, TensorSpec
 
 try:
     from ._version import __version__
@@ -33,6 +33,7 @@ __all__ = [
     "Plan",
     "PlanCache",
     "PlanInfo",
+    "Quant",
     "Replicate",
     "Shard",
     "StridedShard",

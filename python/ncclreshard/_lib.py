@@ -79,6 +79,23 @@ class Tensor_t(ctypes.Structure):
         ("srcOffset", ctypes.c_size_t),
         ("dstOffset", ctypes.c_size_t),
         ("name", ctypes.c_char_p),
+        # Added in 0.4 (conversions on the way).
+        ("dstDtype", ctypes.c_int),
+        ("quant", ctypes.c_void_p),
+        ("scaleOffset", ctypes.c_size_t),
+    ]
+
+
+class Quant_t(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("version", ctypes.c_uint),
+        ("scheme", ctypes.c_int),
+        ("blockRows", ctypes.c_int64),
+        ("blockCols", ctypes.c_int64),
+        ("scaleFormat", ctypes.c_int),
+        ("scaleInverse", ctypes.c_int),
+        ("scaleLayout", ctypes.POINTER(Layout_t)),
     ]
 
 
@@ -117,6 +134,9 @@ class PlanInfo_t(ctypes.Structure):
         ("sendBytes", ctypes.c_uint64),
         ("recvBytes", ctypes.c_uint64),
         ("rounds", ctypes.c_int),
+        # Added in 0.4.
+        ("scaleTensors", ctypes.c_int),
+        ("workBytes", ctypes.c_uint64),
     ]
 
 
@@ -142,6 +162,13 @@ class Transfer_t(ctypes.Structure):
         ("srcView", ctypes.c_int),
         ("blockOffset", ctypes.c_uint64),
         ("blockBytes", ctypes.c_uint64),
+        # Added in 0.4 (conversions on the way).
+        ("dstView", ctypes.c_int),
+        ("srcDtype", ctypes.c_int),
+        ("dstDtype", ctypes.c_int),
+        ("scaleView", ctypes.c_int),
+        ("scaleOffset", ctypes.c_uint64),
+        ("scaleStride", ctypes.c_int64 * MAX_DIMS),
     ]
 
 

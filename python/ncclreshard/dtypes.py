@@ -53,5 +53,10 @@ def nccl_code(dtype: torch.dtype) -> int:
     return _NCCL_CODES[dtype]
 
 
+def from_nccl_code(code: int) -> "torch.dtype | None":
+    """The torch dtype of an ``ncclDataType_t`` value (None for an unknown one)."""
+    return next((d for d, c in _NCCL_CODES.items() if c == code), None)
+
+
 def supported() -> str:
     return ", ".join(name(d) for d in _NCCL_CODES)

@@ -10,12 +10,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _lib
+from . import _lib, dtypes
 from .layout import Layout, local_shape
 from .spec import MODES, Case, Config, TensorSpec
 
 _MODE_NAMES = {v: k for k, v in MODES.items()}
-_TRANSFER_KINDS = {0: "send", 1: "recv", 2: "local"}
+_TRANSFER_KINDS = {0: "send", 1: "recv", 2: "local", 3: "convert"}
+# ncclReshardView_t.
+_VIEWS = {0: "source", 1: "destination", 2: "converted", 3: "unconverted", 4: "scales"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ class PlanInfo:
     send_bytes: int
     recv_bytes: int
     rounds: int
+    # Tensors with scales (their scale views follow the tensors' in ``reshard(scales=…)``)
+    # and the conversion workspace a call allocates (docs/quantization.md).
+    scale_tensors: int = 0
+    work_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,11 @@ class Transfer:
     """One strided byte copy of the plan (``ncclReshardTransfer_t``; its doc in
     ``ncclReshard.h`` has the geometry, the execution rule and how sends match receives).
 
-    ``kind`` is ``"send"``, ``"recv"`` or ``"local"``; ``src_view`` is ``"source"`` or
-    ``"destination"`` (a forward of relayed data). ``chunk_bytes`` contiguous bytes at every
+    ``kind`` is ``"send"``, ``"recv"``, ``"local"`` or ``"convert"`` (a box of a tensor cast or
+    quantized on this rank, docs/quantization.md); ``src_view`` is ``"source"`` or
+    ``"destination"`` (a forward of relayed data), or for converted tensors ``"converted"``,
+    ``"unconverted"`` or ``"scales"`` (workspace views), ``dst_view`` the view written;
+    ``src_dtype``/``dst_dtype`` the element types read and written. ``chunk_bytes`` contiguous bytes at every
     point of the ``count`` grid: read at ``src_offset + Σ i[k]·src_stride[k]`` of the sender's
     view of ``tensor``, written at ``dst_offset + Σ i[k]·dst_stride[k]`` of the receiver's
     destination view; a transfer of ``round`` r may start once this rank's receives of earlier
@@ -69,6 +78,9 @@ class Transfer:
     src_view: str
     block_offset: int
     block_bytes: int
+    dst_view: str = "destination"
+    src_dtype: Optional[torch.dtype] = None
+    dst_dtype: Optional[torch.dtype] = None
 
 
 TensorOrNone = Optional[torch.Tensor]
@@ -171,9 +183,10 @@ class Plan:
             for side, (shape, layout) in enumerate(zip(self._shapes[i], (spec.src, spec.dst))):
                 start = -(-ends[side] // 64) * 64
                 extent = 0
+                dtype = spec.dst_dtype if side == 1 and spec.dst_dtype is not None else spec.dtype
                 if shape is not None and all(shape):
                     strides = layout.strides or _dense(shape)
-                    extent = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * spec.dtype.itemsize
+                    extent = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * dtype.itemsize
                 pair.append(start)
                 ends[side] = start + extent
             out.append((pair[0], pair[1]))
@@ -220,7 +233,8 @@ class Plan:
             messages_received=c.messagesReceived, bytes_sent=c.bytesSent,
             bytes_received=c.bytesReceived, bytes_copied=c.bytesCopied,
             staging_bytes=c.stagingBytes, fingerprint=c.fingerprint, send_bytes=c.sendBytes,
-            recv_bytes=c.recvBytes, rounds=c.rounds,
+            recv_bytes=c.recvBytes, rounds=c.rounds, scale_tensors=c.scaleTensors,
+            work_bytes=c.workBytes,
         )
 
     @property
@@ -262,8 +276,11 @@ class Plan:
                 src_offset=c.srcOffset, dst_offset=c.dstOffset, chunk_bytes=c.chunkBytes,
                 count=tuple(c.count[:k]), src_stride=tuple(c.srcStride[:k]),
                 dst_stride=tuple(c.dstStride[:k]), bytes=c.bytes, round=c.round,
-                src_view="destination" if c.srcView == 1 else "source",
+                src_view=_VIEWS.get(c.srcView, str(c.srcView)),
                 block_offset=c.blockOffset, block_bytes=c.blockBytes,
+                dst_view=_VIEWS.get(c.dstView, str(c.dstView)),
+                src_dtype=dtypes.from_nccl_code(c.srcDtype),
+                dst_dtype=dtypes.from_nccl_code(c.dstDtype),
             ))
         return out
 
@@ -307,8 +324,9 @@ class Plan:
                     )
                 if not isinstance(given, torch.Tensor):
                     raise TypeError(f"{what} must be a torch.Tensor or None, got {type(given).__name__}")
-                if given.dtype != spec.dtype:
-                    raise ValueError(f"{what}: dtype is {given.dtype}; the plan says {spec.dtype}")
+                want = spec.dst_dtype if side == "dst" and spec.dst_dtype is not None else spec.dtype
+                if given.dtype != want:
+                    raise ValueError(f"{what}: dtype is {given.dtype}; the plan says {want}")
                 if tuple(given.shape) != expected:
                     raise ValueError(
                         f"{what}: shape is {list(given.shape)}; rank {self.rank}'s local shape "
@@ -344,29 +362,50 @@ class Plan:
                 f"{list(layout.strides)}"
             )
 
+    def _scale_entries(self, scales: Sequence[Any]) -> List[Any]:
+        """`scales` as a list, one entry per scale tensor of the plan."""
+        expected = self.info.scale_tensors
+        if isinstance(scales, torch.Tensor) or not hasattr(scales, "__len__"):
+            raise TypeError(f"scales must be a sequence of {expected} entries")
+        if len(scales) != expected:
+            raise ValueError(
+                f"scales has {len(scales)} entries; the plan has {expected} quantized tensors"
+            )
+        return list(scales)
+
     def reshard(
         self,
         src: Sequence[TensorOrNone],
         dst: Sequence[TensorOrNone],
         comm: Any,
         stream: Any = None,
+        scales: Sequence[TensorOrNone] = (),
     ) -> None:
         """Reshards every tensor of the plan (``ncclReshardMulti``): reads this rank's source
         views `src` (one per plan tensor, None where it holds none) and writes its destination
         views `dst`, on `stream` (default: ``torch.cuda.current_stream()`` of the tensors'
         device). Stream-ordered and asynchronous, like an NCCL collective: the destination is
         complete when the stream reaches this point; sources must not change until then.
+        A plan with quantized tensors also writes their scales: `scales` holds one view per
+        such tensor (``info.scale_tensors``, in tensor order; None where this rank holds none).
 
         Checks every tensor first (:meth:`check_tensors`): nothing reaches NCCL when one is
         wrong. Raises ValueError/TypeError for a wrong tensor, comm or stream, ValueError for a
         closed plan, NcclReshardError for what the library refuses or NCCL/CUDA failures.
         """
         device = self.check_tensors(src, dst)
+        scales = self._scale_entries(scales)
+        for i, t in enumerate(scales):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"scales[{i}] must be a torch.Tensor or None, got {type(t).__name__}")
         handle = _comm_handle(comm)
         stream_handle, torch_stream = _stream_handle(stream, device)
         n = len(self.tensors)
         sends = (ctypes.c_void_p * n)(*[t.data_ptr() if t is not None else None for t in src])
-        recvs = (ctypes.c_void_p * n)(*[t.data_ptr() if t is not None else None for t in dst])
+        views = list(dst) + list(scales)
+        recvs = (ctypes.c_void_p * len(views))(
+            *[t.data_ptr() if t is not None else None for t in views]
+        )
         with self._lock:  # closing waits for a call in progress on another thread
             plan = self._live()
             _lib.lib().call("ncclReshardMulti", sends, recvs, plan, handle, stream_handle)
@@ -374,7 +413,7 @@ class Plan:
             # The caching allocator must not reuse these tensors' memory before the stream
             # reaches the reshard.
             if torch_stream != torch.cuda.current_stream(device):
-                for t in list(src) + list(dst):
+                for t in list(src) + views:
                     if t is not None:
                         t.record_stream(torch_stream)
 
@@ -384,6 +423,7 @@ class Plan:
         dst: Sequence[Optional[int]],
         comm: Any,
         stream: Any = 0,
+        scales: Sequence[Optional[int]] = (),
     ) -> None:
         """:meth:`reshard` on raw device pointers (one per plan tensor, None where the rank holds
         no view), for memory torch does not own; nothing but their presence is checked here
@@ -393,10 +433,12 @@ class Plan:
         for side, pointers in (("src", src), ("dst", dst)):
             if len(pointers) != n:
                 raise ValueError(f"{side} has {len(pointers)} entries; the plan has {n} tensors")
+        scales = self._scale_entries(scales)
         handle = _comm_handle(comm)
         stream_handle, _ = _stream_handle(stream, None)
         sends = (ctypes.c_void_p * n)(*src)
-        recvs = (ctypes.c_void_p * n)(*dst)
+        views = list(dst) + list(scales)
+        recvs = (ctypes.c_void_p * len(views))(*views)
         with self._lock:
             plan = self._live()
             _lib.lib().call("ncclReshardMulti", sends, recvs, plan, handle, stream_handle)

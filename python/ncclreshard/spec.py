@@ -17,18 +17,110 @@ from .layout import Layout, _ints
 from .placements import _index
 
 MODES = {"groupable": 0, "staged": 1, "auto": 2}
+# ncclReshardQuantScheme_t and ncclReshardScaleFormat_t, by their case-file names.
+SCHEMES = {"none": 0, "per_tensor": 1, "per_channel": 2, "block": 3}
+SCALE_FORMATS = {"float32": 0, "e8m0": 1}
+
+
+@dataclass(frozen=True)
+class Quant:
+    """How a tensor is quantized on its way (docs/quantization.md): ``scheme`` ``"none"`` (a
+    plain cast), ``"per_tensor"``, ``"per_channel"`` or ``"block"`` (``block`` = (rows, cols),
+    default (128, 128)); scales as ``scale_format`` ``"float32"`` or ``"e8m0"``, stored as the
+    dequantization multiplier (DeepSeek's ``weight_scale_inv``) or with ``scale_inverse`` its
+    reciprocal, on ``scale_layout`` (``None``: the tensor's destination mesh and placements)."""
+
+    scheme: str = "block"
+    block: Optional[Tuple[int, int]] = None
+    scale_format: str = "float32"
+    scale_inverse: bool = False
+    scale_layout: Optional[Layout] = None
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"Quant.scheme is {self.scheme!r}; expected one of {list(SCHEMES)}")
+        if self.block is not None:
+            if self.scheme != "block":
+                raise ValueError(f"Quant.block: only the block scheme has blocks, not {self.scheme!r}")
+            block = _ints(self.block, "Quant.block", 1)
+            if len(block) != 2:
+                raise ValueError(f"Quant.block is {list(block)}; expected (rows, cols)")
+            object.__setattr__(self, "block", block)
+        if self.scale_format not in SCALE_FORMATS:
+            raise ValueError(
+                f"Quant.scale_format is {self.scale_format!r}; expected one of {list(SCALE_FORMATS)}"
+            )
+        if not isinstance(self.scale_inverse, bool):
+            raise TypeError(f"Quant.scale_inverse must be a bool, got {type(self.scale_inverse).__name__}")
+        if self.scale_layout is not None and not isinstance(self.scale_layout, Layout):
+            raise TypeError(f"Quant.scale_layout must be a Layout, got {type(self.scale_layout).__name__}")
+
+    def to_json(self) -> dict:
+        """The case-file ``quant`` object (defaults left out)."""
+        out: dict = {"scheme": self.scheme}
+        if self.block is not None:
+            out["block"] = list(self.block)
+        if self.scale_format != "float32":
+            out["scale_format"] = self.scale_format
+        if self.scale_inverse:
+            out["scale_inverse"] = True
+        if self.scale_layout is not None:
+            out["scale_layout"] = self.scale_layout.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any], what: str = "quant") -> "Quant":
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{what}: expected an object, got {type(value).__name__}")
+        known = {"scheme", "block", "scale_format", "scale_inverse", "scale_layout"}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"{what}.{sorted(unknown)[0]}: unknown key")
+        if "scheme" not in value:
+            raise ValueError(f"{what}.scheme: missing; this key is required")
+        args = {k: value[k] for k in known - {"scale_layout"} if k in value}
+        if "block" in args:
+            args["block"] = tuple(args["block"])
+        if "scale_layout" in value:
+            args["scale_layout"] = Layout.from_json(value["scale_layout"], f"{what}.scale_layout")
+        try:
+            return cls(**args)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{what}: {e}") from None
+
+    def c_struct(self, version: int, what: str) -> Tuple[_lib.Quant_t, List[object]]:
+        """The C struct (NCCL_RESHARD_QUANT_INITIALIZER with the set fields)."""
+        c = _lib.Quant_t()
+        c.size = ctypes.sizeof(_lib.Quant_t)
+        c.version = version
+        c.scheme = SCHEMES[self.scheme]
+        c.blockRows, c.blockCols = self.block if self.block is not None else (0, 0)
+        c.scaleFormat = SCALE_FORMATS[self.scale_format]
+        c.scaleInverse = int(self.scale_inverse)
+        keep: List[object] = []
+        if self.scale_layout is not None:
+            layout, keep_layout = self.scale_layout.c_struct(version, f"{what}.scaleLayout")
+            c.scaleLayout = ctypes.pointer(layout)
+            keep += [layout, keep_layout]
+        return c, keep
 
 
 @dataclass(frozen=True, init=False)
 class TensorSpec:
     """One global tensor: ``name`` (used in messages; optional), global ``shape``, torch
-    ``dtype``, and its ``src`` and ``dst`` layouts. Every rank must use identical specs."""
+    ``dtype``, and its ``src`` and ``dst`` layouts. Every rank must use identical specs.
+
+    A tensor may arrive in another dtype, ``dst_dtype`` (``None``: ``dtype``), cast on the way,
+    or quantized as ``quant`` (a :class:`Quant`; FP8 ``dst_dtype`` only) with its scales
+    written to a scale tensor of their own (docs/quantization.md)."""
 
     name: Optional[str]
     shape: Tuple[int, ...]
     dtype: torch.dtype
     src: Layout
     dst: Layout
+    dst_dtype: Optional[torch.dtype]
+    quant: Optional[Quant]
 
     def __init__(
         self,
@@ -37,6 +129,8 @@ class TensorSpec:
         dtype: dtypes.DTypeLike,
         src: Layout,
         dst: Layout,
+        dst_dtype: Optional[dtypes.DTypeLike] = None,
+        quant: Optional[Quant] = None,
     ) -> None:
         if name is not None and not isinstance(name, str):
             raise TypeError(f"TensorSpec name must be a str or None, got {type(name).__name__}")
@@ -52,13 +146,24 @@ class TensorSpec:
         object.__setattr__(self, "dtype", dtypes.to_dtype(dtype, f"{what}: dtype"))
         object.__setattr__(self, "src", src)
         object.__setattr__(self, "dst", dst)
+        if quant is not None and not isinstance(quant, Quant):
+            raise TypeError(f"{what}: quant must be a Quant, got {type(quant).__name__}")
+        if quant is not None and dst_dtype is None:
+            raise ValueError(f"{what}: quant needs dst_dtype (float8_e4m3fn or float8_e5m2)")
+        object.__setattr__(
+            self,
+            "dst_dtype",
+            None if dst_dtype is None else dtypes.to_dtype(dst_dtype, f"{what}: dst_dtype"),
+        )
+        object.__setattr__(self, "quant", quant)
 
     def label(self, index: int) -> str:
         """How messages name this tensor: ``tensors[2] ('model.x.weight')``."""
         return f"tensors[{index}] ({self.name!r})" if self.name else f"tensors[{index}]"
 
     def to_json(self) -> dict:
-        """The case-file tensor object: ``{"name"?, "shape", "dtype", "src", "dst"}``."""
+        """The case-file tensor object: ``{"name"?, "shape", "dtype", "src", "dst",
+        "dst_dtype"?, "quant"?}``."""
         out: dict = {}
         if self.name is not None:
             out["name"] = self.name
@@ -66,6 +171,10 @@ class TensorSpec:
         out["dtype"] = dtypes.name(self.dtype)
         out["src"] = self.src.to_json()
         out["dst"] = self.dst.to_json()
+        if self.dst_dtype is not None:
+            out["dst_dtype"] = dtypes.name(self.dst_dtype)
+        if self.quant is not None:
+            out["quant"] = self.quant.to_json()
         return out
 
     @classmethod
@@ -73,7 +182,7 @@ class TensorSpec:
         """A spec from a case-file tensor object; errors name the key."""
         if not isinstance(value, Mapping):
             raise TypeError(f"{what}: expected an object, got {type(value).__name__}")
-        unknown = set(value) - {"name", "shape", "dtype", "src", "dst"}
+        unknown = set(value) - {"name", "shape", "dtype", "src", "dst", "dst_dtype", "quant"}
         if unknown:
             raise ValueError(f"{what}.{sorted(unknown)[0]}: unknown key")
         for key in ("shape", "dtype", "src", "dst"):
@@ -85,13 +194,24 @@ class TensorSpec:
             dtypes.to_dtype(value["dtype"], f"{what}.dtype"),
             Layout.from_json(value["src"], f"{what}.src"),
             Layout.from_json(value["dst"], f"{what}.dst"),
+            dst_dtype=(
+                dtypes.to_dtype(value["dst_dtype"], f"{what}.dst_dtype")
+                if "dst_dtype" in value
+                else None
+            ),
+            quant=Quant.from_json(value["quant"], f"{what}.quant") if "quant" in value else None,
         )
 
     def c_struct(
-        self, version: int, index: int, src_offset: int = 0, dst_offset: int = 0
+        self,
+        version: int,
+        index: int,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        scale_offset: int = 0,
     ) -> Tuple[_lib.Tensor_t, List[object]]:
         """The C descriptor and what it points to (keep alive while it is used), with this
-        rank's view offsets in a single-buffer call."""
+        rank's view offsets (and scale view offset) in a single-buffer call."""
         c = _lib.Tensor_t()
         c.size = ctypes.sizeof(_lib.Tensor_t)
         c.version = version
@@ -107,7 +227,16 @@ class TensorSpec:
         c.dst = ctypes.pointer(dst)
         name = self.name.encode() if self.name else None
         c.name = name
-        return c, [src, dst, keep_src, keep_dst, name]
+        c.dstDtype = (
+            dtypes.nccl_code(self.dst_dtype) if self.dst_dtype is not None else _lib.UNDEF_INT
+        )
+        c.scaleOffset = scale_offset
+        keep: List[object] = [src, dst, keep_src, keep_dst, name]
+        if self.quant is not None:
+            quant, keep_quant = self.quant.c_struct(version, f"tensors[{index}].quant")
+            c.quant = ctypes.addressof(quant)
+            keep += [quant, keep_quant]
+        return c, keep
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@
 //! addresses: nothing here reads or writes through them.
 
 use crate::error::{Error, Result};
-use crate::layout::{Side, TensorSpec};
+use crate::layout::{RankView, Side, TensorSpec};
+use crate::quant::Conversion;
 
 /// Where a call's buffers are: what an executor is handed after [`RankViews`] checked them.
 pub enum CallBuffers<'a> {
@@ -49,12 +50,16 @@ pub struct TensorViews {
 /// A rank's views of every tensor of a plan, with their offsets in the single-buffer call,
 /// validated once when the plan is made; it checks every call's buffers against them.
 /// Immutable, so shareable across threads.
+///
+/// The views of quantized tensors' scales follow the tensors' (entry `ntensors + k` is the
+/// k-th scale tensor's: a destination view only).
 #[derive(Clone, Debug)]
 pub struct RankViews {
     rank: u32,
     tensors: Vec<TensorViews>,
-    /// The tensors' names, for messages (`tensors[3] (layers.0.wq)`).
-    names: Vec<Option<String>>,
+    /// What each entry is called in messages (`tensors[3] (layers.0.wq)`, `the scales of
+    /// tensors[3]`).
+    labels: Vec<String>,
     /// Why the single-buffer call cannot be used (two tensors' views overlap at their
     /// offsets), if it cannot; the per-tensor call ignores the offsets.
     single_refused: Option<String>,
@@ -62,19 +67,24 @@ pub struct RankViews {
 
 /// Checks that no two of `ranges` (range, tensor) overlap; `buffer` names the buffer and
 /// `field` the offset field.
+/// Checks that no two of `ranges` (range, entry) overlap; `buffer` names the buffer,
+/// `field(entry)` the offset field of an entry and `label(entry)` the entry.
 fn check_disjoint(
     mut ranges: Vec<(ViewRange, usize)>,
     buffer: &str,
-    field: &str,
+    field: &dyn Fn(usize) -> String,
+    label: &dyn Fn(usize) -> String,
 ) -> std::result::Result<(), String> {
     ranges.retain(|(r, _)| r.bytes > 0);
     ranges.sort_unstable_by_key(|&(r, t)| (r.offset, r.bytes, t));
     for w in ranges.windows(2) {
-        let ((first, first_tensor), (second, second_tensor)) = (w[0], w[1]);
+        let ((first, first_entry), (second, second_entry)) = (w[0], w[1]);
         if first.end() > second.offset {
             return Err(format!(
-                "tensors[{second_tensor}].{field} = {}: its view overlaps tensor {first_tensor}'s view in {buffer} (bytes [{}, {})); give each tensor its own byte range to call ncclReshard, or call ncclReshardMulti, which ignores the offsets",
+                "{} = {}: its view overlaps the view of {} in {buffer} (bytes [{}, {})); give each tensor its own byte range to call ncclReshard, or call ncclReshardMulti, which ignores the offsets",
+                field(second_entry),
                 second.offset,
+                label(first_entry),
                 first.offset,
                 first.end()
             ));
@@ -94,10 +104,23 @@ impl RankViews {
         offsets: &[(u64, u64)],
         names: Vec<Option<String>>,
     ) -> Result<RankViews> {
-        let mut views = Vec::with_capacity(tensors.len());
-        for (t, (spec, &(src_offset, dst_offset))) in tensors.iter().zip(offsets).enumerate() {
-            let range = |side, offset: u64, field: &str| -> Result<Option<ViewRange>> {
-                let Some(view) = spec.rank_view(side, rank) else {
+        RankViews::with_conversions(rank, tensors, None, offsets, &[], names)
+    }
+
+    /// Like [`RankViews::new`] for tensors that may convert on the way: a converted tensor's
+    /// destination view holds its destination dtype, and each quantized tensor t has a scale
+    /// view, at `scale_offsets[t]` in the single-buffer call's destination buffer.
+    pub fn with_conversions(
+        rank: u32,
+        tensors: &[TensorSpec],
+        conversions: Option<&[Option<Conversion>]>,
+        offsets: &[(u64, u64)],
+        scale_offsets: &[u64],
+        names: Vec<Option<String>>,
+    ) -> Result<RankViews> {
+        let range =
+            |view: Option<RankView>, offset: u64, field: &str| -> Result<Option<ViewRange>> {
+                let Some(view) = view else {
                     return Ok(None);
                 };
                 let bytes = view.view.extent_bytes();
@@ -106,16 +129,59 @@ impl RankViews {
                     .filter(|&end| end <= i64::MAX as u64)
                     .ok_or_else(|| {
                         Error::invalid_argument(format!(
-                            "tensors[{t}].{field} = {offset} puts the view past 2^63 bytes"
+                            "{field} = {offset} puts the view past 2^63 bytes"
                         ))
                     })?;
                 Ok(Some(ViewRange { offset, bytes }))
             };
+        let conversion = |t: usize| conversions.and_then(|c| c.get(t)).and_then(Option::as_ref);
+        let mut views = Vec::with_capacity(tensors.len());
+        let mut labels = Vec::with_capacity(tensors.len());
+        let mut scale_of = Vec::new();
+        let label = |t: usize| match names.get(t).and_then(Option::as_ref) {
+            Some(name) => format!("tensors[{t}] ({name})"),
+            None => format!("tensors[{t}]"),
+        };
+        for (t, (spec, &(src_offset, dst_offset))) in tensors.iter().zip(offsets).enumerate() {
+            let dst_size = conversion(t).map_or(spec.elem_size(), |c| c.dtype.size());
             views.push(TensorViews {
-                src: range(Side::Src, src_offset, "srcOffset")?,
-                dst: range(Side::Dst, dst_offset, "dstOffset")?,
+                src: range(
+                    spec.rank_view(Side::Src, rank),
+                    src_offset,
+                    &format!("tensors[{t}].srcOffset"),
+                )?,
+                dst: range(
+                    spec.dst.rank_view(&spec.shape, dst_size, rank),
+                    dst_offset,
+                    &format!("tensors[{t}].dstOffset"),
+                )?,
             });
+            labels.push(label(t));
         }
+        for (t, spec) in tensors.iter().enumerate() {
+            let Some(c) = conversion(t) else { continue };
+            let Some(layout) = c.scale_layout(spec) else {
+                continue;
+            };
+            let shape = c.scale_shape(&spec.shape);
+            let view = layout.rank_view(&shape, c.scale_format.size(), rank);
+            let offset = scale_offsets.get(t).copied().unwrap_or(0);
+            views.push(TensorViews {
+                src: None,
+                dst: range(view, offset, &format!("tensors[{t}].scaleOffset"))?,
+            });
+            labels.push(format!("the scales of {}", label(t)));
+            scale_of.push(t);
+        }
+        let ntensors = tensors.len();
+        let field = |entry: usize, name: &str| {
+            if entry < ntensors {
+                format!("tensors[{entry}].{name}")
+            } else {
+                format!("tensors[{}].scaleOffset", scale_of[entry - ntensors])
+            }
+        };
+        let label = |entry: usize| labels[entry].clone();
         let ranges = |side: fn(&TensorViews) -> Option<ViewRange>| {
             views
                 .iter()
@@ -123,13 +189,25 @@ impl RankViews {
                 .filter_map(|(t, v)| side(v).map(|r| (r, t)))
                 .collect()
         };
-        let single_refused = check_disjoint(ranges(|v| v.src), "sendbuff", "srcOffset")
-            .and_then(|()| check_disjoint(ranges(|v| v.dst), "recvbuff", "dstOffset"))
-            .err();
+        let single_refused = check_disjoint(
+            ranges(|v| v.src),
+            "sendbuff",
+            &|e| field(e, "srcOffset"),
+            &label,
+        )
+        .and_then(|()| {
+            check_disjoint(
+                ranges(|v| v.dst),
+                "recvbuff",
+                &|e| field(e, "dstOffset"),
+                &label,
+            )
+        })
+        .err();
         Ok(RankViews {
             rank,
             tensors: views,
-            names,
+            labels,
             single_refused,
         })
     }
@@ -182,10 +260,10 @@ impl RankViews {
     }
 
     fn tensor_name(&self, t: usize) -> String {
-        match self.names.get(t).and_then(Option::as_ref) {
-            Some(name) => format!("tensors[{t}] ({name})"),
-            None => format!("tensors[{t}]"),
-        }
+        self.labels
+            .get(t)
+            .cloned()
+            .unwrap_or_else(|| format!("tensors[{t}]"))
     }
 
     /// The buffers of a single-buffer call (`send`/`recv` addresses, 0 for NULL), after
@@ -305,7 +383,7 @@ mod tests {
         let err = message(overlapping.single(0x1000, 0x100000));
         assert!(
             err.starts_with(
-                "tensors[1].srcOffset = 16: its view overlaps tensor 0's view in sendbuff"
+                "tensors[1].srcOffset = 16: its view overlaps the view of tensors[0] in sendbuff"
             ) && err.contains("ncclReshardMulti"),
             "{err}"
         );

@@ -8,7 +8,8 @@
 
 use crate::error::{Error, Result};
 use crate::layout::next_index;
-use crate::plan::{Buffer, Loc, Message, RankProgram, StridedCopy};
+use crate::plan::{Buffer, Loc, Message, RankProgram, StridedConvert, StridedCopy};
+use crate::quant::amax;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Barrier, Mutex};
 
@@ -105,22 +106,153 @@ struct Shared<'a> {
     rounds: &'a [u32],
 }
 
-fn run_rank(program: &RankProgram, memory: &mut RankBuffers, shared: Shared<'_>) -> Result<()> {
+/// A rank's memory during a call: the caller's views, the staging arena and the conversion
+/// workspace.
+struct Memory<'a> {
+    views: &'a mut RankBuffers,
+    staging: Vec<u8>,
+    work: Vec<u8>,
+}
+
+fn allocate(rank: u32, bytes: u64, what: &str) -> Result<Vec<u8>> {
+    let len = usize::try_from(bytes).unwrap_or(usize::MAX);
+    let mut buffer = Vec::new();
+    buffer.try_reserve_exact(len).map_err(|_| {
+        Error::invalid_usage(format!(
+            "rank {rank}: cannot allocate {bytes} bytes of {what}"
+        ))
+    })?;
+    buffer.resize(len, 0);
+    Ok(buffer)
+}
+
+impl Memory<'_> {
+    fn buffer(&self, loc: Loc) -> &[u8] {
+        match loc.buffer {
+            Buffer::Src => self
+                .views
+                .src
+                .get(loc.tensor as usize)
+                .map_or(&[], Vec::as_slice),
+            Buffer::Dst => self
+                .views
+                .dst
+                .get(loc.tensor as usize)
+                .map_or(&[], Vec::as_slice),
+            Buffer::Staging => &self.staging,
+            Buffer::Work => &self.work,
+        }
+    }
+
+    fn buffer_mut(&mut self, loc: Loc) -> &mut [u8] {
+        match loc.buffer {
+            Buffer::Src => self
+                .views
+                .src
+                .get_mut(loc.tensor as usize)
+                .map_or(&mut [], Vec::as_mut_slice),
+            Buffer::Dst => self
+                .views
+                .dst
+                .get_mut(loc.tensor as usize)
+                .map_or(&mut [], Vec::as_mut_slice),
+            Buffer::Staging => &mut self.staging,
+            Buffer::Work => &mut self.work,
+        }
+    }
+
+    /// `bytes` bytes at `loc`, bounds-checked.
+    fn read(&self, loc: Loc, bytes: u64) -> Result<&[u8]> {
+        let buf = self.buffer(loc);
+        let range =
+            bounds(loc, bytes, buf.len()).ok_or_else(|| out_of_bounds(loc, bytes, buf.len()))?;
+        Ok(&buf[range])
+    }
+
+    fn write(&mut self, loc: Loc, bytes: u64) -> Result<&mut [u8]> {
+        let buf = self.buffer_mut(loc);
+        let len = buf.len();
+        let range = bounds(loc, bytes, len).ok_or_else(|| out_of_bounds(loc, bytes, len))?;
+        Ok(&mut buf[range])
+    }
+
+    /// Disjoint source and destination slices of a copy: a view, the staging arena or the
+    /// workspace on each side, never the same buffer twice, never writing a source view.
+    fn pair(
+        &mut self,
+        from: Loc,
+        from_bytes: u64,
+        to: Loc,
+        to_bytes: u64,
+    ) -> Result<(&[u8], &mut [u8])> {
+        let Memory {
+            views,
+            staging,
+            work,
+        } = self;
+        let RankBuffers { src, dst } = &mut **views;
+        fn view(list: &[Vec<u8>], t: u32) -> &[u8] {
+            list.get(t as usize).map_or(&[], Vec::as_slice)
+        }
+        let (a, b): (&[u8], &mut [u8]) = match (from.buffer, to.buffer) {
+            (Buffer::Src, Buffer::Dst) => (
+                view(src, from.tensor),
+                dst.get_mut(to.tensor as usize)
+                    .map_or(&mut [][..], Vec::as_mut_slice),
+            ),
+            (Buffer::Src, Buffer::Staging) => (view(src, from.tensor), staging),
+            (Buffer::Src, Buffer::Work) => (view(src, from.tensor), work),
+            // A relay packs data that arrived in an earlier round.
+            (Buffer::Dst, Buffer::Staging) => (view(dst, from.tensor), staging),
+            (Buffer::Dst, Buffer::Work) => (view(dst, from.tensor), work),
+            (Buffer::Staging, Buffer::Dst) => (
+                staging,
+                dst.get_mut(to.tensor as usize)
+                    .map_or(&mut [][..], Vec::as_mut_slice),
+            ),
+            (Buffer::Staging, Buffer::Work) => (staging, work),
+            (Buffer::Work, Buffer::Dst) => (
+                work,
+                dst.get_mut(to.tensor as usize)
+                    .map_or(&mut [][..], Vec::as_mut_slice),
+            ),
+            (Buffer::Work, Buffer::Staging) => (work, staging),
+            (from, to) if from == to => {
+                return Err(Error::internal("a copy reads and writes the same buffer"))
+            }
+            (from, to) => {
+                return Err(Error::internal(format!(
+                    "a copy from {from:?} to {to:?} is not part of any program"
+                )))
+            }
+        };
+        let from_range = bounds(from, from_bytes, a.len())
+            .ok_or_else(|| out_of_bounds(from, from_bytes, a.len()))?;
+        let (len, to_range) = (b.len(), bounds(to, to_bytes, b.len()));
+        let to_range = to_range.ok_or_else(|| out_of_bounds(to, to_bytes, len))?;
+        Ok((&a[from_range], &mut b[to_range]))
+    }
+}
+
+fn run_rank(program: &RankProgram, views: &mut RankBuffers, shared: Shared<'_>) -> Result<()> {
     let rank = program.rank;
-    let mut staging = Vec::new();
+    let mut memory = Memory {
+        views,
+        staging: Vec::new(),
+        work: Vec::new(),
+    };
+    let memory = &mut memory;
+    let at = |e: Error| e.context(format!("rank {rank}"));
     // Errors (and panics) are held until the round's barrier is met, and a rank that failed
     // keeps meeting the barriers, so one bad rank can never leave the others waiting.
     let mut result = guarded(rank, || {
-        let len = usize::try_from(program.staging_bytes).unwrap_or(usize::MAX);
-        staging.try_reserve_exact(len).map_err(|_| {
-            Error::invalid_usage(format!(
-                "rank {rank}: cannot allocate {} bytes of staging",
-                program.staging_bytes
-            ))
-        })?;
-        staging.resize(len, 0);
+        memory.staging = allocate(rank, program.staging_bytes, "staging")?;
+        memory.work = allocate(rank, program.work_bytes, "conversion workspace")?;
+        for convert in &program.converts_before {
+            run_convert(convert, memory).map_err(at)?;
+        }
         for copy in &program.local_copies {
-            run_copy(copy, memory, &mut staging).map_err(|e| e.context(format!("rank {rank}")))?;
+            run_copy(copy, memory).map_err(at)?;
         }
         Ok(())
     });
@@ -131,10 +263,9 @@ fn run_rank(program: &RankProgram, memory: &mut RankBuffers, shared: Shared<'_>)
         result = result.and_then(|()| match part {
             Some(part) => guarded(rank, || {
                 for copy in part.packs {
-                    run_copy(copy, memory, &mut staging)
-                        .map_err(|e| e.context(format!("rank {rank}")))?;
+                    run_copy(copy, memory).map_err(at)?;
                 }
-                send_all(rank, round, part.sends, memory, &staging, shared)
+                send_all(rank, round, part.sends, memory, shared)
             }),
             None => Ok(()),
         });
@@ -142,17 +273,9 @@ fn run_rank(program: &RankProgram, memory: &mut RankBuffers, shared: Shared<'_>)
         // Phase 2: every send of the round is posted; receives find their message or fail.
         result = result.and_then(|()| match part {
             Some(part) => guarded(rank, || {
-                receive_all(
-                    rank,
-                    round,
-                    part.recvs,
-                    memory,
-                    &mut staging,
-                    shared.mailboxes,
-                )?;
+                receive_all(rank, round, part.recvs, memory, shared.mailboxes)?;
                 for copy in part.unpacks {
-                    run_copy(copy, memory, &mut staging)
-                        .map_err(|e| e.context(format!("rank {rank}")))?;
+                    run_copy(copy, memory).map_err(at)?;
                 }
                 Ok(())
             }),
@@ -162,15 +285,21 @@ fn run_rank(program: &RankProgram, memory: &mut RankBuffers, shared: Shared<'_>)
         // so a rank expecting a message that was not sent fails instead of taking a later one.
         shared.barrier.wait();
     }
-    result
+    result.and_then(|()| {
+        guarded(rank, || {
+            for convert in &program.converts_after {
+                run_convert(convert, memory).map_err(at)?;
+            }
+            Ok(())
+        })
+    })
 }
 
 fn send_all(
     rank: u32,
     round: u32,
     sends: &[Message],
-    memory: &RankBuffers,
-    staging: &[u8],
+    memory: &Memory<'_>,
     shared: Shared<'_>,
 ) -> Result<()> {
     for send in sends {
@@ -180,7 +309,8 @@ fn send_all(
                 send.peer
             )));
         }
-        let bytes = read(memory, staging, send.loc, send.bytes)
+        let bytes = memory
+            .read(send.loc, send.bytes)
             .map_err(|e| e.context(format!("rank {rank}")))?
             .to_vec();
         let mut boxes = shared
@@ -199,8 +329,7 @@ fn receive_all(
     rank: u32,
     round: u32,
     recvs: &[Message],
-    memory: &mut RankBuffers,
-    staging: &mut [u8],
+    memory: &mut Memory<'_>,
     mailboxes: &Mailboxes,
 ) -> Result<()> {
     for recv in recvs {
@@ -232,7 +361,8 @@ fn receive_all(
                 message.len()
             )));
         }
-        write(memory, staging, recv.loc, recv.bytes)
+        memory
+            .write(recv.loc, recv.bytes)
             .map_err(|e| e.context(format!("rank {rank}")))?
             .copy_from_slice(&message);
     }
@@ -264,92 +394,125 @@ fn out_of_bounds(loc: Loc, bytes: u64, len: usize) -> Error {
     ))
 }
 
-fn buffer<'a>(memory: &'a RankBuffers, staging: &'a [u8], loc: Loc) -> Option<&'a [u8]> {
-    match loc.buffer {
-        Buffer::Src => memory.src.get(loc.tensor as usize).map(Vec::as_slice),
-        Buffer::Dst => memory.dst.get(loc.tensor as usize).map(Vec::as_slice),
-        Buffer::Staging => Some(staging),
-    }
-}
-
-fn read<'a>(memory: &'a RankBuffers, staging: &'a [u8], loc: Loc, bytes: u64) -> Result<&'a [u8]> {
-    let buf = buffer(memory, staging, loc).unwrap_or(&[]);
-    let range =
-        bounds(loc, bytes, buf.len()).ok_or_else(|| out_of_bounds(loc, bytes, buf.len()))?;
-    Ok(&buf[range])
-}
-
-fn write<'a>(
-    memory: &'a mut RankBuffers,
-    staging: &'a mut [u8],
-    loc: Loc,
-    bytes: u64,
-) -> Result<&'a mut [u8]> {
-    let buf: &mut [u8] = match loc.buffer {
-        Buffer::Src => memory
-            .src
-            .get_mut(loc.tensor as usize)
-            .map_or(&mut [], Vec::as_mut_slice),
-        Buffer::Dst => memory
-            .dst
-            .get_mut(loc.tensor as usize)
-            .map_or(&mut [], Vec::as_mut_slice),
-        Buffer::Staging => staging,
-    };
-    let len = buf.len();
-    let range = bounds(loc, bytes, len).ok_or_else(|| out_of_bounds(loc, bytes, len))?;
-    Ok(&mut buf[range])
-}
-
 /// Runs one strided block copy. Source and destination are distinct buffers in every copy
-/// the planner emits (source view → destination view, source → staging, staging → dest).
-fn run_copy(copy: &StridedCopy, memory: &mut RankBuffers, staging: &mut [u8]) -> Result<()> {
+/// the planner emits (a view, the staging arena or the workspace on each side).
+fn run_copy(copy: &StridedCopy, memory: &mut Memory<'_>) -> Result<()> {
     if copy.bytes() == 0 {
         return Ok(());
-    }
-    if copy.src.buffer == copy.dst.buffer {
-        return Err(Error::internal("a copy reads and writes the same buffer"));
     }
     // Bounds of the whole block first, so a bad program fails before writing anything.
     let src_span = copy.src_end() - copy.src.offset;
     let dst_span = copy.dst_end() - copy.dst.offset;
-    // The two sides are different buffers, so they can be borrowed at once without copying.
-    let RankBuffers { src, dst } = memory;
-    let (from, to): (&[u8], &mut [u8]) = match (copy.src.buffer, copy.dst.buffer) {
-        (Buffer::Src, Buffer::Dst) => (
-            src.get(copy.src.tensor as usize)
-                .map_or(&[][..], Vec::as_slice),
-            dst.get_mut(copy.dst.tensor as usize)
-                .map_or(&mut [][..], Vec::as_mut_slice),
-        ),
-        (Buffer::Src, Buffer::Staging) => (
-            src.get(copy.src.tensor as usize)
-                .map_or(&[][..], Vec::as_slice),
-            staging,
-        ),
-        // A relay packs data that arrived in an earlier round.
-        (Buffer::Dst, Buffer::Staging) => (
-            dst.get(copy.src.tensor as usize)
-                .map_or(&[][..], Vec::as_slice),
-            staging,
-        ),
-        (Buffer::Staging, Buffer::Dst) => (
-            staging,
-            dst.get_mut(copy.dst.tensor as usize)
-                .map_or(&mut [][..], Vec::as_mut_slice),
-        ),
-        (from, to) => {
-            return Err(Error::internal(format!(
-                "a copy from {from:?} to {to:?} is not part of any program"
-            )))
-        }
-    };
-    let src_range = bounds(copy.src, src_span, from.len())
-        .ok_or_else(|| out_of_bounds(copy.src, src_span, from.len()))?;
-    let (to_len, dst_range) = (to.len(), bounds(copy.dst, dst_span, to.len()));
-    let dst_range = dst_range.ok_or_else(|| out_of_bounds(copy.dst, dst_span, to_len))?;
-    copy_block(copy, &from[src_range], &mut to[dst_range]);
+    let (from, to) = memory.pair(copy.src, src_span, copy.dst, dst_span)?;
+    copy_block(copy, from, to);
     Ok(())
+}
+
+/// Runs one conversion (see [`convert_box`]): reads the box, then writes its scales and its
+/// values, all ranges checked first.
+fn run_convert(convert: &StridedConvert, memory: &mut Memory<'_>) -> Result<()> {
+    if convert.elements() == 0 {
+        return Ok(());
+    }
+    let arithmetic = &convert.arithmetic;
+    let src_span = convert.reach(|d| d.src_stride, u64::from(arithmetic.src.size()));
+    let dst_span = convert.reach(|d| d.dst_stride, u64::from(arithmetic.dst.size()));
+    let scale_span = convert.scale_reach();
+    memory.write(convert.dst, dst_span)?;
+    if let Some(scale) = convert.scale {
+        memory.write(scale, scale_span)?;
+    }
+    let (values, scales) = convert_box(convert, memory.read(convert.src, src_span)?);
+    if let Some(scale) = convert.scale {
+        let out = memory.write(scale, scale_span)?;
+        for (offset, stored) in scales {
+            out[offset..offset + stored.len()].copy_from_slice(&stored);
+        }
+    }
+    let out = memory.write(convert.dst, dst_span)?;
+    let size = arithmetic.dst.size() as usize;
+    for (offset, value) in values {
+        out[offset..offset + size].copy_from_slice(&value[..size]);
+    }
+    Ok(())
+}
+
+/// What [`convert_box`] makes of a box: every element's destination bytes (the first
+/// `dst.size()` of 4) and every block's stored scale, each at its byte offset from the box's
+/// destination or scale location.
+pub type ConvertedBox = (Vec<(usize, [u8; 4])>, Vec<(usize, Vec<u8>)>);
+
+/// The semantics of a [`StridedConvert`] on a source slice starting at its `src`: every
+/// element's destination bytes (at its offset from `dst`) and every block's stored scale (at
+/// its offset from `scale`), by `crate::quant`'s arithmetic. The GPU kernel computes the same.
+pub fn convert_box(convert: &StridedConvert, src: &[u8]) -> ConvertedBox {
+    let arithmetic = &convert.arithmetic;
+    let dims = &convert.dims;
+    let src_size = arithmetic.src.size() as usize;
+    let grid: Vec<u64> = dims
+        .iter()
+        .map(|d| d.count.div_ceil(d.block.max(1)))
+        .collect();
+    let mut values = Vec::with_capacity(convert.elements() as usize);
+    let mut scales = Vec::new();
+    if convert.elements() == 0 {
+        return (values, scales);
+    }
+    let mut block = vec![0u64; dims.len()];
+    loop {
+        // The block's elements: [block·b, min((block + 1)·b, count)) along each dim.
+        let lo: Vec<u64> = dims
+            .iter()
+            .zip(&block)
+            .map(|(d, &k)| k * d.block.max(1))
+            .collect();
+        let extent: Vec<u64> = dims
+            .iter()
+            .zip(&lo)
+            .map(|(d, &l)| (l + d.block.max(1)).min(d.count) - l)
+            .collect();
+        let mut elements: Vec<(usize, usize)> = Vec::new();
+        let mut index = vec![0u64; dims.len()];
+        loop {
+            let (mut s, mut t) = (0u64, 0u64);
+            for (k, d) in dims.iter().enumerate() {
+                s += (lo[k] + index[k]) * d.src_stride;
+                t += (lo[k] + index[k]) * d.dst_stride;
+            }
+            elements.push((s as usize, t as usize));
+            if !next_index(&mut index, |k| extent[k]) {
+                break;
+            }
+        }
+        let loaded: Vec<f32> = elements
+            .iter()
+            .map(|&(s, _)| arithmetic.load(&src[s..s + src_size]))
+            .collect();
+        let divisor = match (arithmetic.scale, convert.scale) {
+            (Some(encoding), Some(_)) => {
+                let scale = arithmetic.block_scale(amax(loaded.iter().copied()));
+                let at: u64 = dims
+                    .iter()
+                    .zip(&block)
+                    .map(|(d, &k)| k * d.scale_stride)
+                    .sum();
+                scales.push((
+                    at as usize,
+                    scale.stored[..encoding.format.size() as usize].to_vec(),
+                ));
+                scale.divisor
+            }
+            _ => 1.0,
+        };
+        for (&(_, t), &x) in elements.iter().zip(&loaded) {
+            let mut out = [0u8; 4];
+            arithmetic.convert(x, divisor, &mut out);
+            values.push((t, out));
+        }
+        if !next_index(&mut block, |k| grid[k]) {
+            return (values, scales);
+        }
+    }
 }
 
 /// The semantics of a [`StridedCopy`]: `src` and `dst` start at the copy's source and destination

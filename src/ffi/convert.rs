@@ -6,16 +6,24 @@ use super::types::*;
 use crate::error::{Error, Result};
 use crate::layout::{DType, Layout, Mesh, Placement, TensorSpec};
 use crate::plan::{Config, Mode, Topology, DEFAULT_SPLIT_MIN_BYTES, MAX_ROUNDS};
+use crate::quant::{Conversion, ScaleFormat, Scheme};
 use std::fmt;
 use std::os::raw::c_int;
 
 /// Sizes of the first released version of each struct: callers must provide at least these.
 pub(crate) const LAYOUT_MIN_SIZE: usize = std::mem::size_of::<ncclReshardLayout_t>();
-pub(crate) const TENSOR_MIN_SIZE: usize = std::mem::size_of::<ncclReshardTensor_t>();
+/// The tensor's size in 0.1, before `dstDtype`, `quant` and `scaleOffset`.
+pub(crate) const TENSOR_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardTensor_t, dstDtype);
+pub(crate) const QUANT_MIN_SIZE: usize = std::mem::size_of::<ncclReshardQuant_t>();
+/// The default quantization block (rows and columns), DeepSeek-V3's.
+pub(crate) const DEFAULT_BLOCK: u64 = 128;
 /// The config's size in 0.1, before `rounds` and `relay`.
 pub(crate) const CONFIG_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardConfig_t, rounds);
 /// The plan info's size in 0.1, before `rounds`.
 pub(crate) const INFO_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardPlanInfo_t, rounds);
+/// The smallest transfer struct that holds `dstView` … `scaleStride` (which a plan with
+/// conversions needs).
+pub(crate) const TRANSFER_CONVERT_SIZE: usize = std::mem::size_of::<ncclReshardTransfer_t>();
 /// The transfer's size in 0.1, before `round`, `srcView`, `blockOffset` and `blockBytes`.
 pub(crate) const TRANSFER_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardTransfer_t, round);
 /// The smallest transfer struct that holds `srcView` (which a plan with forwards needs).
@@ -25,8 +33,12 @@ pub(crate) const TRANSFER_SRC_VIEW_SIZE: usize =
 /// A converted tensor and this rank's view offsets in the single-buffer call.
 pub(crate) struct TensorInput {
     pub spec: TensorSpec,
+    /// What the tensor becomes on its way, if anything.
+    pub conversion: Option<Conversion>,
     pub src_offset: u64,
     pub dst_offset: u64,
+    /// Offset of this rank's scale view in the single-buffer call's `recvbuff`.
+    pub scale_offset: u64,
     pub name: Option<String>,
 }
 
@@ -274,7 +286,112 @@ pub(crate) fn default_tensor() -> ncclReshardTensor_t {
         srcOffset: 0,
         dstOffset: 0,
         name: std::ptr::null(),
+        dstDtype: NCCL_RESHARD_UNDEF_INT,
+        quant: std::ptr::null(),
+        scaleOffset: 0,
     }
+}
+
+fn default_quant() -> ncclReshardQuant_t {
+    ncclReshardQuant_t {
+        size: QUANT_MIN_SIZE,
+        version: 0,
+        scheme: NCCL_RESHARD_UNDEF_INT,
+        blockRows: 0,
+        blockCols: 0,
+        scaleFormat: NCCL_RESHARD_UNDEF_INT,
+        scaleInverse: NCCL_RESHARD_UNDEF_INT,
+        scaleLayout: std::ptr::null(),
+    }
+}
+
+/// The conversion a tensor descriptor asks for (`dstDtype`, `quant`), or `None`.
+///
+/// # Safety
+/// `quant` must be NULL or point to a quant struct whose `scaleLayout` is NULL or valid.
+unsafe fn conversion(
+    dtype: DType,
+    dst_dtype: c_int,
+    quant: *const ncclReshardQuant_t,
+    ndim: usize,
+    field: &dyn fmt::Display,
+    meshes: &mut Meshes,
+) -> Result<Option<Conversion>> {
+    let target = if dst_dtype == NCCL_RESHARD_UNDEF_INT {
+        dtype
+    } else {
+        DType::from_nccl_code(dst_dtype).ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "{field}.dstDtype is {dst_dtype}, not an ncclDataType_t"
+            ))
+        })?
+    };
+    if quant.is_null() {
+        return Ok((target != dtype).then(|| Conversion::cast(target)));
+    }
+    let at = format!("{field}.quant");
+    // SAFETY: forwarded contract.
+    let q = unsafe { read_versioned(quant, QUANT_MIN_SIZE, default_quant(), &at) }?;
+    header_version(q.version, &at)?;
+    let block = |value: i64, name: &str| -> Result<u64> {
+        match value {
+            0 => Ok(DEFAULT_BLOCK),
+            v if v > 0 => Ok(v as u64),
+            v => Err(Error::invalid_argument(format!(
+                "{at}.{name} is {v}; use a positive block size (0 = 128)"
+            ))),
+        }
+    };
+    let scheme = match q.scheme {
+        NCCL_RESHARD_UNDEF_INT => {
+            return Err(Error::invalid_argument(format!(
+                "{at}.scheme is not set; set it to an ncclReshardQuantScheme_t (ncclReshardQuantBlock, …)"
+            )))
+        }
+        0 => Scheme::None,
+        1 => Scheme::PerTensor,
+        2 => Scheme::PerChannel,
+        3 => Scheme::Block {
+            rows: block(q.blockRows, "blockRows")?,
+            cols: block(q.blockCols, "blockCols")?,
+        },
+        other => {
+            return Err(Error::invalid_argument(format!(
+                "{at}.scheme is {other}; use ncclReshardQuantNone, ncclReshardQuantPerTensor, ncclReshardQuantPerChannel or ncclReshardQuantBlock"
+            )))
+        }
+    };
+    let scale_format = match q.scaleFormat {
+        NCCL_RESHARD_UNDEF_INT | 0 => ScaleFormat::Float32,
+        1 => ScaleFormat::E8m0,
+        other => {
+            return Err(Error::invalid_argument(format!(
+                "{at}.scaleFormat is {other}; use ncclReshardScaleFloat32 or ncclReshardScaleE8M0"
+            )))
+        }
+    };
+    let scale_inverse = match q.scaleInverse {
+        NCCL_RESHARD_UNDEF_INT | 0 => false,
+        1 => true,
+        other => {
+            return Err(Error::invalid_argument(format!(
+                "{at}.scaleInverse is {other}; use 0 (store the scale) or 1 (store its inverse)"
+            )))
+        }
+    };
+    let scale_layout = if q.scaleLayout.is_null() {
+        None
+    } else {
+        // SAFETY: forwarded contract; the scale tensor has the tensor's number of dims.
+        Some(unsafe { layout(q.scaleLayout, ndim, &format!("{at}.scaleLayout"), meshes) }?)
+    };
+    Ok(Some(Conversion {
+        dtype: target,
+        scheme,
+        scale_format,
+        scale_inverse,
+        scale_layout,
+    }))
 }
 
 /// Converts the tensor array. The array's element stride is `tensors[0].size` (all elements
@@ -339,6 +456,9 @@ pub(crate) unsafe fn tensors(
         };
         let src = unsafe { layout(c.src, ndim, &side(".src"), &mut meshes) }?;
         let dst = unsafe { layout(c.dst, ndim, &side(".dst"), &mut meshes) }?;
+        // SAFETY: forwarded contract.
+        let conversion =
+            unsafe { conversion(dtype, c.dstDtype, c.quant, ndim, &field, &mut meshes) }?;
         let name = (!c.name.is_null())
             // SAFETY: a non-NULL name is a NUL-terminated string per the API.
             .then(|| {
@@ -353,8 +473,10 @@ pub(crate) unsafe fn tensors(
                 src,
                 dst,
             },
+            conversion,
             src_offset: c.srcOffset as u64,
             dst_offset: c.dstOffset as u64,
+            scale_offset: c.scaleOffset as u64,
             name,
         });
     }

@@ -167,8 +167,11 @@ pub unsafe extern "C" fn ncclReshard(
 
 /// Like `ncclReshard`, with one source and one destination pointer per tensor (in plan
 /// order): `sendbuffs[t]` is tensor t's source view, `recvbuffs[t]` its destination view
-/// (`srcOffset`/`dstOffset` are not used). Either array may be NULL on a rank that has no
-/// views on that side; entries for tensors this rank does not hold on a side may be NULL.
+/// (`srcOffset`/`dstOffset`/`scaleOffset` are not used). A plan with quantized tensors also
+/// takes their scale views: `recvbuffs[ntensors + k]` is the k-th quantized tensor's (in
+/// tensor order; `ncclReshardPlanInfo_t.scaleTensors` says how many). Either array may be NULL
+/// on a rank that has no views on that side; entries for tensors this rank does not hold on a
+/// side may be NULL.
 /// Groups, graphs, threads and errors as for `ncclReshard`.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardMulti(
@@ -180,16 +183,16 @@ pub unsafe extern "C" fn ncclReshardMulti(
 ) -> ncclResult_t {
     boundary("ncclReshardMulti", || {
         let plan = plan_ref(plan)?;
-        let n = plan.ntensors();
-        let pointers = |table: *const usize, name: &str| -> Result<&[usize]> {
+        let pointers = |table: *const usize, n: usize, name: &str| -> Result<&[usize]> {
             if table.is_null() {
                 return Ok(&[]);
             }
-            // SAFETY: a non-NULL table holds one pointer per tensor (the API contract).
+            // SAFETY: a non-NULL table holds one pointer per tensor, and recvbuffs one more
+            // per scale tensor (the API contract).
             unsafe { array(table, n, name) }
         };
-        let send = pointers(sendbuffs.cast(), "sendbuffs")?;
-        let recv = pointers(recvbuffs.cast(), "recvbuffs")?;
+        let send = pointers(sendbuffs.cast(), plan.ntensors(), "sendbuffs")?;
+        let recv = pointers(recvbuffs.cast(), plan.ndestinations(), "recvbuffs")?;
         let buffers = plan.views().per_tensor(send, recv)?;
         plan.execute(&buffers, comm, stream)
     })
@@ -285,6 +288,19 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
             if first.size < convert::TRANSFER_SRC_VIEW_SIZE && forwards {
                 return Err(Error::invalid_usage(format!(
                     "transfers[0].size is {} (a struct from before 0.2, without srcView) but this plan forwards relayed data (transfers that read the sender's destination view); build against the current header (size {}) or plan with config.relay = 0",
+                    first.size,
+                    std::mem::size_of::<ncclReshardTransfer_t>()
+                )));
+            }
+            // Converted data read as plain bytes would be wrong: the same refusal.
+            let converts = entries.iter().any(|t| {
+                t.kind == ncclReshardTransferKind_t::ncclReshardTransferConvert as c_int
+                    || t.dstView != ncclReshardView_t::ncclReshardViewDestination as c_int
+                    || t.srcView > ncclReshardView_t::ncclReshardViewDestination as c_int
+            });
+            if first.size < convert::TRANSFER_CONVERT_SIZE && converts {
+                return Err(Error::invalid_usage(format!(
+                    "transfers[0].size is {} (a struct from before 0.4, without dstView, the dtypes and the scale fields) but this plan converts tensors on the way; build against the current header (size {})",
                     first.size,
                     std::mem::size_of::<ncclReshardTransfer_t>()
                 )));

@@ -84,6 +84,38 @@ pub const TENSOR_INITIALIZER: &[InitializerField] = &[
     field("srcOffset", "0", "srcOffset"),
     field("dstOffset", "0", "dstOffset"),
     field("name", "NULL", "name: optional"),
+    field(
+        "dstDtype",
+        "(ncclDataType_t)NCCL_RESHARD_UNDEF_INT",
+        "dstDtype: dtype (no conversion)",
+    ),
+    field("quant", "NULL", "quant: none (a plain cast)"),
+    field("scaleOffset", "0", "scaleOffset"),
+];
+
+/// `NCCL_RESHARD_QUANT_INITIALIZER`.
+/// cbindgen:ignore
+pub const QUANT_INITIALIZER: &[InitializerField] = &[
+    field("size", "sizeof(ncclReshardQuant_t)", "size"),
+    field("version", "NCCL_RESHARD_VERSION_CODE", "version"),
+    field("scheme", "NCCL_RESHARD_UNDEF_INT", "scheme: set it"),
+    field("blockRows", "0", "blockRows: 128"),
+    field("blockCols", "0", "blockCols: 128"),
+    field(
+        "scaleFormat",
+        "NCCL_RESHARD_UNDEF_INT",
+        "scaleFormat: ncclReshardScaleFloat32",
+    ),
+    field(
+        "scaleInverse",
+        "NCCL_RESHARD_UNDEF_INT",
+        "scaleInverse: 0 (store the scale)",
+    ),
+    field(
+        "scaleLayout",
+        "NULL",
+        "scaleLayout: dst's mesh and placements",
+    ),
 ];
 
 /// `NCCL_RESHARD_CONFIG_INITIALIZER`.
@@ -146,6 +178,8 @@ pub const PLAN_INFO_INITIALIZER: &[InitializerField] = &[
     field("sendBytes", "0", "sendBytes"),
     field("recvBytes", "0", "recvBytes"),
     field("rounds", "0", "rounds"),
+    field("scaleTensors", "0", "scaleTensors"),
+    field("workBytes", "0", "workBytes"),
 ];
 
 /// `NCCL_RESHARD_TRANSFER_INITIALIZER` (an output: only `size` matters).
@@ -175,6 +209,12 @@ pub const TRANSFER_INITIALIZER: &[InitializerField] = &[
     field("srcView", "ncclReshardViewSource", "srcView"),
     field("blockOffset", "0", "blockOffset"),
     field("blockBytes", "0", "blockBytes"),
+    field("dstView", "ncclReshardViewDestination", "dstView"),
+    field("srcDtype", "0", "srcDtype"),
+    field("dstDtype", "0", "dstDtype"),
+    field("scaleView", "ncclReshardViewDestination", "scaleView"),
+    field("scaleOffset", "0", "scaleOffset"),
+    field("scaleStride", "{0}", "scaleStride"),
 ];
 
 /// How a tensor is placed along one mesh axis (torch `Replicate`, `Shard`, `_StridedShard`).
@@ -211,6 +251,9 @@ pub enum ncclReshardTransferKind_t {
     ncclReshardTransferRecv = 1,
     /// This rank holds the data on both sides and copies it locally (`peer` is itself).
     ncclReshardTransferLocal = 2,
+    /// This rank converts a box of a tensor to its `dstDtype` (`peer` is itself): see
+    /// `ncclReshardTransfer_t`, *Conversions*.
+    ncclReshardTransferConvert = 3,
 }
 
 /// Which of the sender's views of a tensor a transfer reads (`ncclReshardTransfer_t.srcView`).
@@ -222,6 +265,77 @@ pub enum ncclReshardView_t {
     /// The sender's destination view (`recvbuff` + the tensor's `dstOffset`): the sender
     /// forwards bytes it received in an earlier round (a relay).
     ncclReshardViewDestination = 1,
+    /// A converted tensor's source view after conversion, on its sender: a dense row-major
+    /// array of the rank's local source shape in the tensor's `dstDtype`, holding the blocks
+    /// the rank holds whole (written by the rank's convert transfers).
+    ncclReshardViewConverted = 2,
+    /// A converted tensor's destination before conversion, on its receiver: a dense row-major
+    /// array of the rank's local destination shape in the tensor's (source) `dtype`, into which
+    /// the blocks the receiver converts arrive.
+    ncclReshardViewUnconverted = 3,
+    /// A scaled tensor's scales on its sender: a dense row-major array of one scale per block
+    /// the rank holds whole in its source view, over those blocks' indices (written by its
+    /// convert transfers).
+    ncclReshardViewScales = 4,
+}
+
+/// How a tensor's values are scaled on the way (`ncclReshardQuant_t.scheme`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ncclReshardQuantScheme_t {
+    /// No scaling: each element is converted alone (round to nearest even, saturating for
+    /// FP8).
+    ncclReshardQuantNone = 0,
+    /// One scale for the whole tensor.
+    ncclReshardQuantPerTensor = 1,
+    /// One scale per index of every dim but the last (per output channel of a weight).
+    ncclReshardQuantPerChannel = 2,
+    /// One scale per `blockRows × blockCols` block of the last two dims.
+    ncclReshardQuantBlock = 3,
+}
+
+/// How scales are stored (`ncclReshardQuant_t.scaleFormat`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ncclReshardScaleFormat_t {
+    /// FP32 (4 bytes).
+    ncclReshardScaleFloat32 = 0,
+    /// E8M0 (1 byte, a biased power-of-two exponent, as MX formats store scales); the scale
+    /// is rounded up to a power of two.
+    ncclReshardScaleE8M0 = 1,
+}
+
+/// How a tensor is quantized on its way (`ncclReshardTensor_t.quant`): the semantics, bit for
+/// bit, are in docs/quantization.md. Per block (the whole tensor, one index of the leading
+/// dims, or `blockRows × blockCols` of the last two dims), with amax the largest magnitude of
+/// its elements (NaNs ignored): `s = max(amax, 1e-4) / fmax` in FP32 (fmax = 448 for
+/// float8_e4m3fn, 57344 for float8_e5m2), rounded up to a power of two for E8M0; each element
+/// becomes `x / s` rounded to nearest even and saturated; the stored scale is `s` (what
+/// dequantization multiplies by: DeepSeek's `weight_scale_inv`, vLLM's `weight_scale`) or,
+/// with `scaleInverse`, `1 / s`.
+///
+/// The scales form a tensor of their own, of shape `ceil(shape[d] / block[d])` per dim, with
+/// the destination layout `scaleLayout` (NULL: the tensor's destination mesh and placements,
+/// dense), written by the reshard into each rank's scale view: at `recvbuff` + the tensor's
+/// `scaleOffset` in `ncclReshard`, in `recvbuffs[ntensors + k]` for the k-th tensor with
+/// scales in `ncclReshardMulti`. Read during `ncclReshardPlanCreate` only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ncclReshardQuant_t {
+    pub size: usize,
+    pub version: c_uint,
+    /// An `ncclReshardQuantScheme_t` (no default: set it).
+    pub scheme: c_int,
+    /// `ncclReshardQuantBlock`: the block's rows (second-to-last dim) and columns (last dim),
+    /// 0 = 128.
+    pub blockRows: i64,
+    pub blockCols: i64,
+    /// An `ncclReshardScaleFormat_t` (unset: `ncclReshardScaleFloat32`).
+    pub scaleFormat: c_int,
+    /// 1: store `1 / s` instead of `s` (unset: 0).
+    pub scaleInverse: c_int,
+    /// The scale tensor's destination layout (NULL: the tensor's `dst` mesh and placements).
+    pub scaleLayout: *const ncclReshardLayout_t,
 }
 
 /// One placement: `kind` is an `ncclReshardPlacementKind_t`; `dim` is the tensor dim for
@@ -257,6 +371,17 @@ pub struct ncclReshardLayout_t {
 /// One global tensor: shape, dtype, source and destination layouts, and where this rank's
 /// views sit inside the buffers passed to `ncclReshard`.
 ///
+/// `dtype` is the source's element type. A tensor may arrive in another, `dstDtype`
+/// (float32, bfloat16 or float16 → bfloat16, float16, float8_e4m3fn or float8_e5m2; unset:
+/// `dtype`), converted on the way: cast element by element (round to nearest even,
+/// saturating for FP8) when `quant` is NULL, else quantized per block as `quant` says, its
+/// scales written to a scale tensor of their own (`scaleOffset`: this rank's scale view in
+/// `recvbuff` for `ncclReshard`). Conversions run where the data is whole: a block that one
+/// source shard holds is converted by its sender (the wire carries `dstDtype`), any other by
+/// each receiver, which must hold it whole (plan creation refuses layouts where neither side
+/// does). Plans with conversions cannot be made in groupable mode. `dstDtype`, `quant` and
+/// `scaleOffset` were added in 0.4.
+///
 /// `srcOffset`/`dstOffset` are byte offsets of this tensor's local views from `sendbuff` /
 /// `recvbuff` in `ncclReshard` (ignored by `ncclReshardMulti`, which takes one pointer per
 /// tensor). They are local to the calling rank and may differ between ranks; for `ncclReshard`
@@ -276,6 +401,9 @@ pub struct ncclReshardTensor_t {
     pub srcOffset: usize,
     pub dstOffset: usize,
     pub name: *const c_char,
+    pub dstDtype: ncclDataType_t,
+    pub quant: *const ncclReshardQuant_t,
+    pub scaleOffset: usize,
 }
 
 /// Plan options; pass NULL for defaults, or start from `NCCL_RESHARD_CONFIG_INITIALIZER` and set
@@ -345,6 +473,13 @@ pub struct ncclReshardPlanInfo_t {
     /// Rounds this rank runs (each: packs, one NCCL group, unpacks); 1 for a groupable plan.
     /// Added in 0.2: an older caller's smaller struct does not get it.
     pub rounds: c_int,
+    /// Tensors with scales (quantized tensors): `ncclReshardMulti`'s `recvbuffs` holds
+    /// `ntensors + scaleTensors` entries. Added in 0.4.
+    pub scaleTensors: c_int,
+    /// Bytes of conversion workspace a call allocates on this rank (with its staging, from
+    /// the same pool): converted source data and received data waiting for conversion.
+    /// Added in 0.4.
+    pub workBytes: u64,
 }
 
 /// One transfer of the plan's rank (`ncclReshardPlanGetTransfers`): a strided byte copy from a
@@ -388,6 +523,24 @@ pub struct ncclReshardPlanInfo_t {
 /// to B and B's receives from A come in the same order. Every round's sends and receives match
 /// one to one across the plans of all ranks.
 ///
+/// **Conversions** (tensors with a `dstDtype` or `quant`, docs/quantization.md). Blocks a
+/// sender converts travel in `dstDtype`, read from the sender's `ncclReshardViewConverted`
+/// view; blocks a receiver converts travel in the tensor's `dtype` into its
+/// `ncclReshardViewUnconverted` view (`dstView`); `srcDtype`/`dstDtype` say which. A scaled
+/// tensor's scales travel from the sender's `ncclReshardViewScales` to the receiver's scale
+/// view, with `tensor` = ntensors + k for the k-th tensor with scales (that view is
+/// `recvbuffs[ntensors + k]`, or `recvbuff` + its `scaleOffset`) and `globalStart`/`globalCount`
+/// indices of its block grid. A convert transfer (`ncclReshardTransferConvert`, `peer` = the
+/// rank) converts the box `globalStart`/`globalCount` of `tensor`, whole quantization blocks:
+/// `count[k]` elements along each dim k < `copyNdim` (= `ndim`), element `i` read at
+/// `srcOffset + Σ i[k]·srcStride[k]` of `srcView` (Source or Unconverted) as `srcDtype` and
+/// written at `dstOffset + Σ i[k]·dstStride[k]` of `dstView` (Converted or Destination) as
+/// `dstDtype`, the scale of block `b` (its index within the box) at `scaleOffset + Σ
+/// b[k]·scaleStride[k]` of `scaleView`, by the tensor's `quant`; `chunkBytes` is 0 and `bytes`
+/// the bytes written. Ordering: a convert transfer reading the Source view has round 0 and runs
+/// before the rank's transfers that read its Converted or Scales views; one reading the
+/// Unconverted view has round = the plan's rounds and runs after every receive.
+///
 /// `round`, `srcView`, `blockOffset` and `blockBytes` were added in 0.2: a caller whose struct
 /// is the older size gets the other fields only. Its copies are still exact, and without
 /// forwards (groupable mode, no topology, or `config.relay` = 0) every transfer reads the source
@@ -422,4 +575,21 @@ pub struct ncclReshardTransfer_t {
     pub blockOffset: u64,
     /// The whole block's bytes (all transfers of the block together).
     pub blockBytes: u64,
+    /// An `ncclReshardView_t`: the receiver's view `dstOffset` and `dstStride` address
+    /// (`ncclReshardViewDestination`, or `ncclReshardViewUnconverted` for data a receiver
+    /// converts; for a convert transfer, the view it writes). Added in 0.4, as the fields
+    /// below.
+    pub dstView: c_int,
+    /// The element types read and written (`ncclDataType_t`): the tensor's `dtype` on both
+    /// sides for plain data, its `dstDtype` for converted data, and for a convert transfer
+    /// the conversion's source and destination types.
+    pub srcDtype: c_int,
+    pub dstDtype: c_int,
+    /// Convert transfers of quantized tensors: the view the box's block scales go to
+    /// (`ncclReshardViewScales` on a sender, `ncclReshardViewDestination` = the scale view on a
+    /// receiver), the offset of its first block's scale and the byte stride between blocks
+    /// along each dim.
+    pub scaleView: c_int,
+    pub scaleOffset: u64,
+    pub scaleStride: [i64; NCCL_RESHARD_MAX_DIMS],
 }

@@ -8,6 +8,7 @@
 use super::config::{Config, Mode, Topology};
 use super::fxhash::FxHashMap;
 use crate::layout::{Layout, Placement, TensorSpec};
+use crate::quant::{Conversion, ScaleFormat, Scheme};
 
 /// FNV-1a (a word per step) over a canonical encoding of the inputs: equal on all ranks iff they passed the same
 /// descriptors and config (the rank itself is not part of it).
@@ -78,6 +79,43 @@ pub(crate) fn of_interned(
     h.word(u64::from(config.local_via_messages));
     h.word(u64::from(config.rounds));
     h.word(u64::from(config.relay));
+    h.0
+}
+
+/// The fingerprint of a plan whose tensors convert on the way: `base` (the plain
+/// fingerprint of its tensors and config) mixed with every tensor's conversion.
+pub(crate) fn with_conversions(base: u64, conversions: &[Option<Conversion>]) -> u64 {
+    let mut h = Fnv(base);
+    for conversion in conversions {
+        let Some(c) = conversion else {
+            h.u64(0);
+            continue;
+        };
+        h.u64(1);
+        h.u64(c.dtype.nccl_code() as u64);
+        match c.scheme {
+            Scheme::None => h.u64(0),
+            Scheme::PerTensor => h.u64(1),
+            Scheme::PerChannel => h.u64(2),
+            Scheme::Block { rows, cols } => {
+                h.u64(3);
+                h.u64(rows);
+                h.u64(cols);
+            }
+        }
+        h.u64(match c.scale_format {
+            ScaleFormat::Float32 => 0,
+            ScaleFormat::E8m0 => 1,
+        });
+        h.u64(u64::from(c.scale_inverse));
+        match &c.scale_layout {
+            None => h.u64(0),
+            Some(layout) => {
+                h.u64(1);
+                layout_hash(&mut h, layout);
+            }
+        }
+    }
     h.0
 }
 

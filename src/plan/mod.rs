@@ -9,11 +9,13 @@
 mod assign;
 mod blocks;
 mod config;
+mod convert;
 mod fingerprint;
 mod fxhash;
 mod loads;
 mod messages;
 mod program;
+mod quantize;
 mod rounds;
 
 pub use assign::Assignment;
@@ -24,15 +26,18 @@ pub use config::{
     DEFAULT_SPLIT_MIN_BYTES, GROUPABLE_MAX_MESSAGES_PER_RANK, GROUPABLE_MAX_PIECES_PER_PAIR,
     MAX_ROUNDS, ROUND_TARGET_BYTES,
 };
+pub use convert::{ConvertDim, StridedConvert};
 pub use fingerprint::fingerprint;
 
 pub use messages::STAGING_ALIGN;
 pub use program::{
     Buffer, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan, StridedCopy,
 };
+pub use quantize::{region, region_of, WorkRegion};
 pub use rounds::Transfer;
 
 use crate::error::{Error, Result};
+use crate::quant::Conversion;
 use crate::layout::{
     next_index, validate_shape, DType, DimPiece, IndexRuns, Layout, Mesh, RankView, Side,
     TensorSpec,
@@ -67,6 +72,9 @@ pub struct Planner {
     pair_part_bytes: u64,
     /// Estimated bytes per rank: which senders are busier than any receiver.
     loads: Loads,
+    /// Tensors that arrive in another dtype (`plan/quantize.rs`): the blocks are then made by
+    /// an inner planner over their conversion classes.
+    conversions: Option<Box<quantize::Conversions>>,
 }
 
 /// Geometry computed once per rank call and shared by every tensor with the same layout,
@@ -210,7 +218,57 @@ impl Planner {
             rounds,
             pair_part_bytes,
             loads,
+            conversions: None,
         })
+    }
+
+    /// Like [`Planner::new`], with what each tensor becomes on its way: `conversions[t]`
+    /// (`None`: it arrives as it is) converts tensor t from its `dtype` to the conversion's
+    /// (docs/quantization.md). Errors name the tensor (`tensors[3]: …`): a conversion its
+    /// tensor does not allow, layouts where neither side holds a quantization block whole,
+    /// groupable mode.
+    pub fn with_conversions(
+        tensors: Vec<TensorSpec>,
+        conversions: Vec<Option<Conversion>>,
+        config: Config,
+    ) -> Result<Planner> {
+        let mut planner = Planner::new(tensors, config)?;
+        if let Some(c) =
+            quantize::Conversions::new(&planner.tensors, &conversions, &planner.config)?
+        {
+            planner.fingerprint = fingerprint::with_conversions(planner.fingerprint, &conversions);
+            planner.rounds = c.inner().rounds();
+            planner.conversions = Some(Box::new(c));
+        }
+        Ok(planner)
+    }
+
+    /// What each tensor becomes on its way (`None` when no tensor converts).
+    pub fn conversions(&self) -> Option<&[Option<Conversion>]> {
+        self.conversions.as_deref().map(|c| c.conversions())
+    }
+
+    /// The scale tensors of quantized tensors, in tensor order: (tensor, scale shape, scale
+    /// destination layout, bytes per scale). The k-th is the program's destination view
+    /// `tensors().len() + k` (`Loc::tensor`).
+    pub fn scale_tensors(&self) -> Vec<(u32, Vec<u64>, Layout, u32)> {
+        self.conversions
+            .as_deref()
+            .map_or_else(Vec::new, |c| c.scale_tensors())
+    }
+
+    /// The conversions `rank` runs before and after the rounds, for `rank`'s blocks (as
+    /// [`Planner::rank_blocks`] gives them), with workspace locations naming regions
+    /// ([`region_of`]) rather than offsets in the rank's workspace: the exported form.
+    pub fn conversion_steps(
+        &self,
+        rank: u32,
+        blocks: &[Block],
+    ) -> (Vec<StridedConvert>, Vec<StridedConvert>) {
+        match &self.conversions {
+            Some(c) => c.converts(&self.tensors, rank, blocks),
+            None => (Vec::new(), Vec::new()),
+        }
     }
 
     /// Rounds the data is spread over (see [`Config::rounds`]); relayed data takes one more.
@@ -232,12 +290,21 @@ impl Planner {
 
     /// Every rank that appears in a source or destination mesh, ascending.
     pub fn ranks(&self) -> Vec<u32> {
-        distinct_ranks(&self.meshes)
+        let mut ranks = distinct_ranks(&self.meshes);
+        if let Some(c) = &self.conversions {
+            ranks.extend(c.scale_ranks());
+            ranks.sort_unstable();
+            ranks.dedup();
+        }
+        ranks
     }
 
     /// This rank's assignments: those it receives (local copies included) and those it sends,
     /// each list in canonical order (tensor, then region corner).
     pub fn assignments(&self, rank: u32) -> Vec<Assignment> {
+        if let Some(c) = &self.conversions {
+            return c.assignments(rank);
+        }
         let mut cache = RankCache::new(self.class_first.len());
         let mut picks = Vec::new();
         let mut out = Vec::new();
@@ -421,6 +488,9 @@ impl Planner {
     /// This rank's blocks — every box of data it receives, sends or copies locally, with the
     /// copy geometry on both ends — in canonical order (tensor, region corner, block order).
     pub fn rank_blocks(&self, rank: u32) -> Result<Vec<Block>> {
+        if let Some(c) = &self.conversions {
+            return c.rank_blocks(&self.tensors, rank);
+        }
         let (items, templates) = self.rank_items(rank)?;
         Ok(items
             .iter()
@@ -467,6 +537,9 @@ impl Planner {
 
     /// The program `rank` runs. A rank outside every mesh gets an empty program.
     pub fn rank_program(&self, rank: u32) -> Result<RankProgram> {
+        if self.conversions.is_some() {
+            return self.program_from_blocks(rank, &self.rank_blocks(rank)?);
+        }
         // The same as program_from_blocks(rank_blocks(rank)), without the blocks' boxes and
         // without listing the rank's transfers: each pair's are made, formed into messages
         // and dropped in turn.
@@ -504,6 +577,9 @@ impl Planner {
     /// then each pair's transfers (pairs ascending) by round, in the order its messages are
     /// formed from.
     pub fn transfers(&self, blocks: &[Block]) -> Vec<Transfer> {
+        if let Some(c) = &self.conversions {
+            return c.inner().transfers(blocks);
+        }
         let mut transfers = Vec::with_capacity(blocks.len());
         let (local, pairs) = self.pairs_of(blocks);
         transfers.extend(local.into_iter().map(|i| Transfer {
@@ -553,6 +629,9 @@ impl Planner {
         blocks: &[Block],
         transfers: &[Transfer],
     ) -> Result<RankProgram> {
+        if let Some(c) = &self.conversions {
+            return c.program(&self.tensors, rank, blocks, transfers, self.fingerprint);
+        }
         let mut local_copies = Vec::new();
         // Per pair, its transfers' indices in the order they come (one function both ends
         // ran), which the pair's messages are formed in, round by round.

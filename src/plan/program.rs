@@ -8,6 +8,8 @@
 //! received in round `r` (relays). Sends to a peer and receives from it are listed in the order
 //! both sides post them, in the same rounds on both sides; sizes match by construction.
 
+use super::convert::StridedConvert;
+
 /// Which buffer an address is relative to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Buffer {
@@ -17,6 +19,11 @@ pub enum Buffer {
     Dst,
     /// The rank's staging arena (`RankProgram::staging_bytes` long); `tensor` is unused.
     Staging,
+    /// The rank's conversion workspace (`RankProgram::work_bytes` long; `tensor` is unused):
+    /// tensors converted on the way are converted into it before the first round (by a
+    /// sender) or received into it and converted after the last (by a receiver). Unlike
+    /// staging, it keeps its contents for the whole call.
+    Work,
 }
 
 /// A byte address: `offset` bytes into a buffer.
@@ -270,19 +277,25 @@ pub struct Round<'a> {
 pub enum ExecMode {
     /// Every receive lands in the destination buffer: callable inside a user's NCCL group.
     Groupable,
-    /// Some receives land in staging and are unpacked afterwards, or the program has several
-    /// rounds: not callable inside a group.
+    /// Some receives land in staging and are unpacked afterwards (or converted), or the
+    /// program has several rounds: not callable inside a group.
     Staged,
 }
 
 /// Everything one rank does for one reshard call. Deterministic: every rank computes its own
 /// program from the same descriptors, and the sends of one rank to another equal, in order
 /// and size, that rank's receives from it.
+///
+/// An executor runs, in order: `converts_before`, the local copies, each round (packs, sends
+/// and receives, unpacks), `converts_after`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RankProgram {
     pub rank: u32,
     /// Equal on all ranks iff they planned from the same descriptors and config.
     pub fingerprint: u64,
+    /// Conversions of data this rank sends (or copies locally) in another dtype, from its
+    /// source views into the workspace, before anything else.
+    pub converts_before: Vec<StridedConvert>,
     /// Source → destination copies of data this rank holds on both sides (colocated ranks).
     pub local_copies: Vec<StridedCopy>,
     /// Source → staging copies that gather non-contiguous send data, before the sends.
@@ -298,11 +311,19 @@ pub struct RankProgram {
     pub round_spans: Vec<RoundSpan>,
     /// Bytes of staging arena the program addresses (the largest round's need).
     pub staging_bytes: u64,
+    /// Conversions of data this rank received in its source dtype, from the workspace into
+    /// its destination views (and their scales), after the last round.
+    pub converts_after: Vec<StridedConvert>,
+    /// Bytes of conversion workspace ([`Buffer::Work`]) the program addresses.
+    pub work_bytes: u64,
 }
 
 impl RankProgram {
     pub fn mode(&self) -> ExecMode {
-        if self.unpacks.is_empty() && self.round_spans.iter().all(|s| s.round == 0) {
+        if self.unpacks.is_empty()
+            && self.converts_after.is_empty()
+            && self.round_spans.iter().all(|s| s.round == 0)
+        {
             ExecMode::Groupable
         } else {
             ExecMode::Staged
@@ -394,7 +415,11 @@ impl RankProgram {
 
     /// True when the program has nothing to do (the rank may skip the call).
     pub fn is_empty(&self) -> bool {
-        self.local_copies.is_empty() && self.sends.is_empty() && self.recvs.is_empty()
+        self.local_copies.is_empty()
+            && self.sends.is_empty()
+            && self.recvs.is_empty()
+            && self.converts_before.is_empty()
+            && self.converts_after.is_empty()
     }
 }
 

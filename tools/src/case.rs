@@ -1,9 +1,14 @@
 //! Case files: JSON descriptions of reshards that `check`, `layout` and `plan` read.
 //!
 //! A file holds one case or a JSON array of cases. A case is either one tensor
-//! (`{"name"?, "shape", "dtype", "src", "dst", "config"?}`) or a multi-tensor plan
+//! (`{"name"?, "shape", "dtype", "src", "dst", "dst_dtype"?, "quant"?, "config"?}`) or a
+//! multi-tensor plan
 //! (`{"name"?, "tensors": [<tensor without config>…], "config"?}`). A side is
-//! `{"mesh", "ranks" | "first_rank", "placements", "strides"?}` and a config is
+//! `{"mesh", "ranks" | "first_rank", "placements", "strides"?}`; a tensor that converts on the
+//! way (docs/quantization.md) names its destination dtype in `dst_dtype` and its scaling in
+//! `quant`: `{"scheme": "none" | "per_tensor" | "per_channel" | "block", "block"?: [rows,
+//! cols] (default [128, 128]), "scale_format"?: "float32" | "e8m0", "scale_inverse"?: bool,
+//! "scale_layout"?: <side>}`; a config is
 //! `{"mode"?, "ranks_per_node" | "node_of_rank", "split_min_bytes"?, "rounds"?, "relay"?}`; a
 //! case without a mode
 //! is meant to run under every mode.
@@ -12,6 +17,7 @@
 //! type mismatches included, names the file, the case and the key path
 //! (`cases/x.json: case 2 ("tp2-to-tp1"): src.placements[1]: …`). Unknown keys are errors.
 
+use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
 use ncclreshard::{Config, DType, Layout, Mesh, Mode, Placement, TensorSpec, Topology};
 use serde_json::{Map, Value};
 use std::path::Path;
@@ -21,6 +27,8 @@ use std::path::Path;
 pub struct Tensor {
     pub name: Option<String>,
     pub spec: TensorSpec,
+    /// What the tensor becomes on its way (`dst_dtype`, `quant`), if it converts.
+    pub conversion: Option<Conversion>,
 }
 
 /// One reshard plan read from a case file.
@@ -42,13 +50,20 @@ impl Case {
         self.tensors.iter().map(|t| t.spec.clone()).collect()
     }
 
+    /// Each tensor's conversion (`None`: it arrives as it is), in tensor order.
+    pub fn conversions(&self) -> Vec<Option<Conversion>> {
+        self.tensors.iter().map(|t| t.conversion.clone()).collect()
+    }
+
     /// The configs to run: the case's own, or one per mode when it gives none (with the mode
-    /// as a name suffix).
+    /// as a name suffix; not groupable when a tensor converts, which that mode cannot do).
     pub fn variants(&self) -> Vec<(String, Config)> {
+        let converts = self.tensors.iter().any(|t| t.conversion.is_some());
         match self.mode {
             Some(_) => vec![(self.name.clone(), self.config.clone())],
             None => [Mode::Groupable, Mode::Staged, Mode::Auto]
                 .into_iter()
+                .filter(|&mode| !(converts && mode == Mode::Groupable))
                 .map(|mode| {
                     (
                         format!("{}[{}]", self.name, mode.name()),
@@ -246,7 +261,14 @@ fn optional_name(map: &Map<String, Value>, prefix: &str) -> Parsed<Option<String
         .transpose()
 }
 
-const TENSOR_KEYS: [&str; 5] = ["name", "shape", "dtype", "src", "dst"];
+const TENSOR_KEYS: [&str; 7] = ["name", "shape", "dtype", "src", "dst", "dst_dtype", "quant"];
+const QUANT_KEYS: [&str; 5] = [
+    "scheme",
+    "block",
+    "scale_format",
+    "scale_inverse",
+    "scale_layout",
+];
 const SIDE_KEYS: [&str; 5] = ["mesh", "ranks", "first_rank", "placements", "strides"];
 const CONFIG_KEYS: [&str; 6] = [
     "mode",
@@ -283,13 +305,13 @@ fn parse_case(value: &Value, default_name: &str) -> Result<Case, String> {
             .map(|(i, item)| {
                 let key = format!("tensors[{i}]");
                 let tensor = parse_tensor(item, &key, &TENSOR_KEYS).map_err(|e| e.to_string())?;
-                tensor.spec.validate().map_err(|e| format!("{key}: {e}"))?;
+                validate(&tensor).map_err(|e| format!("{key}: {e}"))?;
                 Ok(tensor)
             })
             .collect::<Result<Vec<_>, String>>()?
     } else {
         let tensor = parse_tensor(value, "", &allowed).map_err(|e| e.to_string())?;
-        tensor.spec.validate().map_err(|e| e.to_string())?;
+        validate(&tensor)?;
         vec![tensor]
     };
     let (mode, mut config) = match map.get("config") {
@@ -309,6 +331,128 @@ fn parse_case(value: &Value, default_name: &str) -> Result<Case, String> {
     })
 }
 
+/// The tensor's own checks and its conversion's.
+fn validate(tensor: &Tensor) -> Result<(), String> {
+    tensor.spec.validate().map_err(|e| e.to_string())?;
+    if let Some(c) = &tensor.conversion {
+        c.validate(&tensor.spec).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+fn parse_dtype(value: &Value, key: &str) -> Parsed<DType> {
+    let name = str_of(value, key)?;
+    DType::from_name(name).map_or_else(
+        || {
+            let known: Vec<&str> = DType::ALL.iter().map(|d| d.torch_name()).collect();
+            fail(
+                key,
+                format!(
+                    "unknown dtype {name:?}; expected one of {}",
+                    known.join(", ")
+                ),
+            )
+        },
+        Ok,
+    )
+}
+
+/// `dst_dtype` and `quant` of a tensor with source dtype `dtype`: `None` when neither is
+/// given or `dst_dtype` is the source's and there is no `quant`.
+fn parse_conversion(
+    map: &Map<String, Value>,
+    prefix: &str,
+    dtype: DType,
+) -> Parsed<Option<Conversion>> {
+    let dst_key = join(prefix, "dst_dtype");
+    let quant_key = join(prefix, "quant");
+    let target = map
+        .get("dst_dtype")
+        .map(|v| parse_dtype(v, &dst_key))
+        .transpose()?;
+    let Some(quant) = map.get("quant") else {
+        return Ok(target.filter(|&t| t != dtype).map(Conversion::cast));
+    };
+    let Some(target) = target else {
+        return fail(
+            &quant_key,
+            "quant needs dst_dtype (float8_e4m3fn or float8_e5m2)",
+        );
+    };
+    let q = object(quant, &quant_key, &QUANT_KEYS)?;
+    let scheme_key = join(&quant_key, "scheme");
+    let scheme_name = str_of(required(q, &quant_key, "scheme")?, &scheme_key)?;
+    let scheme = match scheme_name {
+        "none" => Scheme::None,
+        "per_tensor" => Scheme::PerTensor,
+        "per_channel" => Scheme::PerChannel,
+        "block" => {
+            let block_key = join(&quant_key, "block");
+            let (rows, cols) = match q.get("block") {
+                None => (128, 128),
+                Some(v) => match list_of(v, &block_key, u64_of)?.as_slice() {
+                    &[rows, cols] => (rows, cols),
+                    other => {
+                        return fail(
+                            &block_key,
+                            format!("expected [rows, cols], got {} numbers", other.len()),
+                        )
+                    }
+                },
+            };
+            Scheme::Block { rows, cols }
+        }
+        other => {
+            return fail(
+                &scheme_key,
+                format!(
+                    "unknown scheme {other:?}; expected none, per_tensor, per_channel or block"
+                ),
+            )
+        }
+    };
+    if q.contains_key("block") && !matches!(scheme, Scheme::Block { .. }) {
+        return fail(
+            &join(&quant_key, "block"),
+            format!("only the block scheme has blocks, not {scheme_name}"),
+        );
+    }
+    let format_key = join(&quant_key, "scale_format");
+    let scale_format = match q.get("scale_format") {
+        None => ScaleFormat::Float32,
+        Some(v) => {
+            let name = str_of(v, &format_key)?;
+            ScaleFormat::from_name(name).map_or_else(
+                || {
+                    fail(
+                        &format_key,
+                        format!("unknown scale format {name:?}; expected float32 or e8m0"),
+                    )
+                },
+                Ok,
+            )?
+        }
+    };
+    let inverse_key = join(&quant_key, "scale_inverse");
+    let scale_inverse = match q.get("scale_inverse") {
+        None => false,
+        Some(v) => v
+            .as_bool()
+            .map_or_else(|| fail(&inverse_key, "expected true or false"), Ok)?,
+    };
+    let scale_layout = q
+        .get("scale_layout")
+        .map(|v| parse_side(v, &join(&quant_key, "scale_layout")))
+        .transpose()?;
+    Ok(Some(Conversion {
+        dtype: target,
+        scheme,
+        scale_format,
+        scale_inverse,
+        scale_layout,
+    }))
+}
+
 /// A tensor object whose keys may be `allowed` (the tensor keys, plus `config` for a
 /// single-tensor case).
 fn parse_tensor(value: &Value, prefix: &str, allowed: &[&str]) -> Parsed<Tensor> {
@@ -317,22 +461,10 @@ fn parse_tensor(value: &Value, prefix: &str, allowed: &[&str]) -> Parsed<Tensor>
     let shape_key = join(prefix, "shape");
     let shape = list_of(required(map, prefix, "shape")?, &shape_key, u64_of)?;
     let dtype_key = join(prefix, "dtype");
-    let dtype_name = str_of(required(map, prefix, "dtype")?, &dtype_key)?;
-    let dtype = DType::from_name(dtype_name).map_or_else(
-        || {
-            let known: Vec<&str> = DType::ALL.iter().map(|d| d.torch_name()).collect();
-            fail(
-                &dtype_key,
-                format!(
-                    "unknown dtype {dtype_name:?}; expected one of {}",
-                    known.join(", ")
-                ),
-            )
-        },
-        Ok,
-    )?;
+    let dtype = parse_dtype(required(map, prefix, "dtype")?, &dtype_key)?;
     let src = parse_side(required(map, prefix, "src")?, &join(prefix, "src"))?;
     let dst = parse_side(required(map, prefix, "dst")?, &join(prefix, "dst"))?;
+    let conversion = parse_conversion(map, prefix, dtype)?;
     Ok(Tensor {
         name,
         spec: TensorSpec {
@@ -341,6 +473,7 @@ fn parse_tensor(value: &Value, prefix: &str, allowed: &[&str]) -> Parsed<Tensor>
             src,
             dst,
         },
+        conversion,
     })
 }
 
@@ -483,5 +616,56 @@ mod tests {
         let e = err(r#"{"tensors": [], "config": {"mode": "fast"}}"#);
         assert!(e.contains("tensors: the list is empty"), "{e}");
         assert!(err("[1, 2").starts_with("f.json: malformed JSON"));
+    }
+
+    #[test]
+    fn reads_conversions_and_names_their_keys() {
+        let tensor = |extra: &str| {
+            format!(
+                r#"{{"name": "q", "shape": [256, 256], "dtype": "bfloat16", "src": {SIDE}, "dst": {SIDE}{extra}}}"#
+            )
+        };
+        let file = parse(
+            &tensor(r#", "dst_dtype": "float8_e4m3fn", "quant": {"scheme": "block", "scale_inverse": true}"#),
+            "f.json",
+        )
+        .unwrap();
+        let case = &file.cases[0];
+        let c = case.conversions()[0].clone().unwrap();
+        assert_eq!(c.dtype, DType::Float8E4M3);
+        assert_eq!(
+            c.scheme,
+            Scheme::Block {
+                rows: 128,
+                cols: 128
+            }
+        );
+        assert!(c.scale_inverse);
+        assert_eq!(c.scale_format, ScaleFormat::Float32);
+        // No groupable variant: it cannot convert.
+        assert_eq!(case.variants().len(), 2);
+        // dst_dtype equal to dtype without quant is no conversion.
+        let file = parse(&tensor(r#", "dst_dtype": "bfloat16""#), "f.json").unwrap();
+        assert!(file.cases[0].conversions()[0].is_none());
+
+        let err = |extra: &str| parse(&tensor(extra), "f.json").unwrap_err();
+        let e = err(r#", "quant": {"scheme": "block"}"#);
+        assert!(e.contains("quant: quant needs dst_dtype"), "{e}");
+        let e = err(r#", "dst_dtype": "float8_e4m3fn", "quant": {"scheme": "blocky"}"#);
+        assert!(e.contains("quant.scheme: unknown scheme"), "{e}");
+        let e =
+            err(r#", "dst_dtype": "float8_e4m3fn", "quant": {"scheme": "block", "block": [1]}"#);
+        assert!(e.contains("quant.block: expected [rows, cols]"), "{e}");
+        let e = err(
+            r#", "dst_dtype": "float8_e4m3fn", "quant": {"scheme": "block", "scale_format": "e4m3"}"#,
+        );
+        assert!(
+            e.contains("quant.scale_format: unknown scale format"),
+            "{e}"
+        );
+        let e = err(r#", "dst_dtype": "float8_e4m3fn", "quant": {"scheme": "block", "colour": 1}"#);
+        assert!(e.contains("quant.colour: unknown key"), "{e}");
+        let e = err(r#", "dst_dtype": "int8""#);
+        assert!(e.contains("int8"), "{e}");
     }
 }

@@ -5,10 +5,13 @@
 //! executor, then checks every destination element and that no byte outside the destination
 //! views changed. This is what `ncclreshard check` runs.
 
+use crate::reference_quantizer::{self, Converted};
 use ncclreshard::error::{Error, Result};
 use ncclreshard::exec::host::{execute, RankBuffers};
 use ncclreshard::layout::{next_index, RankView, Side, TensorSpec};
 use ncclreshard::plan::{Config, Planner, RankProgram};
+use ncclreshard::quant::{float, Conversion};
+use ncclreshard::DType;
 
 /// What a successful check moved and verified.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -29,6 +32,82 @@ pub fn element_value(tensor: u32, index: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+/// The FP32 value element `index` of converted tensor `tensor` carries before its conversion:
+/// meaningful floats, per quantization block of `block` elements along each dim of `shape` of
+/// one kind: mostly values of a magnitude between 2^-12 and 2^12, and some blocks all zero,
+/// of tiny or huge values, or with NaNs or infinities among them.
+pub fn float_value(tensor: u32, shape: &[u64], block: &[u64], index: u64) -> f32 {
+    let mut rest = index;
+    let mut block_id = 0u64;
+    for d in (0..shape.len()).rev() {
+        let i = rest % shape[d].max(1);
+        rest /= shape[d].max(1);
+        block_id = block_id
+            .wrapping_mul(1_000_003)
+            .wrapping_add(i / block[d].max(1));
+    }
+    let kind = element_value(tensor ^ 0x5a5a, block_id) % 16;
+    let h = element_value(tensor, index);
+    let unit = (h >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+    let magnitude = match kind {
+        0 => 0.0,
+        1 => 1e-6,
+        2 => 1e30,
+        _ => 2f64.powi((element_value(tensor ^ 0xa5a5, block_id) % 25) as i32 - 12),
+    };
+    match kind {
+        3 if h % 7 == 0 => f32::NAN,
+        4 if h % 11 == 0 => {
+            if h & 1 == 0 {
+                f32::INFINITY
+            } else {
+                f32::NEG_INFINITY
+            }
+        }
+        0 if h & 1 == 1 => -0.0,
+        _ => (unit * magnitude) as f32,
+    }
+}
+
+/// The bytes of element `index` of tensor `tensor` in its source dtype: the hash of
+/// [`element_value`], or for a converted tensor its [`float_value`] in the source's float type.
+pub fn source_element(
+    spec: &TensorSpec,
+    conversion: Option<&Conversion>,
+    tensor: u32,
+    index: u64,
+) -> [u8; 8] {
+    let Some(conversion) = conversion else {
+        return element_value(tensor, index).to_le_bytes();
+    };
+    let block = conversion.block_shape(&spec.shape);
+    let x = float_value(tensor, &spec.shape, &block, index);
+    let mut out = [0u8; 8];
+    match spec.dtype {
+        DType::Float32 => out[..4].copy_from_slice(&x.to_le_bytes()),
+        DType::Bfloat16 => out[..2].copy_from_slice(&float::f32_to_bf16(x).to_le_bytes()),
+        DType::Float16 => out[..2].copy_from_slice(&float::f32_to_f16(x).to_le_bytes()),
+        other => panic!("{other} is not a conversion source (validated)"),
+    }
+    out
+}
+
+/// What a converted tensor must hold everywhere once it arrived: the reference quantizer's
+/// conversion of the whole tensor its sources hold ([`source_element`]).
+pub fn expected_conversion(spec: &TensorSpec, conversion: &Conversion, tensor: u32) -> Converted {
+    let elements: u64 = spec.shape.iter().product();
+    let size = spec.elem_size() as usize;
+    let values: Vec<f32> = (0..elements)
+        .map(|i| {
+            reference_quantizer::load(
+                spec.dtype,
+                &source_element(spec, Some(conversion), tensor, i)[..size],
+            )
+        })
+        .collect();
+    reference_quantizer::convert_tensor(conversion, &spec.shape, &values)
 }
 
 /// The byte a position outside every view holds before and after the reshard.
@@ -94,21 +173,205 @@ fn host_bytes_needed(tensors: &[TensorSpec], ranks: &[u32]) -> u64 {
     total
 }
 
+/// Every rank's buffers for a reshard of `tensors` with `conversions` (`None`: none convert),
+/// filled as `check` fills them: source views from [`source_element`], destination and scale
+/// views with sentinels (scale views after the tensors', as the programs address them).
+pub fn rank_buffers(
+    tensors: &[TensorSpec],
+    conversions: Option<&[Option<Conversion>]>,
+    rank: u32,
+) -> Result<RankBuffers> {
+    let conversion = |t: usize| conversions.and_then(|c| c[t].as_ref());
+    let mut memory = RankBuffers::default();
+    for (t, spec) in tensors.iter().enumerate() {
+        memory.src.push(
+            converted_source_view_bytes(spec, conversion(t), t as u32, rank)?.unwrap_or_default(),
+        );
+        let dst = match conversion(t) {
+            Some(c) => converted_destination_view_bytes(spec, c, rank)?,
+            None => destination_view_bytes(spec, rank)?,
+        };
+        memory.dst.push(dst.unwrap_or_default());
+    }
+    for (t, spec) in tensors.iter().enumerate() {
+        if let Some(c) = conversion(t).filter(|c| c.is_scaled()) {
+            memory
+                .dst
+                .push(scale_view_bytes(spec, c, rank)?.unwrap_or_default());
+        }
+    }
+    Ok(memory)
+}
+
 /// The bytes of `rank`'s source view of tensor `t` as `check` fills it (each element's value
 /// from its global index, sentinels between the elements of a strided view), or `None` when
 /// the rank has no source view. Executors other than the host one use it to set up the same
 /// data (the GPU tests).
 pub fn source_view_bytes(spec: &TensorSpec, t: u32, rank: u32) -> Result<Option<Vec<u8>>> {
+    converted_source_view_bytes(spec, None, t, rank)
+}
+
+/// [`source_view_bytes`] of a tensor that converts on the way (`conversion`): its elements are
+/// [`source_element`]s.
+pub fn converted_source_view_bytes(
+    spec: &TensorSpec,
+    conversion: Option<&Conversion>,
+    t: u32,
+    rank: u32,
+) -> Result<Option<Vec<u8>>> {
     let Some(v) = spec.rank_view(Side::Src, rank) else {
         return Ok(None);
     };
     let mut bytes = alloc(v.view.extent_bytes())?;
     let size = spec.elem_size() as usize;
     for_each_element(&spec.shape, &v, |offset, global| {
-        let value = element_value(t, global).to_le_bytes();
+        let value = source_element(spec, conversion, t, global);
         bytes[offset..offset + size].copy_from_slice(&value[..size]);
     });
     Ok(Some(bytes))
+}
+
+/// The destination view of a converted tensor (`conversion`, in its dtype) as it starts:
+/// sentinels everywhere.
+pub fn converted_destination_view_bytes(
+    spec: &TensorSpec,
+    conversion: &Conversion,
+    rank: u32,
+) -> Result<Option<Vec<u8>>> {
+    spec.dst
+        .rank_view(&spec.shape, conversion.dtype.size(), rank)
+        .map(|v| alloc(v.view.extent_bytes()))
+        .transpose()
+}
+
+/// A quantized tensor's scale view as it starts (sentinels), if `rank` holds scales.
+pub fn scale_view_bytes(
+    spec: &TensorSpec,
+    conversion: &Conversion,
+    rank: u32,
+) -> Result<Option<Vec<u8>>> {
+    let Some(layout) = conversion.scale_layout(spec) else {
+        return Ok(None);
+    };
+    layout
+        .rank_view(
+            &conversion.scale_shape(&spec.shape),
+            conversion.scale_format.size(),
+            rank,
+        )
+        .map(|v| alloc(v.view.extent_bytes()))
+        .transpose()
+}
+
+/// Checks `got`, a view of `rank` (holding `view`'s elements of a tensor of `shape`) after a
+/// reshard: element with global index i holds `expected[i·size .. (i+1)·size]`, and every byte
+/// between elements still holds its sentinel. `what` names the view in errors. Returns the
+/// elements checked.
+fn verify_view(
+    shape: &[u64],
+    view: &RankView,
+    expected: &[u8],
+    size: usize,
+    got: &[u8],
+    what: &str,
+) -> Result<u64> {
+    if got.len() as u64 != view.view.extent_bytes() {
+        return Err(Error::internal(format!(
+            "{what}: the view is {} bytes, not {}",
+            got.len(),
+            view.view.extent_bytes()
+        )));
+    }
+    let dense = view.view.extent_bytes() == view.view.elements() * size as u64;
+    let mut inside = if dense {
+        Vec::new()
+    } else {
+        vec![false; got.len()]
+    };
+    let mut failure: Option<String> = None;
+    let mut checked = 0;
+    for_each_element(shape, view, |offset, global| {
+        if !dense {
+            inside[offset..offset + size]
+                .iter_mut()
+                .for_each(|b| *b = true);
+        }
+        let want = &expected[global as usize * size..(global as usize + 1) * size];
+        if failure.is_none() && &got[offset..offset + size] != want {
+            failure = Some(format!(
+                "{what}: element with global index {global} at byte {offset} is {:02x?}, expected {:02x?}",
+                &got[offset..offset + size],
+                want
+            ));
+        }
+        checked += 1;
+    });
+    if let Some(message) = failure {
+        return Err(Error::internal(message));
+    }
+    if !dense {
+        if let Some(offset) = (0..got.len()).find(|&o| !inside[o] && got[o] != sentinel(o)) {
+            return Err(Error::internal(format!(
+                "{what}: byte {offset} outside the view was overwritten"
+            )));
+        }
+    }
+    Ok(checked)
+}
+
+/// Checks `rank`'s destination view of converted tensor `t` against `expected` (from
+/// [`expected_conversion`]), bytes between elements included. Returns the elements checked.
+pub fn verify_converted_view(
+    spec: &TensorSpec,
+    conversion: &Conversion,
+    expected: &Converted,
+    t: u32,
+    rank: u32,
+    got: &[u8],
+) -> Result<u64> {
+    let size = conversion.dtype.size();
+    let Some(view) = spec.dst.rank_view(&spec.shape, size, rank) else {
+        return Ok(0);
+    };
+    verify_view(
+        &spec.shape,
+        &view,
+        &expected.values,
+        size as usize,
+        got,
+        &format!("tensor {t} ({}) rank {rank}", conversion.dtype),
+    )
+}
+
+/// Checks `rank`'s scale view of quantized tensor `t` against `expected`. Returns the scales
+/// checked.
+pub fn verify_scale_view(
+    spec: &TensorSpec,
+    conversion: &Conversion,
+    expected: &Converted,
+    t: u32,
+    rank: u32,
+    got: &[u8],
+) -> Result<u64> {
+    let Some(layout) = conversion.scale_layout(spec) else {
+        return Ok(0);
+    };
+    let shape = conversion.scale_shape(&spec.shape);
+    let size = conversion.scale_format.size();
+    let Some(view) = layout.rank_view(&shape, size, rank) else {
+        return Ok(0);
+    };
+    verify_view(
+        &shape,
+        &view,
+        &expected.scales,
+        size as usize,
+        got,
+        &format!(
+            "tensor {t}'s scales ({}) rank {rank}",
+            conversion.scale_format.name()
+        ),
+    )
 }
 
 /// A destination view as it starts: sentinels everywhere (`None` when `rank` has no view).
@@ -182,7 +445,18 @@ pub fn verify_destination_view(spec: &TensorSpec, t: u32, rank: u32, got: &[u8])
 
 /// Plans, executes and verifies a reshard of `tensors` under `config` on the host.
 pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
-    let planner = Planner::new(tensors.to_vec(), config.clone())?;
+    check_with_conversions(tensors, &vec![None; tensors.len()], config)
+}
+
+/// [`check`] for tensors that may convert on the way: a converted tensor's destination views
+/// and scale views must hold what the reference quantizer makes of the whole tensor.
+pub fn check_with_conversions(
+    tensors: &[TensorSpec],
+    conversions: &[Option<Conversion>],
+    config: &Config,
+) -> Result<CheckReport> {
+    let planner =
+        Planner::with_conversions(tensors.to_vec(), conversions.to_vec(), config.clone())?;
     let ranks = planner.ranks();
     let needed = host_bytes_needed(tensors, &ranks);
     if needed > MAX_CHECK_BYTES {
@@ -194,19 +468,10 @@ pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
         .iter()
         .map(|&r| planner.rank_program(r))
         .collect::<Result<_>>()?;
-    let mut buffers = Vec::with_capacity(ranks.len());
-    for &rank in &ranks {
-        let mut memory = RankBuffers::default();
-        for (t, spec) in tensors.iter().enumerate() {
-            memory
-                .src
-                .push(source_view_bytes(spec, t as u32, rank)?.unwrap_or_default());
-            memory
-                .dst
-                .push(destination_view_bytes(spec, rank)?.unwrap_or_default());
-        }
-        buffers.push(memory);
-    }
+    let mut buffers = ranks
+        .iter()
+        .map(|&rank| rank_buffers(tensors, Some(conversions), rank))
+        .collect::<Result<Vec<_>>>()?;
     execute(&programs, &mut buffers)?;
 
     let mut report = CheckReport {
@@ -219,10 +484,34 @@ pub fn check(tensors: &[TensorSpec], config: &Config) -> Result<CheckReport> {
         report.messages += p.sends.len() as u64;
         report.staged_ranks += usize::from(!p.unpacks.is_empty());
     }
+    let expected: Vec<Option<Converted>> = tensors
+        .iter()
+        .zip(conversions)
+        .enumerate()
+        .map(|(t, (spec, c))| c.as_ref().map(|c| expected_conversion(spec, c, t as u32)))
+        .collect();
     for (i, &rank) in ranks.iter().enumerate() {
+        let mut scale_slot = tensors.len();
         for (t, spec) in tensors.iter().enumerate() {
-            report.elements_checked +=
-                verify_destination_view(spec, t as u32, rank, &buffers[i].dst[t])?;
+            let got = &buffers[i].dst[t];
+            report.elements_checked += match (&conversions[t], &expected[t]) {
+                (Some(c), Some(e)) => {
+                    let mut n = verify_converted_view(spec, c, e, t as u32, rank, got)?;
+                    if c.is_scaled() {
+                        n += verify_scale_view(
+                            spec,
+                            c,
+                            e,
+                            t as u32,
+                            rank,
+                            &buffers[i].dst[scale_slot],
+                        )?;
+                        scale_slot += 1;
+                    }
+                    n
+                }
+                _ => verify_destination_view(spec, t as u32, rank, got)?,
+            };
         }
     }
     Ok(report)

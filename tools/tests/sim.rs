@@ -1209,3 +1209,47 @@ fn deepseek_v3_reshard_from_real_programs() {
     assert!(m2n_bench.sim.time_s <= m2n_one.sim.time_s);
     assert!(reshard.time_s * 10.0 <= baseline.time_s);
 }
+
+#[test]
+fn conversions_run_at_hbm_speed_and_fp8_halves_the_bytes() {
+    use ncclreshard::quant::{Conversion, Scheme};
+    let cluster = Cluster::dgx_h100().without_costs();
+    // [1024, 1024] bf16 on rank 0 → rank 8 (another node) as FP8 in 128 × 128 blocks: rank 0
+    // quantizes (reads 2 MiB twice, writes 1 MiB and 64 scales) and sends FP8 and scales.
+    let spec = TensorSpec {
+        shape: vec![1024, 1024],
+        dtype: DType::Bfloat16,
+        src: layout(&[0], Placement::Replicate),
+        dst: layout(&[8], Placement::Replicate),
+    };
+    let fp8 = Conversion::quantize(
+        DType::Float8E4M3,
+        Scheme::Block {
+            rows: 128,
+            cols: 128,
+        },
+    );
+    let config = Config {
+        mode: Mode::Auto,
+        topology: Topology::RanksPerNode(8),
+        ..Default::default()
+    };
+    let planner = Planner::with_conversions(vec![spec], vec![Some(fp8)], config).unwrap();
+    let programs: Vec<RankProgram> = planner
+        .ranks()
+        .into_iter()
+        .map(|r| planner.rank_program(r).unwrap())
+        .collect();
+    let report = simulate(&programs, &cluster);
+    let sent = MIB + 64 * 4;
+    assert_eq!(report.bytes_total, sent);
+    let memory = report.memory.unwrap();
+    assert_eq!(memory.work_bytes, programs[0].work_bytes);
+    assert!(memory.work_bytes >= sent);
+    let convert = (2.0 * 2.0 * MIB as f64 + sent as f64) / (2.0 * cluster.hbm_copy_bw);
+    assert_close(report.phase("prepare").unwrap(), convert);
+    assert_close(
+        report.time_s,
+        convert + sent as f64 / cluster.nic_achievable(),
+    );
+}

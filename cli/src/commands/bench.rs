@@ -162,7 +162,7 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
     let config = refit_setup::config_with_options(parsed, "bench", mode, &cluster)?;
 
     let started = Instant::now();
-    let planner = refit_setup::planner(&refit.tensors, config)?;
+    let planner = refit_setup::planner(&refit.tensors, &vec![None; refit.tensors.len()], config)?;
     let new = started.elapsed();
     let one = |rank: u32| -> Result<Duration, Failure> {
         let started = Instant::now();
@@ -307,6 +307,7 @@ fn bench_exec(parsed: &Parsed) -> Result<u8, Failure> {
     let tensors = &refit.tensors;
     let Some(run) = host_run::plan_fill_execute(
         tensors,
+        &vec![None; tensors.len()],
         refit_setup::config_with_options(parsed, "bench", mode, &cluster)?,
     )?
     else {

@@ -6,6 +6,7 @@ use crate::args::{flag, value, Parsed};
 use crate::out;
 use crate::Failure;
 use ncclreshard::plan::GROUPABLE_MAX_MESSAGES_PER_RANK;
+use ncclreshard::quant::Conversion;
 use ncclreshard::{Config, Mode, TensorSpec};
 use ncclreshard_tools::case;
 use ncclreshard_tools::check::CheckReport;
@@ -61,6 +62,7 @@ errors.
 struct Job {
     name: String,
     tensors: Vec<TensorSpec>,
+    conversions: Vec<Option<Conversion>>,
     config: Config,
 }
 
@@ -87,10 +89,12 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             Ok(file) => {
                 for case in &file.cases {
                     let tensors = case.specs();
+                    let conversions = case.conversions();
                     for (name, config) in case.variants() {
                         jobs.push(Job {
                             name,
                             tensors: tensors.clone(),
+                            conversions: conversions.clone(),
                             config,
                         });
                     }
@@ -167,7 +171,11 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
 fn check_one(job: &Job) -> Outcome {
     let started = Instant::now();
     let result = panic::catch_unwind(AssertUnwindSafe(|| {
-        ncclreshard_tools::check::check(&job.tensors, &job.config)
+        ncclreshard_tools::check::check_with_conversions(
+            &job.tensors,
+            &job.conversions,
+            &job.config,
+        )
     }));
     let ms = started.elapsed().as_secs_f64() * 1e3;
     match result {

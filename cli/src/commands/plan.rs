@@ -133,7 +133,7 @@ fn config_summary(config: &Config) -> ConfigSummary {
 }
 
 fn planner(case: &Case, config: Config) -> Result<Planner, Failure> {
-    Planner::new(case.specs(), config)
+    Planner::with_conversions(case.specs(), case.conversions(), config)
         .map_err(|e| Failure::Input(format!("case {}: {e}", case.name)))
 }
 

@@ -24,6 +24,7 @@ pub const COMMAND: Command = Command {
         value("scale"),
         value("cluster"),
         value("dtype"),
+        value("infer-dtype"),
         value("experts"),
         flag("colocated"),
         value("mode"),
@@ -69,6 +70,11 @@ Options:
   --cluster C        Cluster of the simulation: dgx-h100 (default), gb200-nvl72 or
                      key=value pairs (see `ncclreshard simulate --help`)
   --dtype NAME       Element type of the weights (default bfloat16)
+  --infer-dtype D    What inference stores, converted on the way: fp8-block128 (DeepSeek-V3's
+                     FP8 checkpoint: decoder linear weights as float8_e4m3fn in 128 × 128
+                     blocks with FP32 scales), fp8-blockRxC, fp8-per-channel or a dtype (a
+                     plain cast). The host run checks every converted byte and scale against
+                     the reference quantizer; the simulation reports the bytes saved
   --experts E        stacked (default) or per-expert routed expert tensors
   --colocated        Inference runs on the training ranks
   --mode MODE        auto (default), staged or groupable
@@ -92,6 +98,9 @@ Example (the README's demo):
 struct HostJson {
     model: String,
     scale: u64,
+    /// What inference stores (`--infer-dtype`, else `--dtype`) and how many tensors convert.
+    infer_dtype: String,
+    converted_tensors: usize,
     tensors: usize,
     ranks: usize,
     model_bytes: u64,
@@ -174,20 +183,24 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         out::count(tensors.len() as u64),
         out::bytes(small.bytes()),
     );
+    let conversions = args.conversions(&small, scale)?;
     let Some(run) = host_run::plan_fill_execute(
         tensors,
+        &conversions,
         refit_setup::config_with_options(parsed, "refit", mode, &cluster)?,
     )?
     else {
         return Ok(1);
     };
     let (ranks, programs) = (&run.ranks, &run.programs);
-    let verified = host_run::verify(tensors, ranks, &run.buffers);
+    let verified = host_run::verify(tensors, &conversions, ranks, &run.buffers);
     let baseline = host_run::baseline_bytes(tensors);
     let bytes_moved: u64 = programs.iter().map(|p| p.bytes_sent()).sum();
     let host = HostJson {
         model: scaled_name,
         scale,
+        infer_dtype: args.infer_dtype_name(),
+        converted_tensors: conversions.iter().flatten().count(),
         tensors: tensors.len(),
         ranks: ranks.len(),
         model_bytes: small.bytes(),
@@ -224,8 +237,9 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             cluster.name
         );
         let config = refit_setup::config_with_options(parsed, "refit", mode, &cluster)?;
+        let conversions = args.conversions(&refit, 1)?;
         Some((
-            simulate::simulate(&refit, &cluster, config, &options)?,
+            simulate::simulate(&refit, &conversions, &cluster, config, &options)?,
             refit.bytes(),
         ))
     } else {
@@ -339,6 +353,16 @@ fn table(
     );
     let row = |name: &str, value: String| format!("  {name:<24}{value}\n");
     text += &row("tensors", out::count(host.tensors as u64));
+    if host.converted_tensors > 0 {
+        text += &row(
+            "infer dtype",
+            format!(
+                "{} ({} tensors converted on the way; converted bytes and scales checked against the reference quantizer)",
+                host.infer_dtype,
+                out::count(host.converted_tensors as u64)
+            ),
+        );
+    }
     text += &row(
         "ranks",
         format!(

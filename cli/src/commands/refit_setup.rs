@@ -7,9 +7,11 @@ use crate::models_json::{load_model, load_system, Model};
 use crate::work;
 use crate::Failure;
 use ncclreshard::layout::Side;
+use ncclreshard::quant::Conversion;
 use ncclreshard::{Config, DType, Mode, Planner, RankProgram, TensorSpec, Topology};
 use ncclreshard_tools::models::{
-    count_parameters, ExpertStorage, InferSpec, Refit, RefitOptions, TrainSpec, PRESETS,
+    count_parameters, infer_conversions, ExpertStorage, InferDtype, InferSpec, Refit, RefitOptions,
+    TrainSpec, PRESETS,
 };
 use ncclreshard_tools::sim::Cluster;
 use std::ops::Range;
@@ -17,7 +19,7 @@ use std::path::Path;
 use std::time::Duration;
 
 /// The refit named on the command line: `--model`, `--train` and `--infer` (or `--system`),
-/// `--dtype`, `--experts`, `--colocated`.
+/// `--dtype`, `--infer-dtype`, `--experts`, `--colocated`.
 pub struct RefitArgs {
     pub model: Model,
     /// `--train` and `--infer` as the user wrote them (shown in reports).
@@ -26,6 +28,8 @@ pub struct RefitArgs {
     pub train: TrainSpec,
     pub infer: InferSpec,
     pub options: RefitOptions,
+    /// `--infer-dtype`: what inference stores, when it is not `--dtype`.
+    pub infer_dtype: Option<InferDtype>,
 }
 
 impl RefitArgs {
@@ -72,8 +76,16 @@ impl RefitArgs {
                 ))
             }
         };
+        let infer_dtype = parsed
+            .value("infer-dtype")
+            .map(|text| {
+                InferDtype::parse(text).map_err(|e| usage(command, format!("--infer-dtype: {e}")))
+            })
+            .transpose()?
+            .filter(|d| *d != InferDtype::Cast(dtype));
         let model = load_model(model).map_err(Failure::Input)?;
         Ok(RefitArgs {
+            infer_dtype,
             model,
             train_text,
             infer_text,
@@ -93,6 +105,39 @@ impl RefitArgs {
             .scaled(scale)
             .and_then(|model| model.refit(&self.train, &self.infer, &self.options))
             .map_err(Failure::Input)
+    }
+
+    /// Each tensor's conversion in `refit` (the model with widths divided by `scale`) under
+    /// `--infer-dtype`; all `None` without it.
+    pub fn conversions(
+        &self,
+        refit: &Refit,
+        scale: u64,
+    ) -> Result<Vec<Option<Conversion>>, Failure> {
+        let Some(infer) = self.infer_dtype else {
+            return Ok(vec![None; refit.tensors.len()]);
+        };
+        let params = self
+            .model
+            .scaled(scale)
+            .map_err(Failure::Input)?
+            .params(self.options.experts);
+        // The refit lists the inventory's parameters in its order (`Refit`'s contract).
+        if params.len() != refit.names.len()
+            || params.iter().zip(&refit.names).any(|(p, n)| &p.name != n)
+        {
+            return Err(Failure::Input(format!(
+                "{}: the refit's tensors are not the model's parameters in order",
+                self.model.name()
+            )));
+        }
+        Ok(infer_conversions(&params, self.options.dtype, infer))
+    }
+
+    /// `--infer-dtype` as given, or `--dtype` when it is not.
+    pub fn infer_dtype_name(&self) -> String {
+        self.infer_dtype
+            .map_or_else(|| self.options.dtype.to_string(), |d| d.name())
     }
 
     /// `train tp4,pp4,dp2 (ranks 0-31) → infer tp4,dp8 (ranks 32-63)`.
@@ -199,8 +244,14 @@ pub fn config_with_options(
     Ok(config)
 }
 
-pub fn planner(tensors: &[TensorSpec], config: Config) -> Result<Planner, Failure> {
-    Planner::new(tensors.to_vec(), config).map_err(|e| Failure::Input(e.to_string()))
+/// The planner of `tensors` with their `conversions` (one per tensor, `None`: as it is).
+pub fn planner(
+    tensors: &[TensorSpec],
+    conversions: &[Option<Conversion>],
+    config: Config,
+) -> Result<Planner, Failure> {
+    Planner::with_conversions(tensors.to_vec(), conversions.to_vec(), config)
+        .map_err(|e| Failure::Input(e.to_string()))
 }
 
 /// Every rank's program, planned on all cores with a progress line; and the wall time.

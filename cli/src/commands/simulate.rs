@@ -7,6 +7,7 @@ use crate::args::{flag, value, Parsed};
 use crate::out;
 use crate::work;
 use crate::Failure;
+use ncclreshard::quant::Conversion;
 use ncclreshard::{Config, RankProgram};
 use ncclreshard_tools::models::Refit;
 use ncclreshard_tools::sim::{
@@ -27,6 +28,7 @@ pub const COMMAND: Command = Command {
         value("system"),
         value("cluster"),
         value("dtype"),
+        value("infer-dtype"),
         value("experts"),
         flag("colocated"),
         value("mode"),
@@ -65,6 +67,11 @@ Options:
                      dgx-h100,nic_gbits=200,oversubscription=2,pxn=0 (every key and its
                      default: docs/simulator.md §1; `ideal` drops efficiencies and costs)
   --dtype NAME       Element type of the weights, torch's name (default bfloat16)
+  --infer-dtype D    What inference stores, converted on the way (docs/quantization.md):
+                     fp8-block128 (DeepSeek-V3's FP8: decoder linear weights in 128 × 128
+                     blocks with FP32 scales), fp8-blockRxC, fp8-per-channel, or a dtype for
+                     a plain cast. Also simulates the refit without conversion and reports
+                     the bytes saved and the time ratio (JSON: "conversion")
   --experts E        stacked (default) or per-expert routed expert tensors
   --colocated        Inference runs on the training ranks (default: the ranks after them)
   --mode MODE        auto (default), staged or groupable
@@ -93,6 +100,9 @@ pub struct Simulation {
     pub cluster: Cluster,
     pub programs: Vec<RankProgram>,
     pub reshard: SimReport,
+    /// With conversions: the same refit's reshard without them (every tensor in the training
+    /// dtype), for the bytes and time the conversions save.
+    pub unconverted: Option<SimReport>,
     /// M2N as its own benchmark runs it: one communicator per pipeline-stage pair.
     pub m2n_hierarchical: M2nReport,
     pub m2n_direct: M2nReport,
@@ -138,13 +148,28 @@ pub fn sim_options(parsed: &Parsed, command: &'static str) -> Result<SimOptions,
 
 /// Plans every rank of `refit` with `config` and simulates it on `cluster`, with the peers'
 /// methods and the bounds.
+/// Simulates `refit` with `conversions` (one per tensor; `None`: it arrives as it is); the
+/// baselines and floors move the tensors as trained. With any conversion, the reshard without
+/// them is simulated too ([`Simulation::unconverted`]).
 pub fn simulate(
     refit: &Refit,
+    conversions: &[Option<Conversion>],
     cluster: &Cluster,
     config: Config,
     options: &SimOptions,
 ) -> Result<Simulation, Failure> {
-    let planner = refit_setup::planner(&refit.tensors, config)?;
+    let unconverted = if conversions.iter().any(Option::is_some) {
+        let none = vec![None; refit.tensors.len()];
+        let planner = refit_setup::planner(&refit.tensors, &none, config.clone())?;
+        let (programs, _) = refit_setup::plan_all(&planner, "planning ranks (no conversion)")?;
+        let (report, _) = work::track("simulating (no conversion)", 0, |_| {
+            sim::simulate_with(&programs, cluster, options)
+        });
+        Some(report)
+    } else {
+        None
+    };
+    let planner = refit_setup::planner(&refit.tensors, conversions, config)?;
     let (programs, planned) = refit_setup::plan_all(&planner, "planning ranks")?;
     let ((reshard, (m2n_hierarchical, m2n_direct, m2n_one_comm), baseline, bound), simulated) =
         work::track("simulating", 0, |_| {
@@ -166,6 +191,7 @@ pub fn simulate(
         cluster: cluster.clone(),
         programs,
         reshard,
+        unconverted,
         m2n_hierarchical,
         m2n_direct,
         m2n_one_comm,
@@ -220,6 +246,7 @@ struct MemoryJson {
     rank: u32,
     staging_bytes: u64,
     nccl_buffer_bytes: u64,
+    work_bytes: u64,
     free_bytes: u64,
     fits: bool,
 }
@@ -316,6 +343,8 @@ struct Output {
     ranks: usize,
     colocated: bool,
     dtype: String,
+    /// What inference stores (`--infer-dtype`, else `dtype`).
+    infer_dtype: String,
     experts: &'static str,
     mode: &'static str,
     cluster: ClusterJson,
@@ -368,8 +397,40 @@ struct Output {
     lower_bound_binding: String,
     direct_bound_binding: String,
     lower_bounds: Vec<BoundJson>,
+    /// With `--infer-dtype`: what converting on the way changed.
+    conversion: Option<ConversionJson>,
     plan_s: f64,
     simulate_s: f64,
+}
+
+/// A refit that converts on the way against the same refit without conversion.
+#[derive(Serialize)]
+pub struct ConversionJson {
+    /// Tensors converted (cast or quantized).
+    converted_tensors: usize,
+    /// The reshard without conversion (every tensor as trained).
+    unconverted_reshard_s: Option<f64>,
+    unconverted_bytes_total: u64,
+    /// Bytes the conversion keeps off the links (`unconverted_bytes_total - bytes_total`).
+    bytes_saved: i64,
+    /// `reshard_s / unconverted_reshard_s`.
+    time_ratio: Option<f64>,
+    /// The largest conversion workspace of a rank.
+    work_bytes_max: u64,
+}
+
+impl ConversionJson {
+    pub fn new(s: &Simulation, conversions: &[Option<Conversion>]) -> Option<ConversionJson> {
+        let plain = s.unconverted.as_ref()?;
+        Some(ConversionJson {
+            converted_tensors: conversions.iter().flatten().count(),
+            unconverted_reshard_s: finite(plain.time_s),
+            unconverted_bytes_total: plain.bytes_total,
+            bytes_saved: plain.bytes_total as i64 - s.reshard.bytes_total as i64,
+            time_ratio: ratio(s.reshard.time_s, plain.time_s),
+            work_bytes_max: s.programs.iter().map(|p| p.work_bytes).max().unwrap_or(0),
+        })
+    }
 }
 
 pub fn link_json(link: &LinkUse) -> (&'static str, &'static str) {
@@ -419,7 +480,8 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         return Err(usage("simulate", "the model has no tensors"));
     }
     let config = refit_setup::config_with_options(parsed, "simulate", mode, &cluster)?;
-    let s = simulate(&refit, &cluster, config, &options)?;
+    let conversions = args.conversions(&refit, 1)?;
+    let s = simulate(&refit, &conversions, &cluster, config, &options)?;
     let memory = s.reshard.memory;
     let reshard = finite(s.reshard.time_s);
     let output = Output {
@@ -431,6 +493,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         ranks: s.programs.len(),
         colocated: args.options.colocated,
         dtype: args.options.dtype.to_string(),
+        infer_dtype: args.infer_dtype_name(),
         experts: args.experts_name(),
         mode: mode.name(),
         cluster: ClusterJson::new(&cluster, s.programs.len()),
@@ -476,6 +539,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             rank: m.rank,
             staging_bytes: m.staging_bytes,
             nccl_buffer_bytes: m.nccl_bytes,
+            work_bytes: m.work_bytes,
             free_bytes: m.free_bytes,
             fits: m.fits(),
         }),
@@ -516,6 +580,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
                 time_s: b.time_s,
             })
             .collect(),
+        conversion: ConversionJson::new(&s, &conversions),
         plan_s: s.plan_s,
         simulate_s: s.simulate_s,
     };
@@ -536,6 +601,17 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         cluster_text(&cluster),
     );
     text += &estimates_text(&s);
+    if let Some(c) = &output.conversion {
+        text += &format!(
+            "\n  infer dtype             {} ({} tensors converted on the way)\n  without conversion      {} reshard, {} on links; converting saves {} ({} the time)\n",
+            output.infer_dtype,
+            out::count(c.converted_tensors as u64),
+            c.unconverted_reshard_s.map_or("not run".to_string(), out::seconds),
+            out::bytes(c.unconverted_bytes_total),
+            out::bytes(c.bytes_saved.max(0) as u64),
+            out::ratio(s.reshard.time_s, c.unconverted_reshard_s.unwrap_or(f64::NAN)),
+        );
+    }
     text += &format!(
         "\n  bytes total             {} ({} off-node, {} local copies)\n  messages                {} total; per rank max {}, mean {:.1}\n  most bytes on a rank    {}\n  staged ranks            {} of {} (staging up to {})\n  busiest link            {}\n  phases (max over ranks) {}\n  planning                {} ({} ranks on {} threads; building the refit {}; simulating {})\n",
         out::bytes(output.bytes_total),
@@ -571,10 +647,11 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
 /// `rank 132: 3.82 GB staging + 268.44 MB NCCL buffers of 8.55 GB free`.
 fn memory_text(m: &MemoryUse) -> String {
     format!(
-        "rank {}: {} staging + {} NCCL buffers of {} free",
+        "rank {}: {} staging + {} NCCL buffers + {} conversion workspace of {} free",
         m.rank,
         out::bytes(m.staging_bytes),
         out::bytes(m.nccl_bytes),
+        out::bytes(m.work_bytes),
         out::bytes(m.free_bytes)
     )
 }

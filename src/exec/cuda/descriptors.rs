@@ -1,4 +1,4 @@
-//! The device encoding of copies: what `kernels/copy.cu` reads.
+//! The device encoding of copies and conversions: what `kernels/copy.cu` reads.
 //!
 //! Each `StridedCopy` of a program becomes one `CopyDesc` (same fields, fixed-size arrays) and a run
 //! of `Tile`s that split its bytes into thread-block-sized pieces; copies are grouped into
@@ -6,8 +6,15 @@
 //! uploaded once; a call only fills the base pointers. `tests/descriptors.rs` runs encodings
 //! on the host with the kernel's index arithmetic, to check that they move the same bytes as
 //! the host executor.
+//!
+//! Each `StridedConvert` becomes one `CopyDesc` in each of three passes ([`encode_converts`]):
+//! the amax of every segment (a run of the box's innermost dim inside one block), the scale of
+//! every block from its segments' amaxes, and the values. The passes are launched in order on
+//! the stream, which is the only barrier the kernel needs; the amaxes and divisors live in a
+//! scratch area of the call's staging allocation.
 
-use crate::plan::{Buffer, Loc, StridedCopy};
+use crate::plan::{Buffer, Loc, StridedConvert, StridedCopy};
+use crate::quant::ScaleFormat;
 
 /// Must match `NCCL_RESHARD_MAX_COPY_DIMS` in kernels/copy.cu.
 pub const MAX_COPY_DIMS: usize = 8;
@@ -15,6 +22,21 @@ pub const MAX_COPY_DIMS: usize = 8;
 pub const MAX_BASES: usize = 384;
 /// Bytes one thread block copies at most.
 pub const TILE_BYTES: u64 = 256 << 10;
+/// Conversion items (segments or blocks) one thread block handles: one per thread.
+pub const TILE_ITEMS: u64 = 256;
+/// Elements of one conversion segment at most (one thread reduces or converts them).
+pub const SEGMENT_ELEMENTS: u64 = 1024;
+
+/// `CopyDesc::kind` values; must match `NCCL_RESHARD_COPY` and `NCCL_RESHARD_CONVERT_*` in
+/// kernels/copy.cu.
+pub const KIND_COPY: u32 = 0;
+pub const KIND_AMAX: u32 = 1;
+pub const KIND_SCALE: u32 = 2;
+pub const KIND_VALUES: u32 = 3;
+/// `CopyDesc::arith` flags; must match `NCCL_RESHARD_ARITH_*` in kernels/copy.cu.
+pub const ARITH_SCALED: u32 = 1 << 16;
+pub const ARITH_E8M0: u32 = 1 << 17;
+pub const ARITH_INVERSE: u32 = 1 << 18;
 
 /// Mirrors `struct CopyDesc` in kernels/copy.cu (layout checked by a test).
 #[repr(C)]
@@ -26,10 +48,21 @@ pub struct CopyDesc {
     pub src_base: u32,
     pub dst_base: u32,
     pub ndims: u32,
-    pub reserved: u32,
+    pub kind: u32,
     pub count: [u64; MAX_COPY_DIMS],
     pub src_stride: [u64; MAX_COPY_DIMS],
     pub dst_stride: [u64; MAX_COPY_DIMS],
+    pub block: [u64; MAX_COPY_DIMS],
+    pub scale_stride: [u64; MAX_COPY_DIMS],
+    pub scale_offset: u64,
+    pub partials_offset: u64,
+    pub divisors_offset: u64,
+    pub segments_per_row: u64,
+    pub segment: u64,
+    pub scale_base: u32,
+    pub work_base: u32,
+    pub arith: u32,
+    pub reserved: u32,
 }
 
 /// Mirrors `struct Tile` in kernels/copy.cu.
@@ -55,6 +88,10 @@ pub enum BaseKey {
     DstTensor(u32),
     /// The plan's staging arena on this device.
     Staging,
+    /// The call's conversion workspace (`Buffer::Work`).
+    Work,
+    /// The call's conversion scratch: segment amaxes and block divisors.
+    Scratch,
 }
 
 /// How buffer locations become (base, offset): the single-buffer call bakes each tensor's view
@@ -73,6 +110,7 @@ impl Addressing<'_> {
     pub fn resolve(&self, loc: Loc) -> (BaseKey, u64) {
         match (self, loc.buffer) {
             (_, Buffer::Staging) => (BaseKey::Staging, loc.offset),
+            (_, Buffer::Work) => (BaseKey::Work, loc.offset),
             (Addressing::Single { src_offsets, .. }, Buffer::Src) => (
                 BaseKey::SendBuffer,
                 src_offsets[loc.tensor as usize] + loc.offset,
@@ -111,45 +149,14 @@ impl Encoded {
 
 /// Encodes copies (in order) for the kernel.
 pub fn encode(copies: &[StridedCopy], addressing: Addressing<'_>) -> Encoded {
-    let mut out = Encoded::default();
-    let mut launch: Option<Launch> = None;
+    let mut assembler = Assembler::new();
     for copy in copies.iter().filter(|c| c.bytes() > 0) {
         let (src_key, src_offset) = addressing.resolve(copy.src);
         let (dst_key, dst_offset) = addressing.resolve(copy.dst);
-        // Start a new launch when this copy's bases would not fit the current one.
-        let fits = |l: &Launch| {
-            let new = [src_key, dst_key]
-                .iter()
-                .filter(|k| !l.bases.contains(k))
-                .count();
-            l.bases.len() + new <= MAX_BASES
-        };
-        if !launch.as_ref().is_some_and(fits) {
-            if let Some(done) = launch.take() {
-                out.launches.push(done);
-            }
-            launch = Some(Launch {
-                first_tile: out.tiles.len() as u64,
-                tiles: 0,
-                bases: Vec::new(),
-            });
-        }
-        let current = launch.as_mut().expect("a launch is open");
-        let slot = |l: &mut Launch, key: BaseKey| -> u32 {
-            match l.bases.iter().position(|&k| k == key) {
-                Some(i) => i as u32,
-                None => {
-                    l.bases.push(key);
-                    (l.bases.len() - 1) as u32
-                }
-            }
-        };
         let mut desc = CopyDesc {
             src_offset,
             dst_offset,
             chunk_bytes: copy.chunk_bytes,
-            src_base: slot(current, src_key),
-            dst_base: slot(current, dst_key),
             ndims: copy.dims.len() as u32,
             ..Default::default()
         };
@@ -158,16 +165,198 @@ pub fn encode(copies: &[StridedCopy], addressing: Addressing<'_>) -> Encoded {
             desc.src_stride[k] = dim.src_stride;
             desc.dst_stride[k] = dim.dst_stride;
         }
-        let index = out.descs.len() as u32;
-        out.descs.push(desc);
-        let before = out.tiles.len();
-        push_tiles(&mut out.tiles, index, copy.chunk_bytes, copy.bytes());
-        current.tiles += (out.tiles.len() - before) as u64;
+        assembler.push(desc, &[src_key, dst_key], |tiles, index| {
+            push_tiles(tiles, index, copy.chunk_bytes, copy.bytes())
+        });
     }
-    if let Some(done) = launch {
-        out.launches.push(done);
+    assembler.finish()
+}
+
+/// The three passes of a list of conversions (amaxes, scales, values, launched in that
+/// order) and the scratch bytes they address.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ConvertPasses {
+    pub passes: [Encoded; 3],
+    pub scratch_bytes: u64,
+}
+
+impl ConvertPasses {
+    pub fn is_empty(&self) -> bool {
+        self.passes.iter().all(Encoded::is_empty)
     }
-    out
+}
+
+/// Launches being assembled: descriptors go to the open launch while their base slots fit.
+struct Assembler {
+    out: Encoded,
+    launch: Option<Launch>,
+}
+
+impl Assembler {
+    fn new() -> Self {
+        Assembler {
+            out: Encoded::default(),
+            launch: None,
+        }
+    }
+
+    /// Adds a descriptor whose base slots are `keys` (source, destination, then for a
+    /// conversion scales and scratch), starting a new launch when they do not fit the open
+    /// one, and its tiles (`tiles` appends them given the descriptor's index).
+    fn push(
+        &mut self,
+        mut desc: CopyDesc,
+        keys: &[BaseKey],
+        tiles: impl FnOnce(&mut Vec<Tile>, u32),
+    ) {
+        let fits = |l: &Launch| {
+            let mut new: Vec<&BaseKey> = keys.iter().filter(|k| !l.bases.contains(k)).collect();
+            new.dedup();
+            l.bases.len() + new.len() <= MAX_BASES
+        };
+        if !self.launch.as_ref().is_some_and(fits) {
+            if let Some(done) = self.launch.take() {
+                self.out.launches.push(done);
+            }
+            self.launch = Some(Launch {
+                first_tile: self.out.tiles.len() as u64,
+                tiles: 0,
+                bases: Vec::new(),
+            });
+        }
+        let launch = self.launch.as_mut().expect("a launch is open");
+        let mut slot = |key: BaseKey| -> u32 {
+            match launch.bases.iter().position(|&k| k == key) {
+                Some(i) => i as u32,
+                None => {
+                    launch.bases.push(key);
+                    (launch.bases.len() - 1) as u32
+                }
+            }
+        };
+        let slots: Vec<u32> = keys.iter().map(|&k| slot(k)).collect();
+        desc.src_base = slots[0];
+        desc.dst_base = slots[1];
+        if slots.len() > 3 {
+            desc.scale_base = slots[2];
+            desc.work_base = slots[3];
+        }
+        let index = self.out.descs.len() as u32;
+        self.out.descs.push(desc);
+        let before = self.out.tiles.len();
+        tiles(&mut self.out.tiles, index);
+        launch.tiles += (self.out.tiles.len() - before) as u64;
+    }
+
+    fn finish(mut self) -> Encoded {
+        if let Some(done) = self.launch.take() {
+            self.out.launches.push(done);
+        }
+        self.out
+    }
+}
+
+/// Encodes conversions (in order) for the kernel's three passes.
+pub fn encode_converts(converts: &[StridedConvert], addressing: Addressing<'_>) -> ConvertPasses {
+    let mut passes = [Assembler::new(), Assembler::new(), Assembler::new()];
+    let mut scratch = 0u64;
+    for convert in converts.iter().filter(|c| c.elements() > 0) {
+        let (src_key, src_offset) = addressing.resolve(convert.src);
+        let (dst_key, dst_offset) = addressing.resolve(convert.dst);
+        let scaled = convert.scale.is_some() && convert.arithmetic.scale.is_some();
+        let (scale_key, scale_offset) = match convert.scale {
+            Some(loc) if scaled => addressing.resolve(loc),
+            _ => (dst_key, 0),
+        };
+        let n = convert.dims.len();
+        let mut desc = CopyDesc {
+            src_offset,
+            dst_offset,
+            ndims: n as u32,
+            scale_offset,
+            arith: convert.arithmetic.src.nccl_code() as u32
+                | (convert.arithmetic.dst.nccl_code() as u32) << 8,
+            ..Default::default()
+        };
+        if let Some(encoding) = convert.arithmetic.scale.filter(|_| scaled) {
+            desc.arith |= ARITH_SCALED;
+            if encoding.format == ScaleFormat::E8m0 {
+                desc.arith |= ARITH_E8M0;
+            }
+            if encoding.inverse {
+                desc.arith |= ARITH_INVERSE;
+            }
+        }
+        for (k, dim) in convert.dims.iter().enumerate() {
+            desc.count[k] = dim.count;
+            desc.src_stride[k] = dim.src_stride;
+            desc.dst_stride[k] = dim.dst_stride;
+            // A cast has no blocks: one "block" per box makes long segments.
+            desc.block[k] = if scaled { dim.block.max(1) } else { dim.count };
+            desc.scale_stride[k] = dim.scale_stride;
+        }
+        let last = n - 1;
+        desc.segment = desc.block[last].min(SEGMENT_ELEMENTS);
+        let per_block = desc.block[last].div_ceil(desc.segment);
+        desc.segments_per_row = desc.count[last].div_ceil(desc.block[last]) * per_block;
+        let rows: u64 = desc.count[..last].iter().product();
+        let segments = rows * desc.segments_per_row;
+        let blocks: u64 = (0..n)
+            .map(|k| desc.count[k].div_ceil(desc.block[k]))
+            .product();
+        desc.partials_offset = scratch;
+        desc.divisors_offset = scratch + 4 * segments;
+        if scaled {
+            scratch += 4 * (segments + blocks);
+        }
+        let keys = [src_key, dst_key, scale_key, BaseKey::Scratch];
+        if scaled {
+            passes[0].push(
+                CopyDesc {
+                    kind: KIND_AMAX,
+                    ..desc
+                },
+                &keys,
+                |tiles, index| push_items(tiles, index, segments),
+            );
+            passes[1].push(
+                CopyDesc {
+                    kind: KIND_SCALE,
+                    ..desc
+                },
+                &keys,
+                |tiles, index| push_items(tiles, index, blocks),
+            );
+        }
+        passes[2].push(
+            CopyDesc {
+                kind: KIND_VALUES,
+                ..desc
+            },
+            &keys,
+            |tiles, index| push_items(tiles, index, segments),
+        );
+    }
+    let [a, b, c] = passes;
+    ConvertPasses {
+        passes: [a.finish(), b.finish(), c.finish()],
+        scratch_bytes: scratch,
+    }
+}
+
+/// Tiles of one conversion pass: [`TILE_ITEMS`] items each.
+fn push_items(tiles: &mut Vec<Tile>, desc: u32, items: u64) {
+    let mut at = 0;
+    while at < items {
+        let n = TILE_ITEMS.min(items - at);
+        tiles.push(Tile {
+            start: at,
+            bytes: n,
+            desc,
+            reserved: 0,
+        });
+        at += n;
+    }
 }
 
 /// Tiles of one descriptor: inside a chunk when chunks are large, whole chunks otherwise.
@@ -210,8 +399,8 @@ mod tests {
 
     #[test]
     fn struct_layouts_match_the_kernel() {
-        // 3 u64 + 4 u32 + 3 arrays of 8 u64; 2 u64 + 2 u32.
-        assert_eq!(std::mem::size_of::<CopyDesc>(), 24 + 16 + 3 * 64);
+        // 3 u64 + 4 u32 + 5 arrays of 8 u64 + 5 u64 + 4 u32; 2 u64 + 2 u32.
+        assert_eq!(std::mem::size_of::<CopyDesc>(), 24 + 16 + 5 * 64 + 40 + 16);
         assert_eq!(std::mem::size_of::<Tile>(), 24);
         assert_eq!(std::mem::align_of::<CopyDesc>(), 8);
     }

@@ -7,7 +7,9 @@
 //! device (warm-up) compiles and loads the kernel and uploads the descriptor tables; later
 //! calls only pass pointers as kernel arguments, so they can be captured into a CUDA graph.
 
-use super::descriptors::{encode, Addressing, BaseKey, Encoded, Launch, MAX_BASES};
+use super::descriptors::{
+    encode, encode_converts, Addressing, BaseKey, ConvertPasses, Encoded, Launch, MAX_BASES,
+};
 use super::device::{self, Device};
 use super::driver::{self, DeviceBuffer, Event, Kernel, PrivateStream, RelaxedCapture};
 use super::libs;
@@ -36,12 +38,21 @@ struct Uploaded {
     tiles: DeviceBuffer,
 }
 
-/// What warm-up puts on the device for one plan: per round, the tables before and after its
-/// messages, for both ways of passing buffers (so a later call of either kind needs no upload,
-/// also during a capture), and the fingerprint buffers.
+/// The tables of one addressing (single-buffer or per-tensor call): the conversions before
+/// the rounds (three passes), per round the tables before and after its messages, and the
+/// conversions after the rounds.
+struct Phases {
+    converts_before: Vec<Uploaded>,
+    rounds: Vec<(Uploaded, Uploaded)>,
+    converts_after: Vec<Uploaded>,
+}
+
+/// What warm-up puts on the device for one plan: its tables for both ways of passing buffers
+/// (so a later call of either kind needs no upload, also during a capture), and the
+/// fingerprint buffers.
 struct Tables {
-    single: Vec<(Uploaded, Uploaded)>,
-    per_tensor: Vec<(Uploaded, Uploaded)>,
+    single: Phases,
+    per_tensor: Phases,
     /// This plan's fingerprint (8 bytes), sent to every peer.
     mine: DeviceBuffer,
     /// One 8-byte slot per peer (in `peers` order) for theirs.
@@ -74,6 +85,8 @@ pub struct CudaExecutor {
     /// The program's distinct peers, ascending (checked against the communicator's size on
     /// every call; fingerprint slots follow this order).
     peers: Vec<u32>,
+    /// Bytes of conversion scratch (segment amaxes, block divisors) the conversions address.
+    scratch_bytes: u64,
     /// The plan was made in groupable mode: it may be called inside a caller's NCCL group.
     /// Plan-wide (the config's mode), so every rank decides the same.
     groupable: bool,
@@ -93,8 +106,14 @@ impl CudaExecutor {
         groupable: bool,
     ) -> Self {
         let peers = program.peers();
+        let scratch_bytes = [&program.converts_before, &program.converts_after]
+            .iter()
+            .map(|c| encode_converts(c, Addressing::PerTensor).scratch_bytes)
+            .max()
+            .unwrap_or(0);
         CudaExecutor {
             program,
+            scratch_bytes,
             src_offsets,
             dst_offsets,
             peers,
@@ -198,14 +217,15 @@ impl CudaExecutor {
             }
         }
 
-        let pool = if p.staging_bytes > 0 {
+        let arena = self.arena();
+        let pool = if arena.total > 0 {
             Some(device.pool()?)
         } else {
             None
         };
         let staging = match pool {
             Some(pool) => {
-                let bytes = usize::try_from(p.staging_bytes)
+                let bytes = usize::try_from(arena.total)
                     .map_err(|_| Error::invalid_usage("staging does not fit the address space"))?;
                 pool.alloc(bytes, cu_stream)?
             }
@@ -216,7 +236,7 @@ impl CudaExecutor {
             CallBuffers::Single { .. } => &tables.single,
             CallBuffers::PerTensor { .. } => &tables.per_tensor,
         };
-        let base = |key: BaseKey| -> u64 { resolve_base(key, buffers, staging) };
+        let base = |key: BaseKey| -> u64 { resolve_base(key, buffers, staging, &arena) };
         debug::log(Level::Info, || {
             format!(
                 "rank {}: {} round(s), {} local copy/pack blocks, {} sends ({} bytes), {} receives ({} bytes), {} unpack blocks, stream {stream:p}{}",
@@ -238,7 +258,12 @@ impl CudaExecutor {
         // still posted (their data may be wrong) so that no peer waits forever, and the first
         // error is returned at the end.
         let mut failure: Option<Error> = None;
-        for (round, (before, after)) in p.rounds_iter().zip(phases) {
+        for pass in &phases.converts_before {
+            if failure.is_none() {
+                failure = launch_all(kernel, pass, &base, cu_stream).err();
+            }
+        }
+        for (round, (before, after)) in p.rounds_iter().zip(&phases.rounds) {
             if failure.is_none() {
                 failure = launch_all(kernel, before, &base, cu_stream).err();
             }
@@ -250,6 +275,11 @@ impl CudaExecutor {
             }
             if failure.is_none() {
                 failure = launch_all(kernel, after, &base, cu_stream).err();
+            }
+        }
+        for pass in &phases.converts_after {
+            if failure.is_none() {
+                failure = launch_all(kernel, pass, &base, cu_stream).err();
             }
         }
         if let Some(pool) = pool {
@@ -369,40 +399,44 @@ impl CudaExecutor {
         let p = &*self.program;
         let _relaxed = RelaxedCapture::new()?;
         state.device.kernel()?;
-        if p.staging_bytes > 0 {
+        if self.arena().total > 0 {
             state.device.pool()?;
         }
+        let upload = PrivateStream::new()?;
+        let one = |e: &Encoded| -> Result<Uploaded> {
+            Ok(Uploaded {
+                descs: DeviceBuffer::upload(&e.descs, "copy descriptors", &upload)?,
+                tiles: DeviceBuffer::upload(&e.tiles, "copy tiles", &upload)?,
+                launches: e.launches.clone(),
+            })
+        };
+        let passes = |c: ConvertPasses| -> Result<Vec<Uploaded>> {
+            c.passes.iter().filter(|e| !e.is_empty()).map(one).collect()
+        };
         // Local copies run with the first round's packs.
-        let phases = |addressing: Addressing<'_>| -> Vec<(Encoded, Encoded)> {
-            p.rounds_iter()
+        let phases = |addressing: Addressing<'_>| -> Result<Phases> {
+            let rounds = p
+                .rounds_iter()
                 .enumerate()
                 .map(|(i, round)| {
                     let local: &[StridedCopy] = if i == 0 { &p.local_copies } else { &[] };
                     let pre: Vec<StridedCopy> = local.iter().chain(round.packs).cloned().collect();
-                    (encode(&pre, addressing), encode(round.unpacks, addressing))
+                    Ok((
+                        one(&encode(&pre, addressing))?,
+                        one(&encode(round.unpacks, addressing))?,
+                    ))
                 })
-                .collect()
+                .collect::<Result<_>>()?;
+            Ok(Phases {
+                converts_before: passes(encode_converts(&p.converts_before, addressing))?,
+                rounds,
+                converts_after: passes(encode_converts(&p.converts_after, addressing))?,
+            })
         };
-        let single = phases(self.single_addressing());
-        let per_tensor = phases(Addressing::PerTensor);
         let zeros = vec![0u64; self.peers.len()];
-        let upload = PrivateStream::new()?;
-        let on_device = |encoded: &[(Encoded, Encoded)]| -> Result<Vec<(Uploaded, Uploaded)>> {
-            let one = |e: &Encoded| -> Result<Uploaded> {
-                Ok(Uploaded {
-                    descs: DeviceBuffer::upload(&e.descs, "copy descriptors", &upload)?,
-                    tiles: DeviceBuffer::upload(&e.tiles, "copy tiles", &upload)?,
-                    launches: e.launches.clone(),
-                })
-            };
-            encoded
-                .iter()
-                .map(|(before, after)| Ok((one(before)?, one(after)?)))
-                .collect()
-        };
         let tables = Tables {
-            single: on_device(&single)?,
-            per_tensor: on_device(&per_tensor)?,
+            single: phases(self.single_addressing())?,
+            per_tensor: phases(Addressing::PerTensor)?,
             mine: DeviceBuffer::upload(&[p.fingerprint], "plan fingerprint", &upload)?,
             theirs: DeviceBuffer::upload(&zeros, "peer fingerprints", &upload)?,
         };
@@ -560,9 +594,33 @@ fn warm_up_error() -> Error {
     )
 }
 
-fn resolve_base(key: BaseKey, buffers: &CallBuffers<'_>, staging: u64) -> u64 {
+/// Where the staging, the conversion workspace and the conversion scratch sit in a call's one
+/// stream-ordered allocation.
+struct Arena {
+    work: u64,
+    scratch: u64,
+    total: u64,
+}
+
+impl CudaExecutor {
+    fn arena(&self) -> Arena {
+        let align = |x: u64| x.div_ceil(256) * 256;
+        let p = &*self.program;
+        let work = align(p.staging_bytes);
+        let scratch = work + align(p.work_bytes);
+        Arena {
+            work,
+            scratch,
+            total: scratch + self.scratch_bytes,
+        }
+    }
+}
+
+fn resolve_base(key: BaseKey, buffers: &CallBuffers<'_>, staging: u64, arena: &Arena) -> u64 {
     match (key, buffers) {
         (BaseKey::Staging, _) => staging,
+        (BaseKey::Work, _) => staging + arena.work,
+        (BaseKey::Scratch, _) => staging + arena.scratch,
         (BaseKey::SendBuffer, CallBuffers::Single { send, .. }) => *send as u64,
         (BaseKey::RecvBuffer, CallBuffers::Single { recv, .. }) => *recv as u64,
         (BaseKey::SrcTensor(t), CallBuffers::PerTensor { send, .. }) => {

@@ -336,6 +336,12 @@ pub fn compile(major: u32, minor: u32) -> Result<Compiled> {
     nvrtc(None)?.build(ImageKind::Cubin, major * 10 + minor)
 }
 
+/// Compiles the copy kernel to PTX for `compute_{major}{minor}` with the newest NVRTC found
+/// (no driver involved: for checking which instructions the kernel uses).
+pub fn compile_ptx(major: u32, minor: u32) -> Result<Compiled> {
+    nvrtc(None)?.build(ImageKind::Ptx, major * 10 + minor)
+}
+
 /// The kernel image for a device of compute capability `major.minor` under a driver of CUDA
 /// version `driver`, compiled once per process and (architecture, driver).
 pub fn image(major: u32, minor: u32, driver: i32) -> Result<Arc<Compiled>> {

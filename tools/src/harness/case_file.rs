@@ -7,7 +7,7 @@
 //! must never report an internal error (a wrong or missing byte).
 
 use crate::case;
-use crate::check::check;
+use crate::check::check_with_conversions;
 use ncclreshard::{ErrorKind, Planner};
 
 /// The file name the parser is given (its errors must start with it).
@@ -71,7 +71,11 @@ pub fn run(data: &[u8]) -> Outcome {
             continue;
         }
         for (name, config) in case.variants() {
-            let planner = match Planner::new(specs.clone(), config.clone()) {
+            let planner = match Planner::with_conversions(
+                specs.clone(),
+                case.conversions(),
+                config.clone(),
+            ) {
                 Ok(planner) => planner,
                 Err(error) => {
                     no_internal_error(&name, &error);
@@ -100,7 +104,7 @@ pub fn run(data: &[u8]) -> Outcome {
                     .and_then(|b| acc.checked_add(b))
             });
             if ranks.len() <= MAX_CHECK_RANKS && bytes.is_some_and(|b| b <= MAX_CHECK_BYTES) {
-                if let Err(error) = check(&specs, &config) {
+                if let Err(error) = check_with_conversions(&specs, &case.conversions(), &config) {
                     no_internal_error(&format!("{name}: check"), &error);
                 } else {
                     outcome.checked += 1;

@@ -312,6 +312,10 @@ struct Descriptors {
     config: Option<Memory>,
     _node_table: Vec<c_int>,
     rank: c_int,
+    /// The quant structs tensors point to, boxed so that their addresses stay put while the
+    /// vector grows.
+    #[allow(clippy::vec_box)]
+    _quants: Vec<Box<ncclReshardQuant_t>>,
 }
 
 fn decode_layout(
@@ -512,13 +516,48 @@ fn decode(input: &mut Decisions) -> Descriptors {
         tensor.srcOffset = input.usize(|b| usize::from(b % 4) * 4096);
         tensor.dstOffset = input.usize(|b| usize::from(b % 4) * 4096);
         tensor.name = name;
+        // Zero would ask for a conversion to int8: the seeds predate conversions.
+        tensor.dstDtype = NCCL_RESHARD_UNDEF_INT;
         tensors.put(i * stride, tensor);
         tensor_values.push(tensor);
     }
     let mut node_table = Vec::new();
     let config = decode_config(input, &mut node_table);
     let rank = input.int(|b| i32::from(b % 16));
+    // Conversions last, so inputs written before they existed decode as before (an exhausted
+    // input reads zeros: no conversion).
+    let mut quants = Vec::new();
+    for (i, tensor) in tensor_values.iter_mut().enumerate() {
+        if !input.rare(48) {
+            continue;
+        }
+        // float16, bfloat16, the FP8 types, or anything.
+        tensor.dstDtype = input.int(|b| [6, 9, 10, 11][usize::from(b % 4)]);
+        if input.rare(128) {
+            let mut quant = Box::new(ncclReshardQuant_t {
+                size: input.struct_size(size_of::<ncclReshardQuant_t>()),
+                version: input.version(),
+                scheme: input.int(|b| i32::from(b % 4)),
+                blockRows: input.i64(|b| i64::from(b % 5)),
+                blockCols: input.i64(|b| i64::from(b % 5)),
+                scaleFormat: input.int(|b| i32::from(b % 2)),
+                scaleInverse: input.int(|b| i32::from(b % 2)),
+                scaleLayout: ptr::null(),
+            });
+            if input.rare(64) {
+                quant.scaleLayout =
+                    layouts[usize::from(input.byte()) % nlayouts].ptr::<ncclReshardLayout_t>();
+            }
+            tensor.quant = &*quant;
+            quants.push(quant);
+        }
+        tensor.scaleOffset = input.usize(|b| usize::from(b % 4) * 4096);
+        if tensor.size >= size_of::<ncclReshardTensor_t>() {
+            tensors.put(i * stride, *tensor);
+        }
+    }
     Descriptors {
+        _quants: quants,
         layouts,
         _tables: tables,
         _strides: strides,
@@ -543,6 +582,8 @@ pub struct Outcome {
     pub local_shapes: usize,
     /// Messages the plan's rank sends and receives (`ncclReshardPlanGetInfo`), when queried.
     pub messages: i64,
+    /// The plan was created with some tensor asking for a conversion (`dstDtype` set).
+    pub converts: bool,
 }
 
 /// Runs one input through the C API; panics when the library breaks a documented promise.
@@ -575,6 +616,10 @@ pub fn run(data: &[u8]) -> Outcome {
             "ncclReshardPlanCreate succeeded without a plan"
         );
         outcome.planned = true;
+        outcome.converts = d
+            .tensor_values
+            .iter()
+            .any(|t| t.dstDtype != NCCL_RESHARD_UNDEF_INT);
         plan_queries(plan, &d, &mut input, &mut outcome);
         // SAFETY: plan came from ncclReshardPlanCreate and is destroyed once.
         let destroyed = unsafe { ncclReshardPlanDestroy(plan) };

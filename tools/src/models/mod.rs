@@ -33,11 +33,13 @@
 //! own shards. All of this is deterministic: every rank computes the same [`Refit`].
 
 mod config;
+mod infer_dtype;
 mod inventory;
 mod refit;
 mod spec;
 
 pub use config::{HfValue, MlaConfig, ModelConfig, MoeConfig, PRESETS};
+pub use infer_dtype::{infer_conversions, InferDtype};
 pub use inventory::{count_parameters, inventory, ExpertStorage, Kind, Param, Proj, Role};
 pub use refit::{refit, refit_params, FusedView, Refit, RefitOptions};
 pub use spec::{InferSpec, M2nSide, TrainSpec};

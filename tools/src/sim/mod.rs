@@ -148,13 +148,18 @@ pub struct MemoryUse {
     pub staging_bytes: u64,
     /// NCCL's buffers for the rank's point-to-point connections.
     pub nccl_bytes: u64,
+    /// The rank's conversion workspace (tensors cast or quantized on the way): converted
+    /// source data and received data waiting for conversion.
+    pub work_bytes: u64,
     /// [`Cluster::free_memory_bytes`].
     pub free_bytes: u64,
 }
 
 impl MemoryUse {
     pub fn total(&self) -> u64 {
-        self.staging_bytes.saturating_add(self.nccl_bytes)
+        self.staging_bytes
+            .saturating_add(self.nccl_bytes)
+            .saturating_add(self.work_bytes)
     }
 
     pub fn fits(&self) -> bool {

@@ -3,7 +3,7 @@
 use super::fabric::Network;
 use super::flows::{self, Flow};
 use super::{median_p90, Cluster, MemoryUse, Phase, Rng, SimReport};
-use ncclreshard::plan::{RankProgram, StridedCopy};
+use ncclreshard::plan::{RankProgram, StridedConvert, StridedCopy};
 use std::collections::HashMap;
 
 /// How [`simulate_with`] runs.
@@ -195,6 +195,26 @@ pub(crate) fn copy_seconds(copy: &StridedCopy, cluster: &Cluster) -> f64 {
     bytes as f64 / (cluster.hbm_copy_bw * Cluster::copy_efficiency(copy.chunk_bytes, align))
 }
 
+/// Seconds of the conversion kernels running `converts` (docs/quantization.md): three launches
+/// (segment amaxes, block scales, values) when any converts with scales, one for plain casts;
+/// the first and last passes read the source, the last writes the destination, all at HBM
+/// speed (a copy of B bytes moves 2·B, so traffic runs at twice `hbm_copy_bw`).
+pub(crate) fn convert_seconds(converts: &[StridedConvert], cluster: &Cluster) -> f64 {
+    if converts.is_empty() {
+        return 0.0;
+    }
+    let scaled = converts.iter().any(|c| c.scale.is_some());
+    let traffic: u64 = converts
+        .iter()
+        .map(|c| {
+            let reads = if c.scale.is_some() { 2 } else { 1 };
+            reads * c.src_bytes() + c.dst_bytes()
+        })
+        .sum();
+    let launches = if scaled { 3.0 } else { 1.0 };
+    traffic as f64 / (2.0 * cluster.hbm_copy_bw) + launches * cluster.launch_s
+}
+
 /// Seconds of one kernel running `copies` (a launch when there is any).
 fn kernel_seconds<'c>(copies: impl IntoIterator<Item = &'c StridedCopy>, cluster: &Cluster) -> f64 {
     let mut any = false;
@@ -252,13 +272,18 @@ impl<'a> Model<'a> {
                 clock += latency;
             }
             let mut first = true;
+            let mut last = None;
             for round in p.rounds_iter() {
                 let k = labels
                     .binary_search(&round.round)
                     .expect("every round is labelled");
                 let local: &[StridedCopy] = if first { &p.local_copies } else { &[] };
+                // Senders convert before their first round's packs.
+                let converts = if first { &p.converts_before[..] } else { &[] };
                 first = false;
-                pack[i * nr + k] += kernel_seconds(local.iter().chain(round.packs), cluster);
+                last = Some(k);
+                pack[i * nr + k] += convert_seconds(converts, cluster)
+                    + kernel_seconds(local.iter().chain(round.packs), cluster);
                 unpack[i * nr + k] += kernel_seconds(round.unpacks, cluster);
                 let ops = round.sends.len() + round.recvs.len();
                 if ops > 0 {
@@ -282,6 +307,10 @@ impl<'a> Model<'a> {
                         ends_of[j * nr + k].push(f);
                     }
                 }
+            }
+            // Receivers convert after their last round's unpacks.
+            if let Some(k) = last {
+                unpack[i * nr + k] += convert_seconds(&p.converts_after, cluster);
             }
             host[i] = clock;
             // Rounds the rank has no part in are posted when its last posted round was.
@@ -469,6 +498,7 @@ fn memory_use(programs: &[RankProgram], cluster: &Cluster, model: &Model) -> Opt
                 rank: p.rank,
                 staging_bytes: p.staging_bytes,
                 nccl_bytes: connections(&p.sends) + connections(&p.recvs),
+                work_bytes: p.work_bytes,
                 free_bytes: cluster.free_memory_bytes,
             }
         })
@@ -492,9 +522,13 @@ fn setup_seconds(programs: &[RankProgram], cluster: &Cluster, model: &Model) -> 
         })
         .max()
         .unwrap_or(0);
-    let copies = programs
-        .iter()
-        .any(|p| !p.packs.is_empty() || !p.unpacks.is_empty() || !p.local_copies.is_empty());
+    let copies = programs.iter().any(|p| {
+        !p.packs.is_empty()
+            || !p.unpacks.is_empty()
+            || !p.local_copies.is_empty()
+            || !p.converts_before.is_empty()
+            || !p.converts_after.is_empty()
+    });
     connections as f64 * channels * cluster.connect_s + if copies { cluster.compile_s } else { 0.0 }
 }
 

@@ -1,0 +1,295 @@
+//! Casting and quantizing on the way, end to end on the host executor: every destination
+//! element and every scale equals what the reference quantizer
+//! (`ncclreshard_tools::reference_quantizer`, from the published definitions) makes of the whole
+//! tensor, over random layouts, block sizes, shard boundaries, strided views and modes; blocks
+//! travel converted when a source shard holds them whole; plan creation refuses exactly the
+//! layouts where neither side holds some block whole, by the oracle's owner tables.
+
+mod oracle;
+
+use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
+use ncclreshard::{Config, DType, Layout, Mesh, Mode, Placement, Planner, TensorSpec, Topology};
+use ncclreshard_tools::check::check_with_conversions;
+use oracle::strategies::{layout_on, mesh, tensor_on};
+use proptest::prelude::*;
+
+fn layout(shape: &[u64], ranks: &[u32], placements: &[Placement]) -> Layout {
+    Layout::new(
+        Mesh::new(shape.to_vec(), ranks.to_vec()).unwrap(),
+        placements.to_vec(),
+    )
+}
+
+fn block(rows: u64, cols: u64) -> Conversion {
+    Conversion::quantize(DType::Float8E4M3, Scheme::Block { rows, cols })
+}
+
+fn auto() -> Config {
+    Config {
+        mode: Mode::Auto,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_bf16_weight_arrives_as_fp8_blocks_with_its_scales() {
+    // [512, 384] bf16: trainer TP2 on rows (whole 128-row blocks per shard) → inference TP3 on
+    // columns, on other ranks: every block is converted by its sender and travels as FP8.
+    let spec = TensorSpec {
+        shape: vec![512, 384],
+        dtype: DType::Bfloat16,
+        src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
+        dst: layout(&[3], &[2, 3, 4], &[Placement::Shard(1)]),
+    };
+    let conversion = block(128, 128);
+    let report = check_with_conversions(
+        std::slice::from_ref(&spec),
+        &[Some(conversion.clone())],
+        &auto(),
+    )
+    .unwrap();
+    assert_eq!(report.elements_checked, 512 * 384 + 3 * 4);
+    // One byte per element on the wire, plus 4 per scale (each receiver gets the scales of
+    // its column of blocks from both senders).
+    assert_eq!(report.bytes_sent, 512 * 384 + 3 * 4 * 4);
+    let planner = Planner::with_conversions(vec![spec], vec![Some(conversion)], auto()).unwrap();
+    let sender = planner.rank_program(0).unwrap();
+    assert_eq!(sender.converts_before.len(), 1);
+    assert!(sender.converts_after.is_empty());
+    assert_eq!(sender.work_bytes, 256 * 384 + 2 * 3 * 4);
+}
+
+/// What the oracle says about a converted tensor's blocks: some block is held whole by no
+/// source rank and not whole by every destination rank holding part of it (`split`), or some
+/// block converted by its receivers has its scale on ranks other than exactly those holding it
+/// (`scale_holders`).
+#[derive(Debug, Default)]
+struct Feasibility {
+    split: bool,
+    scale_holders: bool,
+    /// Some block is held whole by no source rank: its receivers convert it.
+    receivers_convert: bool,
+}
+
+fn feasibility(spec: &TensorSpec, conversion: &Conversion) -> Feasibility {
+    let mut out = Feasibility::default();
+    let shape = &spec.shape;
+    if shape.contains(&0) {
+        return out;
+    }
+    let block = ncclreshard_tools::reference_quantizer::block_extent(conversion.scheme, shape);
+    let grid: Vec<u64> = shape
+        .iter()
+        .zip(&block)
+        .map(|(n, b)| n.div_ceil(*b))
+        .collect();
+    let lists = |layout: &Layout, shape: &[u64]| -> Vec<(u32, Vec<Vec<u64>>)> {
+        oracle::mesh_ranks(layout)
+            .into_iter()
+            .map(|r| (r, oracle::local_index_lists(shape, layout, r).unwrap()))
+            .collect()
+    };
+    let sources = lists(&spec.src, shape);
+    let destinations = lists(&spec.dst, shape);
+    let scale_layout = conversion.scale_layout(spec);
+    let scale_holders = scale_layout.as_ref().map(|l| lists(l, &grid));
+    for b in 0..oracle::element_count(&grid) {
+        let b = oracle::multi_index(&grid, b);
+        let range: Vec<std::ops::Range<u64>> = (0..shape.len())
+            .map(|d| b[d] * block[d]..((b[d] + 1) * block[d]).min(shape[d]))
+            .collect();
+        let holds_whole = |l: &Vec<Vec<u64>>| {
+            range
+                .iter()
+                .zip(l)
+                .all(|(r, list)| r.clone().all(|i| list.contains(&i)))
+        };
+        let touches = |l: &Vec<Vec<u64>>| {
+            range
+                .iter()
+                .zip(l)
+                .all(|(r, list)| r.clone().any(|i| list.contains(&i)))
+        };
+        if sources.iter().any(|(_, l)| holds_whole(l)) {
+            continue;
+        }
+        out.receivers_convert = true;
+        let holders: Vec<u32> = destinations
+            .iter()
+            .filter(|(_, l)| touches(l))
+            .map(|(r, _)| *r)
+            .collect();
+        if destinations
+            .iter()
+            .any(|(_, l)| touches(l) && !holds_whole(l))
+        {
+            out.split = true;
+            continue;
+        }
+        if let Some(scales) = &scale_holders {
+            let mut with_scale: Vec<u32> = scales
+                .iter()
+                .filter(|(_, l)| b.iter().zip(l).all(|(i, list)| list.contains(i)))
+                .map(|(r, _)| *r)
+                .collect();
+            let mut holders = holders;
+            holders.sort_unstable();
+            with_scale.sort_unstable();
+            if holders != with_scale {
+                out.scale_holders = true;
+            }
+        }
+    }
+    out
+}
+
+fn conversion(src: DType) -> impl Strategy<Value = Conversion> {
+    (
+        prop_oneof![
+            Just(DType::Bfloat16),
+            Just(DType::Float16),
+            Just(DType::Float8E4M3),
+            Just(DType::Float8E5M2),
+        ],
+        prop_oneof![
+            1 => Just(Scheme::None),
+            1 => Just(Scheme::PerTensor),
+            1 => Just(Scheme::PerChannel),
+            4 => (1u64..=5, 1u64..=5).prop_map(|(rows, cols)| Scheme::Block { rows, cols }),
+        ],
+        prop_oneof![Just(ScaleFormat::Float32), Just(ScaleFormat::E8m0)],
+        any::<bool>(),
+    )
+        .prop_map(move |(dtype, scheme, format, inverse)| {
+            let fp8 = matches!(dtype, DType::Float8E4M3 | DType::Float8E5M2);
+            let dtype = if dtype == src && !fp8 {
+                DType::Float8E4M3
+            } else {
+                dtype
+            };
+            let fp8 = matches!(dtype, DType::Float8E4M3 | DType::Float8E5M2);
+            Conversion {
+                dtype,
+                scheme: if fp8 { scheme } else { Scheme::None },
+                scale_format: format,
+                scale_inverse: inverse,
+                scale_layout: None,
+            }
+        })
+}
+
+/// A converted tensor of 1..=3 dims on two random meshes over ranks 0..10 (so some ranks
+/// are on both sides), possibly strided views, a scale layout now and then of its own, and a
+/// config (mode, topology, rounds, small split sizes).
+fn case() -> impl Strategy<Value = (TensorSpec, Conversion, Config)> {
+    let shape = prop::collection::vec(1u64..=12, 1..=3);
+    (
+        shape,
+        prop_oneof![
+            Just(DType::Float32),
+            Just(DType::Bfloat16),
+            Just(DType::Float16)
+        ],
+        mesh(2, 3, 6, 4),
+        mesh(2, 3, 6, 4),
+    )
+        .prop_flat_map(|(shape, dtype, src_mesh, dst_mesh)| {
+            let n = shape.len();
+            (
+                tensor_on(
+                    shape,
+                    dtype,
+                    layout_on(src_mesh, n),
+                    layout_on(dst_mesh.clone(), n),
+                ),
+                conversion(dtype),
+                prop::option::weighted(0.2, layout_on(dst_mesh, n)),
+                prop_oneof![Just(Mode::Auto), Just(Mode::Staged)],
+                prop_oneof![Just(Topology::Unknown), Just(Topology::RanksPerNode(2))],
+                0u32..=3,
+                prop_oneof![Just(1u64), Just(64), Just(1 << 20)],
+            )
+        })
+        .prop_map(
+            |(spec, mut conversion, scale_layout, mode, topology, rounds, split)| {
+                if conversion.is_scaled() {
+                    conversion.scale_layout = scale_layout;
+                }
+                let config = Config {
+                    mode,
+                    topology,
+                    rounds,
+                    split_min_bytes: split,
+                    ..Default::default()
+                };
+                (spec, conversion, config)
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_converted_element_and_scale_equals_the_reference(
+        (spec, conversion, config) in case(),
+    ) {
+        let oracle = feasibility(&spec, &conversion);
+        let planned = Planner::with_conversions(
+            vec![spec.clone()],
+            vec![Some(conversion.clone())],
+            config.clone(),
+        );
+        match planned {
+            Err(e) => {
+                let split = e.message.contains("neither side holds it whole");
+                let holders = e.message.contains("write its scale themselves");
+                prop_assert!(
+                    (split && oracle.split) || (holders && oracle.scale_holders && !oracle.split),
+                    "refused without cause: {} ({:?})", e, oracle
+                );
+            }
+            Ok(planner) => {
+                prop_assert!(!oracle.split && !oracle.scale_holders, "accepted {:?}", oracle);
+                // Blocks travel converted exactly when a source shard holds them whole.
+                let receiving = planner
+                    .ranks()
+                    .iter()
+                    .any(|&r| !planner.rank_program(r).unwrap().converts_after.is_empty());
+                prop_assert_eq!(receiving, oracle.receivers_convert);
+                let report = check_with_conversions(
+                    std::slice::from_ref(&spec),
+                    &[Some(conversion.clone())],
+                    &config,
+                );
+                prop_assert!(report.is_ok(), "{}", report.unwrap_err());
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// Several tensors in one plan, converted or not (their messages share pairs, staging and
+    /// rounds; scale views follow the tensors'), the infeasible ones left out.
+    #[test]
+    fn converted_and_plain_tensors_share_a_plan(
+        cases in prop::collection::vec((case(), any::<bool>()), 1..=4),
+    ) {
+        let config = cases[0].0 .2.clone();
+        let mut specs = Vec::new();
+        let mut conversions = Vec::new();
+        for ((spec, conversion, _), plain) in cases {
+            let f = feasibility(&spec, &conversion);
+            if f.split || f.scale_holders {
+                continue;
+            }
+            specs.push(spec);
+            conversions.push((!plain).then_some(conversion));
+        }
+        prop_assume!(!specs.is_empty());
+        let report = check_with_conversions(&specs, &conversions, &config);
+        prop_assert!(report.is_ok(), "{}", report.unwrap_err());
+    }
+}
