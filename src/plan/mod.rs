@@ -37,11 +37,11 @@ pub use quantize::{region, region_of, WorkRegion};
 pub use rounds::Transfer;
 
 use crate::error::{Error, Result};
-use crate::quant::Conversion;
 use crate::layout::{
     next_index, validate_shape, DType, DimPiece, IndexRuns, Layout, Mesh, RankView, Side,
     TensorSpec,
 };
+use crate::quant::Conversion;
 use assign::Prepared;
 use blocks::{assignment_blocks, Move, Moved, Movement};
 use fxhash::FxHashMap;
