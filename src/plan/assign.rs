@@ -97,6 +97,8 @@ pub(crate) struct Prepared {
     network: Vec<Leg>,
     senders: Vec<u32>,
     rounds: u32,
+    /// A number of this unit among its tensor's (from its coordinates), for [`Turn::slot`].
+    ordinal: u64,
 }
 
 enum Step {
@@ -233,7 +235,7 @@ impl Prepared {
             Vec::new()
         };
         let mut prepared = Prepared {
-            coords,
+            coords: coords.clone(),
             rotates: false,
             regions: vec![region],
             corners: Vec::new(),
@@ -245,6 +247,9 @@ impl Prepared {
             network: Vec::new(),
             senders: Vec::new(),
             rounds,
+            ordinal: coords
+                .iter()
+                .fold(0u64, |a, &c| a.wrapping_mul(8_191).wrapping_add(c)),
         };
         prepared.regions.extend(chunks);
         // Network legs: (receiver, region) for every group, dealt out together.
@@ -345,22 +350,28 @@ impl Prepared {
 
     /// Every assignment of the unit under `rotation`, for all its receivers, as
     /// `emit(from, to, region index, fixed round, relay)`, in a fixed order.
-    pub fn deal(&self, rotation: u64, emit: &mut Emit<'_>) {
+    pub fn deal(&self, tensor: u32, rotation: u64, emit: &mut Emit<'_>) {
+        let turn = Turn {
+            rotation,
+            slot: u64::from(tensor)
+                .wrapping_mul(1_000_003)
+                .wrapping_add(self.ordinal.wrapping_mul(u64::from(self.chunks))),
+        };
         for &r in &self.locals {
             emit(r, r, 0, None, false);
         }
         for step in &self.steps {
             match step {
                 Step::OnNode { candidates, legs } => {
-                    self.deal_legs(legs, candidates, rotation, emit);
+                    self.deal_legs(legs, candidates, turn, emit);
                 }
                 Step::Relay(group) => {
                     let members = &self.relay_groups[*group as usize];
                     for chunk in 0..self.chunks {
-                        if self.forwarded(chunk, rotation) {
+                        if self.forwarded(chunk, turn) {
                             continue;
                         }
-                        let (first, round) = self.relay_leg(*group, chunk, rotation);
+                        let (first, round) = self.relay_leg(*group, chunk, turn);
                         for &r in members {
                             if r != first {
                                 emit(first, r, 1 + chunk, Some(round + 1), true);
@@ -370,10 +381,10 @@ impl Prepared {
                 }
             }
         }
-        for chunk in (0..self.chunks).filter(|&c| self.forwarded(c, rotation)) {
-            let (hub_group, hub, round) = self.hub(chunk, rotation);
+        for chunk in (0..self.chunks).filter(|&c| self.forwarded(c, turn)) {
+            let (hub_group, hub, round) = self.hub(chunk, turn);
             for (g, members) in self.relay_groups.iter().enumerate() {
-                let (entry, _) = self.relay_leg(g as u32, chunk, rotation);
+                let (entry, _) = self.relay_leg(g as u32, chunk, turn);
                 if g != hub_group as usize {
                     emit(hub, entry, 1 + chunk, Some(round + 1), true);
                 }
@@ -387,61 +398,62 @@ impl Prepared {
                 }
             }
         }
-        self.deal_legs(&self.network, &self.senders, rotation, emit);
+        self.deal_legs(&self.network, &self.senders, turn, emit);
     }
 
     /// Whether relay chunk `chunk` is forwarded between receiving nodes under `rotation`.
-    fn forwarded(&self, chunk: u32, rotation: u64) -> bool {
+    fn forwarded(&self, chunk: u32, turn: Turn) -> bool {
         self.forward_share > 0
-            && mix([rotation, u64::from(chunk)]) % FORWARD_SCALE < self.forward_share
+            && mix([turn.rotation, u64::from(chunk)]) % FORWARD_SCALE < self.forward_share
     }
 
     /// A forwarded chunk's hub: (relay group, member, round it arrives in, ≤ rounds − 2).
-    fn hub(&self, chunk: u32, rotation: u64) -> (u32, u32, u32) {
+    fn hub(&self, chunk: u32, turn: Turn) -> (u32, u32, u32) {
         let c = u64::from(chunk);
-        let group = ((c + rotation / 8_191) % self.relay_groups.len() as u64) as u32;
-        let (member, _) = self.relay_leg(group, chunk, rotation);
-        let round = ((c + rotation / 65_521) % u64::from(self.rounds - 1)) as u32;
+        let group = ((c + turn.rotation / 8_191) % self.relay_groups.len() as u64) as u32;
+        let (member, _) = self.relay_leg(group, chunk, turn);
+        let round = ((c + turn.rotation / 65_521) % u64::from(self.rounds - 1)) as u32;
         (group, member, round)
     }
 
     /// The member relay chunk `chunk` of `group` crosses the network to, and its round.
     /// Independent offsets for round and member: in any round, the units' chunks land on all
     /// members alike.
-    fn relay_leg(&self, group: u32, chunk: u32, rotation: u64) -> (u32, u32) {
+    fn relay_leg(&self, group: u32, chunk: u32, turn: Turn) -> (u32, u32) {
         let members = &self.relay_groups[group as usize];
-        let c = u64::from(chunk);
-        let round = ((c + rotation / 65_521) % u64::from(self.rounds)) as u32;
-        let first = ((c + rotation) % members.len() as u64) as usize;
+        let g = members.len() as u64;
+        let slot = turn.slot.wrapping_add(u64::from(chunk));
+        let round = ((slot / g) % u64::from(self.rounds)) as u32;
+        let first = (slot % g) as usize;
         (members[first], round)
     }
 
     /// Deals `legs` to `candidates` round-robin from a rotated start.
-    fn deal_legs(&self, legs: &[Leg], candidates: &[u32], rotation: u64, emit: &mut Emit<'_>) {
+    fn deal_legs(&self, legs: &[Leg], candidates: &[u32], turn: Turn, emit: &mut Emit<'_>) {
         let k = candidates.len() as u64;
         if k == 0 || legs.is_empty() {
             return;
         }
-        let start = rotation % k;
+        let start = turn.rotation % k;
         let mut next = 0u64;
         for leg in legs {
             let (to, round) = match leg.to {
                 LegTo::Receiver(r) => (r, None),
                 LegTo::Relay { group, chunk } => {
-                    if self.forwarded(chunk, rotation) {
+                    if self.forwarded(chunk, turn) {
                         continue;
                     }
-                    let (member, round) = self.relay_leg(group, chunk, rotation);
+                    let (member, round) = self.relay_leg(group, chunk, turn);
                     // A lone member (a group only because of forwarding) forwards nothing:
                     // its data is spread over rounds like any pair's.
                     let alone = self.relay_groups[group as usize].len() == 1;
                     (member, (!alone).then_some(round))
                 }
                 LegTo::Forward { chunk } => {
-                    if !self.forwarded(chunk, rotation) {
+                    if !self.forwarded(chunk, turn) {
                         continue;
                     }
-                    let (_, hub, round) = self.hub(chunk, rotation);
+                    let (_, hub, round) = self.hub(chunk, turn);
                     (hub, Some(round))
                 }
             };
@@ -452,6 +464,15 @@ impl Prepared {
             }
         }
     }
+}
+
+/// What a unit's choices depend on in one tensor: the rotation (a hash) and, for relay
+/// chunks, a slot that numbers the chunks of a tensor's units consecutively, so a node's
+/// members and the rounds take them in turn (balanced) rather than by hash.
+#[derive(Clone, Copy)]
+struct Turn {
+    rotation: u64,
+    slot: u64,
 }
 
 /// A relayed overlap is cut into chunks of at least this many times `split_min_bytes` (8 MiB

@@ -45,10 +45,7 @@ impl Block {
 
     /// This block's copy as it is for tensor `tensor` of the same class.
     pub(crate) fn copy_of_tensor(&self, tensor: u32) -> StridedCopy {
-        let mut copy = self.copy.clone();
-        copy.src.tensor = tensor;
-        copy.dst.tensor = tensor;
-        copy
+        self.copy.clone().of_tensor(tensor)
     }
 }
 

@@ -355,24 +355,28 @@ impl Planner {
                 continue;
             };
             for (u, unit) in units.iter().enumerate() {
-                unit.deal(unit.rotation(t), &mut |from, to, region, round, relay| {
-                    let keep = if own_is_dst {
-                        to == rank || (relay && from == rank)
-                    } else {
-                        from == rank && to != rank && !relay
-                    };
-                    if keep {
-                        picks.push(Pick {
-                            side: side as u8,
-                            unit: u as u32,
-                            region,
-                            from,
-                            to,
-                            round,
-                            relay,
-                        });
-                    }
-                });
+                unit.deal(
+                    t,
+                    unit.rotation(t),
+                    &mut |from, to, region, round, relay| {
+                        let keep = if own_is_dst {
+                            to == rank || (relay && from == rank)
+                        } else {
+                            from == rank && to != rank && !relay
+                        };
+                        if keep {
+                            picks.push(Pick {
+                                side: side as u8,
+                                unit: u as u32,
+                                region,
+                                from,
+                                to,
+                                round,
+                                relay,
+                            });
+                        }
+                    },
+                );
             }
         }
         if picks.len() > 1 {
@@ -743,10 +747,7 @@ type Pair = ((u32, u32), Vec<usize>);
 
 /// A block's whole copy, with its tensor.
 fn whole_copy<B: Moved>(block: &B) -> StridedCopy {
-    let mut copy = block.copy().clone();
-    copy.src.tensor = block.tensor();
-    copy.dst.tensor = block.tensor();
-    copy
+    block.copy().clone().of_tensor(block.tensor())
 }
 
 /// What [`rounds::spread_into`] needs of block `i`.

@@ -34,6 +34,21 @@ pub struct Loc {
     pub offset: u64,
 }
 
+impl StridedCopy {
+    /// This copy for tensor `tensor` of the same class (tensors that share layouts, shape and
+    /// dtype share their copies but for the tensor they name): the ends in a tensor's views
+    /// name `tensor`; staging and workspace ends keep what their `tensor` field holds (a
+    /// workspace region while blocks are formed).
+    pub(crate) fn of_tensor(mut self, tensor: u32) -> StridedCopy {
+        for end in [&mut self.src, &mut self.dst] {
+            if matches!(end.buffer, Buffer::Src | Buffer::Dst) {
+                end.tensor = tensor;
+            }
+        }
+        self
+    }
+}
+
 /// One axis of a strided copy: `count` steps of `src_stride` / `dst_stride` bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CopyDim {

@@ -70,11 +70,7 @@ pub(crate) fn spread_into(
     rounds: u32,
     min_bytes: u64,
 ) {
-    let of_tensor = |mut copy: StridedCopy, tensor: u32| {
-        copy.src.tensor = tensor;
-        copy.dst.tensor = tensor;
-        copy
-    };
+    let of_tensor = |copy: StridedCopy, tensor: u32| copy.of_tensor(tensor);
     let whole = |block: usize, round: u32, tensor: u32, copy: &StridedCopy| Transfer {
         block,
         round,
