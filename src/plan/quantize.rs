@@ -1088,9 +1088,7 @@ fn sender_converts(spec: &TensorSpec, t: u32, plan: &TensorPlan, rank: u32) -> V
         .into_iter()
         .map(|(start, count)| {
             let first_block: Vec<u64> = start.iter().zip(&plan.block).map(|(s, b)| s / b).collect();
-            StridedConvert {
-                tensor: t,
-                start: start.clone(),
+            let ends = ConvertEnds {
                 src: Loc {
                     buffer: Buffer::Src,
                     tensor: t,
@@ -1106,19 +1104,45 @@ fn sender_converts(spec: &TensorSpec, t: u32, plan: &TensorPlan, rank: u32) -> V
                     tensor: region(t, WorkRegion::Scales),
                     offset: offset_in(s, &first_block),
                 }),
-                dims: (0..n)
-                    .map(|d| ConvertDim {
-                        count: count[d],
-                        src_stride: src_strides[d],
-                        dst_stride: image_strides[d],
-                        block: plan.block[d],
-                        scale_stride: scale_strides.as_ref().map_or(0, |s| s[d]),
-                    })
-                    .collect(),
-                arithmetic: plan.arithmetic,
-            }
+                strides: [&src_strides, &image_strides],
+                scale_strides: scale_strides.as_deref(),
+            };
+            ends.convert(t, start, &count, plan)
         })
         .collect()
+}
+
+/// Where one box's conversion reads and writes: its locations and the byte strides of the
+/// source, destination and scale views.
+struct ConvertEnds<'a> {
+    src: Loc,
+    dst: Loc,
+    scale: Option<Loc>,
+    strides: [&'a [u64]; 2],
+    scale_strides: Option<&'a [u64]>,
+}
+
+impl ConvertEnds<'_> {
+    /// The conversion of the box at global `start` of `count` elements per dim.
+    fn convert(&self, t: u32, start: Vec<u64>, count: &[u64], plan: &TensorPlan) -> StridedConvert {
+        StridedConvert {
+            tensor: t,
+            start,
+            src: self.src,
+            dst: self.dst,
+            scale: self.scale,
+            dims: (0..count.len())
+                .map(|d| ConvertDim {
+                    count: count[d],
+                    src_stride: self.strides[0][d],
+                    dst_stride: self.strides[1][d],
+                    block: plan.block[d],
+                    scale_stride: self.scale_strides.map_or(0, |s| s[d]),
+                })
+                .collect(),
+            arithmetic: plan.arithmetic,
+        }
+    }
 }
 
 /// A rank's conversions of the receiver-class blocks of its destination shard: unconverted
@@ -1158,9 +1182,7 @@ fn receiver_converts(
         let mine: Vec<IndexRuns> = (0..n).map(|d| part[d].intersect(&dst.indices[d])).collect();
         for (start, count) in boxes_split(&mine, plan, &scale) {
             let first_block: Vec<u64> = start.iter().zip(&plan.block).map(|(s, b)| s / b).collect();
-            out.push(StridedConvert {
-                tensor: t,
-                start: start.clone(),
+            let ends = ConvertEnds {
                 src: Loc {
                     buffer: Buffer::Work,
                     tensor: region(t, WorkRegion::Unconverted),
@@ -1176,17 +1198,10 @@ fn receiver_converts(
                     tensor: *index,
                     offset: offset_in(v, &first_block),
                 }),
-                dims: (0..n)
-                    .map(|d| ConvertDim {
-                        count: count[d],
-                        src_stride: landing_strides[d],
-                        dst_stride: dst_strides[d],
-                        block: plan.block[d],
-                        scale_stride: scale_strides.as_ref().map_or(0, |s| s[d]),
-                    })
-                    .collect(),
-                arithmetic: plan.arithmetic,
-            });
+                strides: [&landing_strides, &dst_strides],
+                scale_strides: scale_strides.as_deref(),
+            };
+            out.push(ends.convert(t, start, &count, plan));
         }
     }
     out
