@@ -73,13 +73,14 @@ fn case_file_seeds_parse_plan_and_check() {
 
 /// Every saved reproducer (`fuzz/regressions/<target>/<file>`), each replayed by its own test
 /// below; a file there that is not listed fails `every_reproducer_has_a_test`.
-const REPRODUCERS: [&str; 6] = [
+const REPRODUCERS: [&str; 7] = [
     "plan_create/zero-dim-beside-huge-dims",
     "case_file/zero-dim-beside-huge-dims.json",
     "plan_create/huge-view-strides",
     "plan_create/sender-strides-past-2p63",
     "plan_create/bytes-sent-past-2p64",
     "plan_create/groupable-messages-per-rank",
+    "plan_create/quantized-plan-transfers",
 ];
 
 fn reproducer(name: &str) -> Vec<(PathBuf, Vec<u8>)> {
@@ -205,5 +206,16 @@ fn random_inputs_with_conversions_keep_every_promise() {
     assert!(
         planned > 0 && converting > 0,
         "{planned} planned, {converting} converting"
+    );
+}
+
+/// A plan that quantizes (block scales in FP32): its export holds convert transfers (kind 3,
+/// `bytes` = values then scales) and scale blocks (a tensor index past the tensors', moved as
+/// bytes), which the harness's transfer check did not know.
+#[test]
+fn quantized_plans_export_convert_and_scale_transfers() {
+    replay(
+        &reproducer("plan_create/quantized-plan-transfers"),
+        plan_create::run,
     );
 }

@@ -772,14 +772,18 @@ fn plan_queries(
 
 fn check_transfer(t: &ncclReshardTransfer_t, d: &Descriptors) {
     let ntensors = d.tensor_values.len();
+    // Tensors, then (plans that quantize) one scale tensor per quantized tensor at most.
     let tensor = usize::try_from(t.tensor)
         .ok()
-        .filter(|&i| i < ntensors)
+        .filter(|&i| i < 2 * ntensors)
         .unwrap_or_else(|| panic!("transfer of tensor {} of {ntensors}", t.tensor));
-    let spec = &d.tensor_values[tensor];
-    assert_eq!(t.ndim, spec.ndim, "transfer ndim");
+    let scale = tensor >= ntensors;
+    let spec = &d.tensor_values[if scale { tensor - ntensors } else { tensor }];
+    if !scale {
+        assert_eq!(t.ndim, spec.ndim, "transfer ndim");
+    }
     match t.kind {
-        2 => assert_eq!(t.peer, d.rank, "a local copy's peer is not the rank"),
+        2 | 3 => assert_eq!(t.peer, d.rank, "a local copy's or conversion's peer: {t:?}"),
         0 | 1 => assert_ne!(t.peer, d.rank, "a send or receive to itself"),
         other => panic!("transfer kind {other}"),
     }
@@ -787,6 +791,37 @@ fn check_transfer(t: &ncclReshardTransfer_t, d: &Descriptors) {
         .ok()
         .filter(|&n| n <= MAX_DIMS)
         .unwrap_or_else(|| panic!("copyNdim {}", t.copyNdim));
+    let ndim = t.ndim as usize;
+    if !scale {
+        for dim in 0..ndim {
+            let end = t.globalStart[dim].checked_add(t.globalCount[dim]);
+            assert!(
+                t.globalStart[dim] >= 0 && end.is_some_and(|e| e <= spec.shape[dim]),
+                "box outside the tensor on dim {dim}: {t:?}"
+            );
+        }
+    }
+    if t.kind == 3 {
+        // A conversion: a box of elements, read in srcDtype and written in dstDtype.
+        assert_eq!(copy_ndim, ndim, "a conversion's copyNdim: {t:?}");
+        let elements = t.count[..copy_ndim]
+            .iter()
+            .try_fold(1u64, |acc, &n| acc.checked_mul(n as u64));
+        let dst = elem_size(t.dstDtype).expect("a conversion writes a sized dtype");
+        assert!(elem_size(t.srcDtype).is_some(), "a conversion reads {t:?}");
+        // `bytes` is what it writes: the box in dstDtype, then its blocks' scales.
+        let values = elements.and_then(|e| e.checked_mul(dst));
+        assert!(
+            values.is_some_and(|v| v > 0 && v <= t.bytes),
+            "a conversion's bytes do not hold its box in dstDtype: {t:?}"
+        );
+        assert!(
+            (0..=4).contains(&t.srcView) && (0..=4).contains(&t.dstView),
+            "{t:?}"
+        );
+        assert!(t.round >= 0, "round {}", t.round);
+        return;
+    }
     let grid = t.count[..copy_ndim]
         .iter()
         .try_fold(t.chunkBytes, |acc, &n| acc.checked_mul(n as u64));
@@ -795,16 +830,30 @@ fn check_transfer(t: &ncclReshardTransfer_t, d: &Descriptors) {
         Some(t.bytes),
         "bytes is not chunkBytes × counts: {t:?}"
     );
-    let ndim = t.ndim as usize;
-    let elem = elem_size(spec.dtype).expect("a planned dtype has a size");
+    // The bytes' element type: the tensor's dtype, or with conversions the dtype they move
+    // in (dstDtype; scales as bytes).
+    let wire = if t.dstDtype != 0 || t.srcDtype != 0 {
+        t.dstDtype
+    } else {
+        spec.dtype
+    };
+    let elem = elem_size(wire).expect("a planned dtype has a size");
     let boxed = t.globalCount[..ndim]
         .iter()
         .try_fold(elem, |acc, &n| acc.checked_mul(n as u64));
-    assert_eq!(
-        boxed,
-        Some(t.blockBytes),
-        "blockBytes is not the box's size: {t:?}"
-    );
+    if scale {
+        // Scales move as bytes: a box of blocks, each its scale format's size.
+        assert!(
+            boxed.is_some_and(|b| b > 0 && t.blockBytes % b == 0),
+            "a scale block's bytes are not whole scales of its box: {t:?}"
+        );
+    } else {
+        assert_eq!(
+            boxed,
+            Some(t.blockBytes),
+            "blockBytes is not the box's size: {t:?}"
+        );
+    }
     assert!(
         t.bytes > 0
             && t.blockOffset
@@ -813,16 +862,9 @@ fn check_transfer(t: &ncclReshardTransfer_t, d: &Descriptors) {
         "the transfer's bytes are not inside its block: {t:?}"
     );
     match (t.kind, t.srcView) {
-        (2, 0) => assert_eq!(t.round, 0, "a local copy after round 0: {t:?}"),
-        (0 | 1, 0 | 1) => assert!(t.round >= 0, "round {}", t.round),
+        (2, 0 | 2 | 3 | 4) => assert_eq!(t.round, 0, "a local copy after round 0: {t:?}"),
+        (0 | 1, 0..=4) => assert!(t.round >= 0, "round {}", t.round),
         (kind, view) => panic!("a transfer of kind {kind} reads view {view}"),
-    }
-    for dim in 0..ndim {
-        let end = t.globalStart[dim].checked_add(t.globalCount[dim]);
-        assert!(
-            t.globalStart[dim] >= 0 && end.is_some_and(|e| e <= spec.shape[dim]),
-            "box outside the tensor on dim {dim}: {t:?}"
-        );
     }
 }
 
