@@ -131,7 +131,7 @@ fn bad_conversion_fields_are_refused_naming_the_field() {
         (
             Box::new(|t, _| t.dstDtype = 0),
             INVALID_ARGUMENT,
-            "tensors[0]",
+            "tensors[0]: dstDtype int8 is not a conversion target",
         ),
         (
             Box::new(|_, q| q.scheme = NCCL_RESHARD_UNDEF_INT),
@@ -166,7 +166,7 @@ fn bad_conversion_fields_are_refused_naming_the_field() {
         (
             Box::new(|t, _| t.dstDtype = BFLOAT16),
             INVALID_ARGUMENT,
-            "tensors[0]",
+            "tensors[0]: quant.scheme block needs an FP8 dstDtype",
         ),
     ];
     for (i, (edit, code, needle)) in cases.iter().enumerate() {

@@ -6,7 +6,7 @@ use super::types::*;
 use crate::error::{Error, Result};
 use crate::layout::{DType, Layout, Mesh, Placement, TensorSpec};
 use crate::plan::{Config, Mode, Topology, DEFAULT_SPLIT_MIN_BYTES, MAX_ROUNDS};
-use crate::quant::{Conversion, ScaleFormat, Scheme};
+use crate::quant::{Conversion, FieldNames, ScaleFormat, Scheme};
 use std::fmt;
 use std::os::raw::c_int;
 
@@ -466,13 +466,20 @@ pub(crate) unsafe fn tensors(
                     .to_string_lossy()
                     .into_owned()
             });
+        let spec = TensorSpec {
+            shape,
+            dtype,
+            src,
+            dst,
+        };
+        // Checked here so that errors name the C struct's fields (`dstDtype`, `quant.…`);
+        // the planner checks again, naming them as case files do.
+        if let Some(c) = &conversion {
+            c.validate_named(&spec, &FieldNames::C)
+                .map_err(|e| e.context(field))?;
+        }
         out.push(TensorInput {
-            spec: TensorSpec {
-                shape,
-                dtype,
-                src,
-                dst,
-            },
+            spec,
             conversion,
             src_offset: c.srcOffset as u64,
             dst_offset: c.dstOffset as u64,

@@ -183,6 +183,11 @@ impl Conversion {
     /// Checks the conversion against its tensor (whose `dtype` is the source's). Errors name
     /// the field as case files spell it (`dst_dtype`, `quant.block`, `quant.scale_layout`).
     pub fn validate(&self, spec: &TensorSpec) -> Result<()> {
+        self.validate_named(spec, &FieldNames::CASE_FILE)
+    }
+
+    /// [`Conversion::validate`] with errors naming the fields as `fields` spells them.
+    pub fn validate_named(&self, spec: &TensorSpec, fields: &FieldNames) -> Result<()> {
         const SOURCES: [DType; 3] = [DType::Float32, DType::Bfloat16, DType::Float16];
         const DESTINATIONS: [DType; 4] = [
             DType::Bfloat16,
@@ -205,48 +210,79 @@ impl Conversion {
         }
         if !DESTINATIONS.contains(&self.dtype) {
             return Err(Error::invalid_argument(format!(
-                "dst_dtype {} is not a conversion target; use one of {}",
+                "{} {} is not a conversion target; use one of {}",
+                fields.dst_dtype,
                 self.dtype,
                 names(&DESTINATIONS)
             )));
         }
         if self.is_scaled() && !is_fp8(self.dtype) {
             return Err(Error::invalid_argument(format!(
-                "quant.scheme {} needs an FP8 dst_dtype (float8_e4m3fn or float8_e5m2), not {}; a cast to {} has scheme none",
+                "{} {} needs an FP8 {} (float8_e4m3fn or float8_e5m2), not {}; a cast to {} has scheme none",
+                fields.scheme,
                 scheme_name(self.scheme),
+                fields.dst_dtype,
                 self.dtype,
                 self.dtype
             )));
         }
         if self.scheme == Scheme::None && self.dtype == spec.dtype {
             return Err(Error::invalid_argument(format!(
-                "dst_dtype {} is the source's dtype and quant.scheme is none: there is nothing to convert; leave the conversion out",
-                self.dtype
+                "{} {} is the source's dtype and {} is none: there is nothing to convert; leave the conversion out",
+                fields.dst_dtype, self.dtype, fields.scheme
             )));
         }
         if let Scheme::Block { rows, cols } = self.scheme {
             if rows == 0 || cols == 0 {
                 return Err(Error::invalid_argument(format!(
-                    "quant.block is {rows} × {cols}; blocks need at least one row and one column"
+                    "{} is {rows} × {cols}; blocks need at least one row and one column",
+                    fields.block
                 )));
             }
         }
         if self.scheme == Scheme::PerChannel && spec.shape.is_empty() {
-            return Err(Error::invalid_argument(
-                "quant.scheme per_channel needs a tensor with at least one dim (a 0-d tensor has one value: use per_tensor)",
-            ));
+            return Err(Error::invalid_argument(format!(
+                "{} per_channel needs a tensor with at least one dim (a 0-d tensor has one value: use per_tensor)",
+                fields.scheme
+            )));
         }
         if !self.is_scaled() && self.scale_layout.is_some() {
-            return Err(Error::invalid_argument(
-                "quant.scale_layout is set but quant.scheme is none: a cast writes no scales",
-            ));
+            return Err(Error::invalid_argument(format!(
+                "{} is set but {} is none: a cast writes no scales",
+                fields.scale_layout, fields.scheme
+            )));
         }
         if let Some(layout) = self.scale_layout(spec) {
             let shape = self.scale_shape(&spec.shape);
-            layout.validate(&shape, self.scale_format.size(), "quant.scale_layout")?;
+            layout.validate(&shape, self.scale_format.size(), fields.scale_layout)?;
         }
         Ok(())
     }
+}
+
+/// How an interface spells the fields a conversion's errors name.
+pub struct FieldNames {
+    pub dst_dtype: &'static str,
+    pub scheme: &'static str,
+    pub block: &'static str,
+    pub scale_layout: &'static str,
+}
+
+impl FieldNames {
+    /// Case files (and the Rust API): `dst_dtype`, `quant.scheme`, …
+    pub const CASE_FILE: FieldNames = FieldNames {
+        dst_dtype: "dst_dtype",
+        scheme: "quant.scheme",
+        block: "quant.block",
+        scale_layout: "quant.scale_layout",
+    };
+    /// The C structs (`ncclReshardTensor_t`, `ncclReshardQuant_t`).
+    pub const C: FieldNames = FieldNames {
+        dst_dtype: "dstDtype",
+        scheme: "quant.scheme",
+        block: "quant.blockRows × blockCols",
+        scale_layout: "quant.scaleLayout",
+    };
 }
 
 /// True for the FP8 element types.
