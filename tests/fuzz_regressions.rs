@@ -73,7 +73,7 @@ fn case_file_seeds_parse_plan_and_check() {
 
 /// Every saved reproducer (`fuzz/regressions/<target>/<file>`), each replayed by its own test
 /// below; a file there that is not listed fails `every_reproducer_has_a_test`.
-const REPRODUCERS: [&str; 7] = [
+const REPRODUCERS: [&str; 8] = [
     "plan_create/zero-dim-beside-huge-dims",
     "case_file/zero-dim-beside-huge-dims.json",
     "plan_create/huge-view-strides",
@@ -81,6 +81,7 @@ const REPRODUCERS: [&str; 7] = [
     "plan_create/bytes-sent-past-2p64",
     "plan_create/groupable-messages-per-rank",
     "plan_create/quantized-plan-transfers",
+    "plan_create/conversion-of-an-invalid-tensor",
 ];
 
 fn reproducer(name: &str) -> Vec<(PathBuf, Vec<u8>)> {
@@ -216,6 +217,16 @@ fn random_inputs_with_conversions_keep_every_promise() {
 fn quantized_plans_export_convert_and_scale_transfers() {
     replay(
         &reproducer("plan_create/quantized-plan-transfers"),
+        plan_create::run,
+    );
+}
+
+/// A conversion on a tensor the planner would refuse (found by the CI fuzz run as 2.5 GB of
+/// memory): the C layer checked the conversion against the tensor before the tensor itself.
+#[test]
+fn a_conversion_of_an_invalid_tensor_is_refused_cheaply() {
+    replay(
+        &reproducer("plan_create/conversion-of-an-invalid-tensor"),
         plan_create::run,
     );
 }

@@ -473,9 +473,11 @@ pub(crate) unsafe fn tensors(
             dst,
         };
         // Checked here so that errors name the C struct's fields (`dstDtype`, `quant.…`);
-        // the planner checks again, naming them as case files do.
+        // the planner checks again, naming them as case files do. The tensor first: a
+        // conversion is only checked against a valid tensor.
         if let Some(c) = &conversion {
-            c.validate_named(&spec, &FieldNames::C)
+            spec.validate()
+                .and_then(|()| c.validate_named(&spec, &FieldNames::C))
                 .map_err(|e| e.context(field))?;
         }
         out.push(TensorInput {

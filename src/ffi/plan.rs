@@ -9,7 +9,7 @@ use super::types::*;
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::buffers::{CallBuffers, RankViews};
-use crate::exec::cuda::CudaExecutor;
+use crate::exec::cuda::{descriptors, CudaExecutor};
 use crate::plan::{
     region_of, Block, Buffer, Config, Loc, Mode, Planner, RankProgram, StridedConvert, Transfer,
     WorkRegion,
@@ -110,6 +110,20 @@ impl PlanObject {
                     String::new()
                 }
             )));
+        }
+        // The kernel's conversion tables grow with a box's segments (rows × blocks along the
+        // last dim): bounded here, where every rank refuses alike, not at the first call.
+        for (when, converts) in [
+            ("before", &program.converts_before),
+            ("after", &program.converts_after),
+        ] {
+            let (_, tiles) = descriptors::convert_tables(converts);
+            if tiles > descriptors::MAX_CONVERT_TILES {
+                return Err(Error::invalid_usage(format!(
+                    "rank {rank}'s conversions {when} the rounds need {tiles} kernel tiles, more than {}: its boxes have too many rows or too narrow blocks for their size; use wider quantization blocks (quant.blockCols) or fewer elements per rank",
+                    descriptors::MAX_CONVERT_TILES
+                )));
+            }
         }
         debug::log(Level::Info, || {
             format!(

@@ -256,6 +256,77 @@ impl Assembler {
     }
 }
 
+/// How the kernel cuts one conversion's box: blocks per dim (a cast has none: one "block" per
+/// box makes long segments), segments of at most [`SEGMENT_ELEMENTS`] inside a block's last
+/// dim, and the items each pass tiles (segments, blocks). Sizes saturate: a box too large for
+/// them is refused by [`convert_tables`]' bound before anything is encoded.
+struct ConvertShape {
+    block: [u64; MAX_COPY_DIMS],
+    segment: u64,
+    segments_per_row: u64,
+    segments: u64,
+    blocks: u64,
+}
+
+impl ConvertShape {
+    fn of(convert: &StridedConvert, scaled: bool) -> ConvertShape {
+        let n = convert.dims.len();
+        let mut block = [0u64; MAX_COPY_DIMS];
+        for (k, dim) in convert.dims.iter().enumerate() {
+            block[k] = if scaled {
+                dim.block.max(1)
+            } else {
+                dim.count.max(1)
+            };
+        }
+        let count = |k: usize| convert.dims[k].count;
+        let last = n - 1;
+        let segment = block[last].min(SEGMENT_ELEMENTS);
+        let per_block = block[last].div_ceil(segment);
+        let segments_per_row = count(last).div_ceil(block[last]).saturating_mul(per_block);
+        let rows = (0..last).fold(1u64, |acc, k| acc.saturating_mul(count(k)));
+        let blocks = (0..n).fold(1u64, |acc, k| {
+            acc.saturating_mul(count(k).div_ceil(block[k]))
+        });
+        ConvertShape {
+            block,
+            segment,
+            segments_per_row,
+            segments: rows.saturating_mul(segments_per_row),
+            blocks,
+        }
+    }
+}
+
+/// What a rank's conversions need on the device, without encoding them: (scratch bytes, tiles
+/// over the three passes). Plan creation bounds the tiles ([`MAX_CONVERT_TILES`]).
+pub fn convert_tables(converts: &[StridedConvert]) -> (u64, u64) {
+    let (mut scratch, mut tiles) = (0u64, 0u64);
+    for convert in converts.iter().filter(|c| c.elements() > 0) {
+        let scaled = convert.scale.is_some() && convert.arithmetic.scale.is_some();
+        let shape = ConvertShape::of(convert, scaled);
+        let per_pass = shape.segments.div_ceil(TILE_ITEMS);
+        tiles = tiles.saturating_add(per_pass);
+        if scaled {
+            scratch = scratch.saturating_add(
+                shape
+                    .segments
+                    .saturating_add(shape.blocks)
+                    .saturating_mul(4),
+            );
+            tiles = tiles
+                .saturating_add(per_pass)
+                .saturating_add(shape.blocks.div_ceil(TILE_ITEMS));
+        }
+    }
+    (scratch, tiles)
+}
+
+/// Most tiles a rank's conversions (before or after the rounds) may take: 2^24 tiles of 32
+/// bytes, 512 MiB of descriptor table, 2^32 segments (a Kimi-K2 inference rank quantizing
+/// its 65 G elements in 128 × 128 blocks needs about 4 M tiles).
+pub const MAX_CONVERT_TILES: u64 = 1 << 24;
+
 /// Encodes conversions (in order) for the kernel's three passes.
 pub fn encode_converts(converts: &[StridedConvert], addressing: Addressing<'_>) -> ConvertPasses {
     let mut passes = [Assembler::new(), Assembler::new(), Assembler::new()];
@@ -287,23 +358,17 @@ pub fn encode_converts(converts: &[StridedConvert], addressing: Addressing<'_>) 
                 desc.arith |= ARITH_INVERSE;
             }
         }
+        let shape = ConvertShape::of(convert, scaled);
         for (k, dim) in convert.dims.iter().enumerate() {
             desc.count[k] = dim.count;
             desc.src_stride[k] = dim.src_stride;
             desc.dst_stride[k] = dim.dst_stride;
-            // A cast has no blocks: one "block" per box makes long segments.
-            desc.block[k] = if scaled { dim.block.max(1) } else { dim.count };
+            desc.block[k] = shape.block[k];
             desc.scale_stride[k] = dim.scale_stride;
         }
-        let last = n - 1;
-        desc.segment = desc.block[last].min(SEGMENT_ELEMENTS);
-        let per_block = desc.block[last].div_ceil(desc.segment);
-        desc.segments_per_row = desc.count[last].div_ceil(desc.block[last]) * per_block;
-        let rows: u64 = desc.count[..last].iter().product();
-        let segments = rows * desc.segments_per_row;
-        let blocks: u64 = (0..n)
-            .map(|k| desc.count[k].div_ceil(desc.block[k]))
-            .product();
+        desc.segment = shape.segment;
+        desc.segments_per_row = shape.segments_per_row;
+        let (segments, blocks) = (shape.segments, shape.blocks);
         desc.partials_offset = scratch;
         desc.divisors_offset = scratch + 4 * segments;
         if scaled {

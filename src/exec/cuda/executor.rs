@@ -8,7 +8,8 @@
 //! calls only pass pointers as kernel arguments, so they can be captured into a CUDA graph.
 
 use super::descriptors::{
-    encode, encode_converts, Addressing, BaseKey, ConvertPasses, Encoded, Launch, MAX_BASES,
+    convert_tables, encode, encode_converts, Addressing, BaseKey, ConvertPasses, Encoded, Launch,
+    MAX_BASES,
 };
 use super::device::{self, Device};
 use super::driver::{self, DeviceBuffer, Event, Kernel, PrivateStream, RelaxedCapture};
@@ -108,7 +109,7 @@ impl CudaExecutor {
         let peers = program.peers();
         let scratch_bytes = [&program.converts_before, &program.converts_after]
             .iter()
-            .map(|c| encode_converts(c, Addressing::PerTensor).scratch_bytes)
+            .map(|c| convert_tables(c).0)
             .max()
             .unwrap_or(0);
         CudaExecutor {
