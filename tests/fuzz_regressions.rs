@@ -73,7 +73,7 @@ fn case_file_seeds_parse_plan_and_check() {
 
 /// Every saved reproducer (`fuzz/regressions/<target>/<file>`), each replayed by its own test
 /// below; a file there that is not listed fails `every_reproducer_has_a_test`.
-const REPRODUCERS: [&str; 8] = [
+const REPRODUCERS: [&str; 10] = [
     "plan_create/zero-dim-beside-huge-dims",
     "case_file/zero-dim-beside-huge-dims.json",
     "plan_create/huge-view-strides",
@@ -81,7 +81,9 @@ const REPRODUCERS: [&str; 8] = [
     "plan_create/bytes-sent-past-2p64",
     "plan_create/groupable-messages-per-rank",
     "plan_create/quantized-plan-transfers",
-    "plan_create/conversion-of-an-invalid-tensor",
+    "plan_create/conversion-tables-past-the-bound",
+    "plan_create/scale-blocks-past-the-plans-tensors",
+    "plan_create/zero-dim-conversion",
 ];
 
 fn reproducer(name: &str) -> Vec<(PathBuf, Vec<u8>)> {
@@ -221,12 +223,33 @@ fn quantized_plans_export_convert_and_scale_transfers() {
     );
 }
 
-/// A conversion on a tensor the planner would refuse (found by the CI fuzz run as 2.5 GB of
-/// memory): the C layer checked the conversion against the tensor before the tensor itself.
+/// A plan whose conversions have very many narrow segments (found by the CI fuzz run as an
+/// out-of-memory: plan creation built the kernel's whole conversion tile list, 12 GB, to size
+/// its scratch): now sized arithmetically and refused past `MAX_CONVERT_TILES`.
 #[test]
-fn a_conversion_of_an_invalid_tensor_is_refused_cheaply() {
+fn conversion_tables_past_the_bound_are_refused_without_building_them() {
     replay(
-        &reproducer("plan_create/conversion-of-an-invalid-tensor"),
+        &reproducer("plan_create/conversion-tables-past-the-bound"),
+        plan_create::run,
+    );
+}
+
+/// Scale blocks are numbered after the plan's tensors, which may be fewer than the harness
+/// described: the harness took such a block for a tensor's (its transfer check's mistake).
+#[test]
+fn scale_blocks_are_told_by_their_view_not_their_index() {
+    replay(
+        &reproducer("plan_create/scale-blocks-past-the-plans-tensors"),
+        plan_create::run,
+    );
+}
+
+/// A 0-d tensor converted (one element, no dims): the kernel's conversion tables took its
+/// last dim (`n - 1` of 0 dims). Its box is now one dim of one element.
+#[test]
+fn a_zero_dim_conversion_is_one_element() {
+    replay(
+        &reproducer("plan_create/zero-dim-conversion"),
         plan_create::run,
     );
 }

@@ -832,6 +832,19 @@ fn quantized_cases(n: u32) -> Vec<QuantizedCase> {
                 None,
             ],
         ),
+        (
+            "a 0-d tensor quantized per tensor (its box: one dim of one element)",
+            vec![TensorSpec {
+                shape: vec![],
+                dtype: DType::Float32,
+                src: layout(m(&upper), &[Placement::Replicate]),
+                dst: layout(m(&lower), &[Placement::Replicate]),
+            }],
+            vec![Some(Conversion::quantize(
+                DType::Float8E4M3,
+                Scheme::PerTensor,
+            ))],
+        ),
     ]
 }
 

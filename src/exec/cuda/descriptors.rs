@@ -270,8 +270,9 @@ struct ConvertShape {
 
 impl ConvertShape {
     fn of(convert: &StridedConvert, scaled: bool) -> ConvertShape {
-        let n = convert.dims.len();
-        let mut block = [0u64; MAX_COPY_DIMS];
+        // A 0-d tensor's box is one element: one dim of count 1.
+        let n = convert.dims.len().max(1);
+        let mut block = [1u64; MAX_COPY_DIMS];
         for (k, dim) in convert.dims.iter().enumerate() {
             block[k] = if scaled {
                 dim.block.max(1)
@@ -279,7 +280,7 @@ impl ConvertShape {
                 dim.count.max(1)
             };
         }
-        let count = |k: usize| convert.dims[k].count;
+        let count = |k: usize| convert.dims.get(k).map_or(1, |d| d.count);
         let last = n - 1;
         let segment = block[last].min(SEGMENT_ELEMENTS);
         let per_block = block[last].div_ceil(segment);
@@ -359,6 +360,12 @@ pub fn encode_converts(converts: &[StridedConvert], addressing: Addressing<'_>) 
             }
         }
         let shape = ConvertShape::of(convert, scaled);
+        if n == 0 {
+            // A 0-d tensor's one element, as one dim of count 1.
+            desc.ndims = 1;
+            desc.count[0] = 1;
+            desc.block[0] = 1;
+        }
         for (k, dim) in convert.dims.iter().enumerate() {
             desc.count[k] = dim.count;
             desc.src_stride[k] = dim.src_stride;

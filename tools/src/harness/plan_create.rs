@@ -777,8 +777,14 @@ fn check_transfer(t: &ncclReshardTransfer_t, d: &Descriptors) {
         .ok()
         .filter(|&i| i < 2 * ntensors)
         .unwrap_or_else(|| panic!("transfer of tensor {} of {ntensors}", t.tensor));
-    let scale = tensor >= ntensors;
-    let spec = &d.tensor_values[if scale { tensor - ntensors } else { tensor }];
+    // Scale blocks read a sender's scale grid (view 4) and name the scale tensor, numbered
+    // after the plan's tensors (which may be fewer than the harness described).
+    let scale = t.kind != 3 && t.srcView == 4;
+    assert!(
+        scale || tensor < ntensors,
+        "transfer of tensor {tensor} of {ntensors}"
+    );
+    let spec = &d.tensor_values[tensor % ntensors];
     if !scale {
         assert_eq!(t.ndim, spec.ndim, "transfer ndim");
     }
