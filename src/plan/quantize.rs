@@ -157,6 +157,28 @@ fn complement(set: &IndexRuns, n: u64) -> IndexRuns {
     IndexRuns::from_ranges(ranges.into_iter().filter(|r| r.0 < r.1))
 }
 
+/// Per dim, the indices of the blocks (`block[d]` wide) that some piece of `layout` holds
+/// whole: the union over its pieces along that dim.
+fn held_whole(layout: &Layout, shape: &[u64], block: &[u64]) -> Vec<IndexRuns> {
+    (0..shape.len())
+        .map(|d| {
+            union(
+                layout
+                    .dim_pieces(shape, d)
+                    .iter()
+                    .flat_map(|p| {
+                        whole_blocks(&p.indices, block[d], shape[d])
+                            .runs()
+                            .iter()
+                            .map(|r| (r.start, r.end))
+                            .collect::<Vec<_>>()
+                    })
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
 /// The elements of the blocks (of `block` elements along a dim of `n`) that `indices` holds
 /// whole.
 fn whole_blocks(indices: &IndexRuns, block: u64, n: u64) -> IndexRuns {
@@ -908,23 +930,7 @@ fn tensor_plan(
 ) -> Result<TensorPlan> {
     let n = spec.shape.len();
     let block = conversion.block_shape(&spec.shape);
-    let sender_whole: Vec<IndexRuns> = (0..n)
-        .map(|d| {
-            union(
-                spec.src
-                    .dim_pieces(&spec.shape, d)
-                    .iter()
-                    .flat_map(|p| {
-                        whole_blocks(&p.indices, block[d], spec.shape[d])
-                            .runs()
-                            .iter()
-                            .map(|r| (r.start, r.end))
-                            .collect::<Vec<_>>()
-                    })
-                    .collect(),
-            )
-        })
-        .collect();
+    let sender_whole = held_whole(&spec.src, &spec.shape, &block);
     let mut plan = TensorPlan {
         arithmetic: conversion.arithmetic(spec.dtype),
         block,
@@ -945,23 +951,7 @@ fn tensor_plan(
     let receiver_class = !empty && !receiver_parts.is_empty();
     if receiver_class {
         // Receivers convert these blocks: each must lie whole in one destination piece per dim.
-        let dst_whole: Vec<IndexRuns> = (0..n)
-            .map(|d| {
-                union(
-                    spec.dst
-                        .dim_pieces(&spec.shape, d)
-                        .iter()
-                        .flat_map(|p| {
-                            whole_blocks(&p.indices, plan.block[d], spec.shape[d])
-                                .runs()
-                                .iter()
-                                .map(|r| (r.start, r.end))
-                                .collect::<Vec<_>>()
-                        })
-                        .collect(),
-                )
-            })
-            .collect();
+        let dst_whole = held_whole(&spec.dst, &spec.shape, &plan.block);
         for part in &receiver_parts {
             for d in 0..n {
                 let bad = part[d].intersect(&complement(&dst_whole[d], spec.shape[d]));
