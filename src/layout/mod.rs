@@ -144,6 +144,20 @@ impl RankView {
         }
     }
 
+    /// A dense row-major buffer holding `indices` in elements of `elem_size` bytes (a
+    /// workspace image of a view, a grid of block scales).
+    pub fn dense(indices: Vec<IndexRuns>, elem_size: u64) -> RankView {
+        let shape: Vec<u64> = indices.iter().map(IndexRuns::len).collect();
+        RankView {
+            view: LocalView {
+                strides: row_major_strides(&shape),
+                shape,
+                elem_size,
+            },
+            indices,
+        }
+    }
+
     /// The rank's local shape: how many indices it holds along each dim.
     pub fn local_shape(&self) -> &[u64] {
         &self.view.shape

@@ -28,9 +28,7 @@ use super::fingerprint::mix;
 use super::program::{Buffer, CopyDim, Loc, RankProgram, StridedCopy};
 use super::{Assignment, Config, Mode, Planner, Transfer};
 use crate::error::{Error, Result};
-use crate::layout::{
-    next_index, row_major_strides, IndexRuns, Layout, LocalView, RankView, Side, TensorSpec,
-};
+use crate::layout::{next_index, IndexRuns, Layout, RankView, Side, TensorSpec};
 use crate::quant::{Arithmetic, Conversion};
 use std::collections::HashMap;
 
@@ -615,17 +613,7 @@ impl Conversions {
                 .chain([u64::MAX, u64::from(to)]));
             candidates[(h % candidates.len() as u64) as usize]
         };
-        let grid_view = |blocks: Vec<IndexRuns>| -> RankView {
-            let shape: Vec<u64> = blocks.iter().map(IndexRuns::len).collect();
-            RankView {
-                view: LocalView {
-                    strides: row_major_strides(&shape),
-                    shape,
-                    elem_size: u64::from(scale.size),
-                },
-                indices: blocks,
-            }
-        };
+        let grid_view = |blocks: Vec<IndexRuns>| RankView::dense(blocks, u64::from(scale.size));
         let mut emit = |from: u32, to: u32, area: Vec<IndexRuns>, grid: &RankView| -> Result<()> {
             let Some(dst) = scale.layout.rank_view(&scale.shape, scale.size, to) else {
                 return Err(Error::internal(format!(
@@ -1050,28 +1038,17 @@ fn sender_converts(spec: &TensorSpec, t: u32, plan: &TensorPlan, rank: u32) -> V
         return Vec::new();
     };
     let dst_size = u64::from(plan.arithmetic.dst.size());
-    let image = RankView {
-        indices: src.indices.clone(),
-        view: LocalView {
-            shape: src.view.shape.clone(),
-            strides: row_major_strides(&src.view.shape),
-            elem_size: dst_size,
-        },
-    };
+    let image = RankView::dense(src.indices.clone(), dst_size);
     let whole: Vec<IndexRuns> = (0..n)
         .map(|d| whole_blocks(&src.indices[d], plan.block[d], spec.shape[d]))
         .collect();
     let grid: Vec<IndexRuns> = (0..n)
         .map(|d| block_indices(&whole[d], plan.block[d]))
         .collect();
-    let scale = plan.scale.as_ref().map(|s| RankView {
-        view: LocalView {
-            shape: grid.iter().map(IndexRuns::len).collect(),
-            strides: row_major_strides(&grid.iter().map(IndexRuns::len).collect::<Vec<_>>()),
-            elem_size: u64::from(s.size),
-        },
-        indices: grid.clone(),
-    });
+    let scale = plan
+        .scale
+        .as_ref()
+        .map(|s| RankView::dense(grid.clone(), u64::from(s.size)));
     let (src_strides, image_strides) = (src.view.byte_strides(), image.view.byte_strides());
     let scale_strides = scale.as_ref().map(|s| s.view.byte_strides());
     boxes(&whole)
@@ -1152,14 +1129,7 @@ fn receiver_converts(
         return Vec::new();
     };
     let src_size = u64::from(plan.arithmetic.src.size());
-    let landing = RankView {
-        indices: dst.indices.clone(),
-        view: LocalView {
-            shape: dst.view.shape.clone(),
-            strides: row_major_strides(&dst.view.shape),
-            elem_size: src_size,
-        },
-    };
+    let landing = RankView::dense(dst.indices.clone(), src_size);
     let scale = plan.scale.as_ref().and_then(|s| {
         s.layout
             .rank_view(&s.shape, s.size, rank)
