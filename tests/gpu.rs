@@ -694,6 +694,27 @@ fn multi_rank_cases(n: u32) -> Vec<(&'static str, Vec<TensorSpec>, Config)> {
                 ..Default::default()
             },
         ));
+        // Column shards into row shards, relayed: what a relay forwards is strided on both
+        // ends, so its node-mates receive it into staging, and nothing later reads what they
+        // unpack: late unpacks, run on a side stream beside the next round.
+        let tp2 = mesh(&[2], &[0, 1]);
+        let dp4_tp2 = mesh(&[4, 2], &(0..8).collect::<Vec<_>>());
+        cases.push((
+            "relayed with late unpacks TP2 (columns) → TP2×DP4 (rows)",
+            vec![TensorSpec {
+                shape: vec![2048, 768],
+                dtype: DType::Bfloat16,
+                src: layout(tp2, &[Placement::Shard(1)]),
+                dst: layout(dp4_tp2, &[Placement::Replicate, Placement::Shard(0)]),
+            }],
+            Config {
+                mode: Mode::Auto,
+                topology: Topology::RanksPerNode(4),
+                rounds: 4,
+                split_min_bytes: 4096,
+                ..Default::default()
+            },
+        ));
     }
     cases
 }
@@ -711,7 +732,9 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
             let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
             let program = planner.rank_program(rank.r).unwrap();
             // A relay's forwarder sends from its destination view.
-            let forwards = program.sends.iter().any(|m| m.loc.buffer == Buffer::Dst);
+            let forwards = program.sends.iter().any(|m| m.loc.buffer == Buffer::Dst)
+                || program.packs.iter().any(|c| c.src.buffer == Buffer::Dst);
+            let late = program.rounds_iter().any(|r| r.late > 0);
             let data = prepare(&rank.device, &tensors, rank.r);
             let executor = data.executor(program, config.mode);
             // ncclReshard twice (the second call reuses everything), then ncclReshardMulti.
@@ -747,11 +770,17 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
             checked += fresh.verify(&rank.device, &tensors, rank.r);
             data.free(&rank.device);
             fresh.free(&rank.device);
-            (checked, forwards)
+            (checked, forwards, late)
         });
         let checked: u64 = outcome.iter().map(|o| o.0).sum();
         if name.starts_with("relayed") {
             assert!(outcome.iter().any(|o| o.1), "{name}: no rank forwards");
+        }
+        if name.contains("late unpacks") {
+            assert!(
+                outcome.iter().any(|o| o.2),
+                "{name}: no rank has late unpacks"
+            );
         }
         println!(
             "gpu: {n} ranks, {name} ({:?}, {} round(s)): byte-exact, {checked} elements",

@@ -257,29 +257,43 @@ fn run_rank(program: &RankProgram, views: &mut RankBuffers, shared: Shared<'_>) 
         Ok(())
     });
     let mine = program.rounds();
+    // Late unpacks run as late as an executor may run them: a round's after the packs of the
+    // rank's round after next, just before that round's messages (or at the end), so a plan
+    // that let a later round touch what they read or write fails here, byte for byte.
+    let mut deferred: Vec<(usize, &[StridedCopy])> = Vec::new();
     for &round in shared.rounds {
-        let part = mine.iter().find(|r| r.round == round);
+        let position = mine.iter().position(|r| r.round == round);
+        let part = position.map(|k| &mine[k]);
         // Phase 1: packs and sends of the round.
-        result = result.and_then(|()| match part {
-            Some(part) => guarded(rank, || {
+        result = result.and_then(|()| match (part, position) {
+            (Some(part), Some(k)) => guarded(rank, || {
                 for copy in part.packs {
                     run_copy(copy, memory).map_err(at)?;
                 }
+                while deferred.first().is_some_and(|&(at, _)| at + 2 <= k) {
+                    let (_, late) = deferred.remove(0);
+                    for copy in late {
+                        run_copy(copy, memory).map_err(at)?;
+                    }
+                }
                 send_all(rank, round, part.sends, memory, shared)
             }),
-            None => Ok(()),
+            _ => Ok(()),
         });
         shared.barrier.wait();
         // Phase 2: every send of the round is posted; receives find their message or fail.
-        result = result.and_then(|()| match part {
-            Some(part) => guarded(rank, || {
+        result = result.and_then(|()| match (part, position) {
+            (Some(part), Some(k)) => guarded(rank, || {
                 receive_all(rank, round, part.recvs, memory, shared.mailboxes)?;
-                for copy in part.unpacks {
+                for copy in part.early_unpacks() {
                     run_copy(copy, memory).map_err(at)?;
+                }
+                if part.late > 0 {
+                    deferred.push((k, part.late_unpacks()));
                 }
                 Ok(())
             }),
-            None => Ok(()),
+            _ => Ok(()),
         });
         // Nobody posts the next round's sends before every receive of this one is matched,
         // so a rank expecting a message that was not sent fails instead of taking a later one.
@@ -287,6 +301,11 @@ fn run_rank(program: &RankProgram, views: &mut RankBuffers, shared: Shared<'_>) 
     }
     result.and_then(|()| {
         guarded(rank, || {
+            for (_, late) in deferred.drain(..) {
+                for copy in late {
+                    run_copy(copy, memory).map_err(at)?;
+                }
+            }
             for convert in &program.converts_after {
                 run_convert(convert, memory).map_err(at)?;
             }

@@ -14,6 +14,7 @@ mod fingerprint;
 mod fxhash;
 mod loads;
 mod messages;
+mod overlap;
 mod program;
 mod quantize;
 mod rounds;
@@ -30,6 +31,7 @@ pub use convert::{ConvertDim, StridedConvert};
 pub use fingerprint::fingerprint;
 
 pub use messages::STAGING_ALIGN;
+pub use overlap::{may_overlap, ByteSet};
 pub use program::{
     Buffer, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan, StridedCopy,
 };
@@ -539,10 +541,22 @@ impl Planner {
         Ok((items, cache.templates))
     }
 
-    /// The program `rank` runs. A rank outside every mesh gets an empty program.
+    /// The program `rank` runs. A rank outside every mesh gets an empty program. Unpacks
+    /// nothing later reads are marked late, with staging of their own, so executors may run
+    /// them beside the next round (overlap.rs; [`Planner::rank_program_sequential`] leaves
+    /// every unpack before the next round and needs less staging).
     pub fn rank_program(&self, rank: u32) -> Result<RankProgram> {
+        let mut program = self.rank_program_sequential(rank)?;
+        overlap::overlap_unpacks(&mut program);
+        Ok(program)
+    }
+
+    /// [`Planner::rank_program`] without late unpacks: the same messages, each round's
+    /// unpacks done before the next round starts, one staging arena reused by every round.
+    pub fn rank_program_sequential(&self, rank: u32) -> Result<RankProgram> {
         if self.conversions.is_some() {
-            return self.program_from_blocks(rank, &self.rank_blocks(rank)?);
+            let blocks = self.rank_blocks(rank)?;
+            return self.program_from_transfers_sequential(rank, &blocks, &self.transfers(&blocks));
         }
         // The same as program_from_blocks(rank_blocks(rank)), without the blocks' boxes and
         // without listing the rank's transfers: each pair's are made, formed into messages
@@ -628,6 +642,19 @@ impl Planner {
     /// Forms `rank`'s program from its blocks and their transfers (as [`Planner::transfers`]
     /// returns them for those blocks).
     pub fn program_from_transfers(
+        &self,
+        rank: u32,
+        blocks: &[Block],
+        transfers: &[Transfer],
+    ) -> Result<RankProgram> {
+        let mut program = self.program_from_transfers_sequential(rank, blocks, transfers)?;
+        overlap::overlap_unpacks(&mut program);
+        Ok(program)
+    }
+
+    /// [`Planner::program_from_transfers`] without late unpacks (see
+    /// [`Planner::rank_program_sequential`]).
+    fn program_from_transfers_sequential(
         &self,
         rank: u32,
         blocks: &[Block],
@@ -733,6 +760,7 @@ impl Planner {
                 sends_end: program.sends.len(),
                 recvs_end: program.recvs.len(),
                 unpacks_end: program.unpacks.len(),
+                late_unpacks: 0,
             });
         }
         if program.round_spans.iter().all(|s| s.round == 0) {

@@ -275,6 +275,12 @@ pub struct RoundSpan {
     pub sends_end: usize,
     pub recvs_end: usize,
     pub unpacks_end: usize,
+    /// How many of the round's unpacks (the last ones of its range) are *late*: nothing a
+    /// later round sends or packs reads what they write, and what they read of the staging
+    /// arena no later round's receives or packs overwrite before the round after next, so an
+    /// executor may run them beside the next round's transfers (docs/architecture.md,
+    /// "Overlapping unpacks"). 0: every unpack finishes before the next round starts.
+    pub late_unpacks: usize,
 }
 
 /// The parts of one round (see [`RankProgram::rounds`]).
@@ -284,7 +290,23 @@ pub struct Round<'a> {
     pub packs: &'a [StridedCopy],
     pub sends: &'a [Message],
     pub recvs: &'a [Message],
+    /// Every unpack of the round: the early ones, then [`Round::late`] late ones.
     pub unpacks: &'a [StridedCopy],
+    /// How many of `unpacks` (the last ones) are late (see [`RoundSpan::late_unpacks`]).
+    pub late: usize,
+}
+
+impl<'a> Round<'a> {
+    /// The unpacks that finish before the next round starts.
+    pub fn early_unpacks(&self) -> &'a [StridedCopy] {
+        &self.unpacks[..self.unpacks.len() - self.late]
+    }
+
+    /// The unpacks that may run beside the next round's transfers (they must finish before
+    /// the round after next starts, and before the call ends).
+    pub fn late_unpacks(&self) -> &'a [StridedCopy] {
+        &self.unpacks[self.unpacks.len() - self.late..]
+    }
 }
 
 /// How one rank's part of a plan is executed.
@@ -359,6 +381,7 @@ impl RankProgram {
             sends: &self.sends,
             recvs: &self.recvs,
             unpacks: &self.unpacks,
+            late: 0,
         };
         let single = self.round_spans.is_empty().then_some(whole);
         let mut start: Option<RoundSpan> = None;
@@ -375,7 +398,11 @@ impl RankProgram {
                 sends: self.sends.get(from.sends_end..span.sends_end)?,
                 recvs: self.recvs.get(from.recvs_end..span.recvs_end)?,
                 unpacks: self.unpacks.get(from.unpacks_end..span.unpacks_end)?,
+                late: span.late_unpacks,
             };
+            if round.late > round.unpacks.len() {
+                return None;
+            }
             start = Some(*span);
             Some(round)
         });

@@ -245,6 +245,7 @@ fn in_round(mut p: RankProgram, round: u32) -> RankProgram {
         sends_end: p.sends.len(),
         recvs_end: p.recvs.len(),
         unpacks_end: p.unpacks.len(),
+        late_unpacks: 0,
     }];
     p
 }

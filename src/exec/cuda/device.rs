@@ -3,7 +3,7 @@
 //! loaded into it, and the stream-ordered pool staging comes from. Plans come and go; these
 //! stay, as NCCL's per-device resources do.
 
-use super::driver::{self, Kernel, MemoryPool, PrimaryContext};
+use super::driver::{self, Event, Kernel, MemoryPool, PrimaryContext, PrivateStream};
 use super::nvrtc::{self, ImageKind};
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
@@ -14,7 +14,19 @@ pub(crate) struct Device {
     pub context: PrimaryContext,
     kernel: OnceLock<Kernel>,
     pool: OnceLock<MemoryPool>,
+    /// Side streams not in use by a call (see [`SideStream`]).
+    sides: Mutex<Vec<SideStream>>,
     init: Mutex<()>,
+}
+
+/// A non-blocking stream of the device's primary context with three events, which one call
+/// at a time uses to run its late unpacks beside its next round (docs/executor.md,
+/// "Overlapping unpacks"): `fork` marks the end of a round's NCCL group on the caller's
+/// stream, `done[parity]` the end of the late unpacks of the last round of that parity.
+pub(crate) struct SideStream {
+    pub stream: PrivateStream,
+    pub fork: Event,
+    pub done: [Event; 2],
 }
 
 /// The process's state for device `ordinal` (its primary context retained on first use).
@@ -31,6 +43,7 @@ pub(crate) fn device(ordinal: i32) -> Result<Arc<Device>> {
         context: PrimaryContext::retain(ordinal)?,
         kernel: OnceLock::new(),
         pool: OnceLock::new(),
+        sides: Mutex::new(Vec::new()),
         init: Mutex::new(()),
     });
     devices.insert(ordinal, device.clone());
@@ -100,6 +113,31 @@ impl Device {
         }
         let pool = MemoryPool::new(self.context.device, self.context.ordinal)?;
         Ok(self.pool.get_or_init(|| pool))
+    }
+
+    /// A side stream for one call (context current): an idle one, or a new one. Give it back
+    /// with [`Device::give_back`] once the call has made the caller's stream wait for it.
+    pub fn side_stream(&self) -> Result<SideStream> {
+        let idle = self
+            .sides
+            .lock()
+            .map_err(|_| Error::internal("device lock poisoned"))?
+            .pop();
+        match idle {
+            Some(side) => Ok(side),
+            None => Ok(SideStream {
+                stream: PrivateStream::new()?,
+                fork: Event::new()?,
+                done: [Event::new()?, Event::new()?],
+            }),
+        }
+    }
+
+    /// Returns a side stream for later calls (its pending work is ordered before theirs).
+    pub fn give_back(&self, side: SideStream) {
+        if let Ok(mut sides) = self.sides.lock() {
+            sides.push(side);
+        }
     }
 
     /// The pool if it exists (for trimming when a plan goes).

@@ -353,6 +353,10 @@ impl PrivateStream {
     }
 }
 
+// SAFETY: stream handles may be used from any thread; a `SideStream` holding one is used by
+// one call at a time.
+unsafe impl Send for PrivateStream {}
+
 impl Drop for PrivateStream {
     fn drop(&mut self) {
         // SAFETY: destroys the stream `new` created, once (pending work still completes).
@@ -362,8 +366,13 @@ impl Drop for PrivateStream {
     }
 }
 
-/// An event without timing, for waiting on a point of a stream from the host.
+/// An event without timing, for waiting on a point of a stream from the host or from another
+/// stream.
 pub(crate) struct Event(sys::CUevent);
+
+// SAFETY: event handles may be used from any thread (the driver API is thread-safe); a
+// `SideStream` holding them is used by one call at a time.
+unsafe impl Send for Event {}
 
 impl Event {
     pub fn new() -> Result<Event> {
@@ -382,6 +391,14 @@ impl Event {
         // SAFETY: our event, the caller's stream.
         call("cuEventRecord", || unsafe {
             sys::cuEventRecord(self.0, stream)
+        })
+    }
+
+    /// Makes later work on `stream` wait until the point last recorded has passed.
+    pub fn wait_on(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: our event, a stream of the caller's or ours.
+        call("cuStreamWaitEvent", || unsafe {
+            sys::cuStreamWaitEvent(stream, self.0, 0)
         })
     }
 

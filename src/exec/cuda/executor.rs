@@ -11,7 +11,7 @@ use super::descriptors::{
     convert_tables, encode, encode_converts, Addressing, BaseKey, ConvertPasses, Encoded, Launch,
     MAX_BASES,
 };
-use super::device::{self, Device};
+use super::device::{self, Device, SideStream};
 use super::driver::{self, DeviceBuffer, Event, Kernel, PrivateStream, RelaxedCapture};
 use super::libs;
 use super::nccl::{nccl, Nccl, NcclComm, NCCL_UINT8};
@@ -39,12 +39,19 @@ struct Uploaded {
     tiles: DeviceBuffer,
 }
 
+/// One round's tables: its packs (with the local copies in the first round), the unpacks
+/// that finish before the next round, and the late ones.
+struct RoundTables {
+    before: Uploaded,
+    early: Uploaded,
+    late: Uploaded,
+}
+
 /// The tables of one addressing (single-buffer or per-tensor call): the conversions before
-/// the rounds (three passes), per round the tables before and after its messages, and the
-/// conversions after the rounds.
+/// the rounds (three passes), per round its tables, and the conversions after the rounds.
 struct Phases {
     converts_before: Vec<Uploaded>,
-    rounds: Vec<(Uploaded, Uploaded)>,
+    rounds: Vec<RoundTables>,
     converts_after: Vec<Uploaded>,
 }
 
@@ -258,25 +265,75 @@ impl CudaExecutor {
         // operation is posted, a failure no longer stops the call: the remaining groups are
         // still posted (their data may be wrong) so that no peer waits forever, and the first
         // error is returned at the end.
+        //
+        // Late unpacks (none read by a later round; their staging is theirs until the round
+        // after next) run on a side stream beside the next round: forked after their round's
+        // group, joined before the round after next posts its group (it reuses their arena)
+        // and before the call ends. During a capture they stay on the caller's stream, in
+        // order: a stream that joined a capture belongs to it until the capture ends, so it
+        // could not serve another call meanwhile.
         let mut failure: Option<Error> = None;
+        let late = p.rounds_iter().any(|r| r.late > 0) && !capturing;
+        let side = if late {
+            match device.side_stream() {
+                Ok(side) => Some(side),
+                Err(e) => {
+                    failure = Some(e);
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        // Per arena parity: the side stream has late unpacks reading it that the caller's
+        // stream has not yet waited for.
+        let mut pending = [false; 2];
+        let join = |parity: usize, pending: &mut [bool; 2], failure: &mut Option<Error>| {
+            if let (Some(side), true) = (&side, pending[parity]) {
+                pending[parity] = false;
+                if let Err(e) = side.done[parity].wait_on(cu_stream) {
+                    failure.get_or_insert(e);
+                }
+            }
+        };
         for pass in &phases.converts_before {
             if failure.is_none() {
                 failure = launch_all(kernel, pass, &base, cu_stream).err();
             }
         }
-        for (round, (before, after)) in p.rounds_iter().zip(&phases.rounds) {
+        for (k, (round, tables)) in p.rounds_iter().zip(&phases.rounds).enumerate() {
             if failure.is_none() {
-                failure = launch_all(kernel, before, &base, cu_stream).err();
+                failure = launch_all(kernel, &tables.before, &base, cu_stream).err();
             }
+            join(k % 2, &mut pending, &mut failure);
             if let Some(nccl) = nccl {
                 let posted = self.post_round(nccl, &round, &addressing, &base, comm, stream);
                 if let Err(e) = posted {
                     failure.get_or_insert(e);
                 }
             }
-            if failure.is_none() {
-                failure = launch_all(kernel, after, &base, cu_stream).err();
+            if round.late > 0 {
+                match (&side, failure.is_none()) {
+                    (Some(side), true) => {
+                        failure = self
+                            .fork_late(kernel, &tables.late, &base, cu_stream, side, k % 2)
+                            .err();
+                        pending[k % 2] = true;
+                    }
+                    (None, true) => {
+                        failure = launch_all(kernel, &tables.late, &base, cu_stream).err();
+                    }
+                    _ => {}
+                }
             }
+            if failure.is_none() {
+                failure = launch_all(kernel, &tables.early, &base, cu_stream).err();
+            }
+        }
+        join(0, &mut pending, &mut failure);
+        join(1, &mut pending, &mut failure);
+        if let Some(side) = side {
+            device.give_back(side);
         }
         for pass in &phases.converts_after {
             if failure.is_none() {
@@ -422,10 +479,11 @@ impl CudaExecutor {
                 .map(|(i, round)| {
                     let local: &[StridedCopy] = if i == 0 { &p.local_copies } else { &[] };
                     let pre: Vec<StridedCopy> = local.iter().chain(round.packs).cloned().collect();
-                    Ok((
-                        one(&encode(&pre, addressing))?,
-                        one(&encode(round.unpacks, addressing))?,
-                    ))
+                    Ok(RoundTables {
+                        before: one(&encode(&pre, addressing))?,
+                        early: one(&encode(round.early_unpacks(), addressing))?,
+                        late: one(&encode(round.late_unpacks(), addressing))?,
+                    })
                 })
                 .collect::<Result<_>>()?;
             Ok(Phases {
@@ -444,6 +502,24 @@ impl CudaExecutor {
         // The host vectors above stay alive until the copies have landed.
         upload.synchronize()?;
         Ok(state.tables.get_or_init(|| tables))
+    }
+
+    /// Runs `late` on the side stream once the caller's stream has passed this point (the
+    /// round's group), and marks its end in `side.done[parity]`.
+    fn fork_late(
+        &self,
+        kernel: &Kernel,
+        late: &Uploaded,
+        base: &impl Fn(BaseKey) -> u64,
+        stream: sys::CUstream,
+        side: &SideStream,
+        parity: usize,
+    ) -> Result<()> {
+        side.fork.record(stream)?;
+        side.fork.wait_on(side.stream.0)?;
+        let launched = launch_all(kernel, late, base, side.stream.0);
+        side.done[parity].record(side.stream.0)?;
+        launched
     }
 
     /// One round's NCCL group: this rank's sends and receives.

@@ -148,6 +148,9 @@ struct Model<'a> {
     /// time the host has posted the round.
     pack: Vec<f64>,
     unpack: Vec<f64>,
+    /// Per (rank, round): seconds of the late unpacks, which run on a side stream beside the
+    /// next round (they must be done before the round after next posts its group).
+    late: Vec<f64>,
     posted: Vec<f64>,
     /// Per rank: its host's total posting time.
     host: Vec<f64>,
@@ -252,6 +255,7 @@ impl<'a> Model<'a> {
 
         let mut pack = vec![0.0f64; n * nr];
         let mut unpack = vec![0.0f64; n * nr];
+        let mut late = vec![0.0f64; n * nr];
         let mut posted = vec![0.0f64; n * nr];
         let mut host = vec![0.0f64; n];
         let mut ends_of: Vec<Vec<u32>> = vec![Vec::new(); n * nr];
@@ -284,7 +288,8 @@ impl<'a> Model<'a> {
                 last = Some(k);
                 pack[i * nr + k] += convert_seconds(converts, cluster)
                     + kernel_seconds(local.iter().chain(round.packs), cluster);
-                unpack[i * nr + k] += kernel_seconds(round.unpacks, cluster);
+                unpack[i * nr + k] += kernel_seconds(round.early_unpacks(), cluster);
+                late[i * nr + k] += kernel_seconds(round.late_unpacks(), cluster);
                 let ops = round.sends.len() + round.recvs.len();
                 if ops > 0 {
                     clock += ops as f64 * cluster.host_op_s + cluster.group_s;
@@ -323,6 +328,7 @@ impl<'a> Model<'a> {
             n,
             pack,
             unpack,
+            late,
             posted,
             host,
             ends_of,
@@ -350,9 +356,10 @@ impl<'a> Model<'a> {
                 f
             })
             .collect();
-        let (pack, unpack, posted, ends_of, meta) = (
+        let (pack, unpack, late, posted, ends_of, meta) = (
             &self.pack,
             &self.unpack,
+            &self.late,
             &self.posted,
             &self.ends_of,
             &self.meta,
@@ -366,6 +373,11 @@ impl<'a> Model<'a> {
         let mut outstanding: Vec<usize> = ends_of.iter().map(Vec::len).collect();
         let mut finished = vec![0.0f64; n];
         let mut busy = vec![0.0f64; n];
+        // Per rank, its side stream: when the late unpacks queued so far are done, and when
+        // those queued before its last finished round's are (the next round's group waits for
+        // these: it reuses their staging).
+        let mut side_free = vec![0.0f64; n];
+        let mut side_wait = vec![0.0f64; n];
         // Enters rank i into round k at time t, passing through rounds it has no flows in,
         // and releases the flows whose other end is already there.
         let enter = |i: usize,
@@ -375,11 +387,13 @@ impl<'a> Model<'a> {
                      ready: &mut Vec<f64>,
                      last: &mut Vec<f64>,
                      finished: &mut Vec<f64>,
+                     side: (&[f64], &[f64]),
                      release: &mut Vec<(u32, f64)>| {
+            let (side_free, side_wait) = side;
             while k < nr {
                 let slot = i * nr + k;
                 position[i] = k;
-                ready[i] = (t + pack[slot]).max(posted[slot]) + delay[slot];
+                ready[i] = (t + pack[slot]).max(posted[slot]).max(side_wait[i]) + delay[slot];
                 last[i] = ready[i];
                 if !ends_of[slot].is_empty() {
                     for &f in &ends_of[slot] {
@@ -395,7 +409,7 @@ impl<'a> Model<'a> {
                 k += 1;
             }
             position[i] = nr;
-            finished[i] = t;
+            finished[i] = t.max(side_free[i]);
         };
         let mut initial = Vec::new();
         for i in 0..n {
@@ -407,6 +421,7 @@ impl<'a> Model<'a> {
                 &mut ready,
                 &mut last,
                 &mut finished,
+                (&side_free, &side_wait),
                 &mut initial,
             );
         }
@@ -428,6 +443,10 @@ impl<'a> Model<'a> {
                     if outstanding[slot] == 0 {
                         busy[e] += last[e] - ready[e];
                         let done = last[e] + unpack[slot];
+                        side_wait[e] = side_free[e];
+                        if late[slot] > 0.0 {
+                            side_free[e] = side_free[e].max(last[e]) + late[slot];
+                        }
                         enter(
                             e,
                             k + 1,
@@ -436,6 +455,7 @@ impl<'a> Model<'a> {
                             &mut ready,
                             &mut last,
                             &mut finished,
+                            (&side_free, &side_wait),
                             release,
                         );
                     }
@@ -458,7 +478,13 @@ impl<'a> Model<'a> {
             phases: [
                 sum_per_rank(pack),
                 busy.iter().copied().fold(0.0, f64::max),
-                sum_per_rank(unpack),
+                sum_per_rank(
+                    &unpack
+                        .iter()
+                        .zip(late)
+                        .map(|(u, l)| u + l)
+                        .collect::<Vec<_>>(),
+                ),
                 self.host.iter().copied().fold(0.0, f64::max),
             ],
             link_bytes: outcome.link_bytes,

@@ -1,0 +1,438 @@
+//! Overlapping unpacks with the next round (docs/architecture.md, "Overlapping unpacks").
+//!
+//! A staged rank runs each round as packs → one NCCL group → unpacks. Most of what it unpacks
+//! is needed by nobody after the round: only relays read their destination views again, to
+//! forward what arrived. [`overlap_unpacks`] marks a round's unpacks *late* when no later
+//! round's pack or send reads what they write, and moves the staging regions they read (the
+//! receives that land there) into one of two extra arenas, alternating by round, so the next
+//! round's receives and packs cannot overwrite them. An executor may then run late unpacks on
+//! a second stream beside the next round's transfers, as long as they finish before the round
+//! after next starts (which reuses their arena) and before the call ends.
+//!
+//! A pure rewrite of one rank's program: its messages keep their order, sizes and peers, so
+//! peers need not know. Decided from the program alone, with interval arithmetic on the
+//! copies' strided byte sets ([`may_overlap`], conservative: a pair it cannot decide cheaply
+//! counts as overlapping, and its unpack stays early).
+
+use super::config::ROUND_TARGET_BYTES;
+use super::fxhash::FxHashMap;
+use super::messages::STAGING_ALIGN;
+use super::program::{Buffer, Loc, RankProgram, RoundSpan, StridedCopy};
+
+/// One side of a copy or a message as a set of bytes of one buffer: `chunk` bytes at
+/// `offset + Σ i_d · stride_d` for `0 ≤ i_d < count_d` (outermost first).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ByteSet {
+    pub offset: u64,
+    pub chunk: u64,
+    /// (count, stride) per dim, outermost first.
+    pub dims: Vec<(u64, u64)>,
+}
+
+impl ByteSet {
+    /// `bytes` contiguous bytes at `offset`.
+    pub fn run(offset: u64, bytes: u64) -> ByteSet {
+        ByteSet {
+            offset,
+            chunk: bytes,
+            dims: Vec::new(),
+        }
+    }
+
+    /// The bytes a copy reads (`src`) or writes.
+    pub fn of_copy(copy: &StridedCopy, src: bool) -> ByteSet {
+        ByteSet {
+            offset: if src {
+                copy.src.offset
+            } else {
+                copy.dst.offset
+            },
+            chunk: copy.chunk_bytes,
+            dims: copy
+                .dims
+                .iter()
+                .map(|d| (d.count, if src { d.src_stride } else { d.dst_stride }))
+                .collect(),
+        }
+    }
+
+    /// Bytes from the set's first byte to past its last (0 when empty).
+    fn extent_len(&self) -> u64 {
+        let (lo, hi) = self.extent();
+        (hi - lo) as u64
+    }
+
+    fn is_empty(&self) -> bool {
+        self.chunk == 0 || self.dims.iter().any(|&(count, _)| count == 0)
+    }
+
+    /// The smallest interval holding the set (empty sets: an empty interval).
+    fn extent(&self) -> (u128, u128) {
+        let lo = u128::from(self.offset);
+        if self.is_empty() {
+            return (lo, lo);
+        }
+        let span: u128 = self
+            .dims
+            .iter()
+            .map(|&(count, stride)| u128::from(count - 1) * u128::from(stride))
+            .sum();
+        (lo, lo + span + u128::from(self.chunk))
+    }
+
+    /// The sets of the outermost dim's entries (`count` of them), each without that dim.
+    fn outer_pieces(&self) -> impl Iterator<Item = ByteSet> + '_ {
+        let (count, stride) = self.dims[0];
+        (0..count).map(move |i| ByteSet {
+            offset: self.offset + i * stride,
+            chunk: self.chunk,
+            dims: self.dims[1..].to_vec(),
+        })
+    }
+}
+
+/// Most sub-pieces [`may_overlap`] enumerates before it gives up and answers "may overlap".
+const ENUMERATE_MAX: u64 = 4096;
+
+/// Whether two byte sets of one buffer may share a byte: exact for contiguous runs and for
+/// sets of one dim (rows of any stride against rows of the same stride, or against a run);
+/// sets of more dims, or rows of different strides, are cut into their outermost entries while
+/// that takes at most a few thousand pieces; past that the answer is `true` (conservative).
+pub fn may_overlap(a: &ByteSet, b: &ByteSet) -> bool {
+    let (a_lo, a_hi) = a.extent();
+    let (b_lo, b_hi) = b.extent();
+    if a_lo == a_hi || b_lo == b_hi || a_hi <= b_lo || b_hi <= a_lo {
+        return false;
+    }
+    // Flatten the set with more dims (or, at one dim each with different strides, the one
+    // with fewer rows) into its outer entries.
+    let split = |s: &ByteSet, other: &ByteSet| -> bool {
+        let (count, _) = s.dims[0];
+        count > ENUMERATE_MAX || s.outer_pieces().any(|piece| may_overlap(&piece, other))
+    };
+    match (a.dims.len(), b.dims.len()) {
+        (0, 0) => true,
+        (1, 0) => rows_meet_run(a, b_lo, b_hi),
+        (0, 1) => rows_meet_run(b, a_lo, a_hi),
+        (1, 1) if a.dims[0].1 == b.dims[0].1 => rows_meet_rows(a, b),
+        (1, 1) => {
+            if a.dims[0].0 <= b.dims[0].0 {
+                split(a, b)
+            } else {
+                split(b, a)
+            }
+        }
+        (m, n) if m >= n => split(a, b),
+        _ => split(b, a),
+    }
+}
+
+/// One-dim `rows` (count n, stride P, chunk c at o) against the run `[lo, hi)`: some row i
+/// with `o + iP < hi` and `o + iP + c > lo`.
+fn rows_meet_run(rows: &ByteSet, lo: u128, hi: u128) -> bool {
+    let (n, p) = rows.dims[0];
+    let (o, c, p) = (rows.offset as i128, rows.chunk as i128, p as i128);
+    let (lo, hi) = (lo as i128, hi as i128);
+    if p == 0 {
+        return o < hi && o + c > lo;
+    }
+    // i > (lo - c - o) / P and i < (hi - o) / P.
+    let first = (lo - c - o).div_euclid(p) + 1;
+    let last = (hi - o - 1).div_euclid(p);
+    first.max(0) <= last.min(n as i128 - 1)
+}
+
+/// Two one-dim sets of the same stride P: rows i of `a` and j of `b` meet iff
+/// `-c_b < d + mP < c_a` for d = o_b − o_a and some m = j − i in `[-(n_a − 1), n_b − 1]`.
+fn rows_meet_rows(a: &ByteSet, b: &ByteSet) -> bool {
+    let (na, p) = a.dims[0];
+    let (nb, _) = b.dims[0];
+    let (ca, cb, p) = (a.chunk as i128, b.chunk as i128, p as i128);
+    let d = b.offset as i128 - a.offset as i128;
+    if p == 0 {
+        return d < ca && d > -cb;
+    }
+    // mP > -cb - d and mP < ca - d.
+    let m_lo = (-cb - d).div_euclid(p) + 1;
+    let m_hi = (ca - d - 1).div_euclid(p);
+    m_lo.max(-(na as i128 - 1)) <= m_hi.min(nb as i128 - 1)
+}
+
+/// Marks late unpacks and gives the staging they read arenas of their own (see the module
+/// documentation). Programs of one round, and rounds whose unpacks read staging regions the
+/// rewrite cannot tell apart, stay as they are. Returns the staging bytes the rewrite added.
+pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
+    if program.round_spans.len() < 2 || !program.rounds_are_consistent() {
+        return 0;
+    }
+    // Every later read of a destination view or the workspace: (position of its round, set),
+    // by (buffer, tensor).
+    let mut reads: FxHashMap<(Buffer, u32), Vec<(usize, ByteSet)>> = FxHashMap::default();
+    let tensor_of = |loc: &Loc| match loc.buffer {
+        Buffer::Work => 0,
+        _ => loc.tensor,
+    };
+    for (k, round) in program.rounds_iter().enumerate() {
+        for copy in round.packs {
+            if matches!(copy.src.buffer, Buffer::Dst | Buffer::Work) {
+                reads
+                    .entry((copy.src.buffer, tensor_of(&copy.src)))
+                    .or_default()
+                    .push((k, ByteSet::of_copy(copy, true)));
+            }
+        }
+        for m in round.sends {
+            if matches!(m.loc.buffer, Buffer::Dst | Buffer::Work) {
+                reads
+                    .entry((m.loc.buffer, tensor_of(&m.loc)))
+                    .or_default()
+                    .push((k, ByteSet::run(m.loc.offset, m.bytes)));
+            }
+        }
+    }
+    let last = program.round_spans.len() - 1;
+    // Per round: the order of its unpacks (early first) and how many are late.
+    let mut plans: Vec<Option<(Vec<usize>, usize)>> = vec![None; program.round_spans.len()];
+    // Per round: receives into staging to move, by index in `recvs`, with their new offset.
+    let mut moves: Vec<(usize, u64)> = Vec::new();
+    let mut arena_bytes = [0u64; 2];
+    // Offsets of moved staging regions by round: (old start, old end, new start).
+    let mut relocated: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); program.round_spans.len()];
+    let mut recv_start = 0usize;
+    for (k, round) in program.rounds_iter().enumerate() {
+        let recvs_here = recv_start..recv_start + round.recvs.len();
+        recv_start = recvs_here.end;
+        if k == last || round.unpacks.is_empty() {
+            continue;
+        }
+        let is_late = |u: &StridedCopy| -> bool {
+            let written = ByteSet::of_copy(u, false);
+            reads
+                .get(&(u.dst.buffer, tensor_of(&u.dst)))
+                .map_or(true, |later| {
+                    !later
+                        .iter()
+                        .any(|(r, set)| *r > k && may_overlap(set, &written))
+                })
+        };
+        let late: Vec<bool> = round.unpacks.iter().map(is_late).collect();
+        if !late.iter().any(|&l| l) {
+            continue;
+        }
+        // The staging receives of the round, and which of them late unpacks read.
+        let staged: Vec<usize> = recvs_here
+            .clone()
+            .filter(|&i| program.recvs[i].loc.buffer == Buffer::Staging)
+            .collect();
+        let region_of = |u: &StridedCopy| -> Option<usize> {
+            let (lo, hi) = ByteSet::of_copy(u, true).extent();
+            staged.iter().copied().find(|&i| {
+                let m = &program.recvs[i];
+                u128::from(m.loc.offset) <= lo && hi <= u128::from(m.loc.offset + m.bytes)
+            })
+        };
+        let mut moved: Vec<usize> = Vec::new();
+        let mut clean = true;
+        for (u, &l) in round.unpacks.iter().zip(&late) {
+            match (u.src.buffer == Buffer::Staging, region_of(u)) {
+                (true, Some(i)) => {
+                    if l && !moved.contains(&i) {
+                        moved.push(i);
+                    }
+                }
+                _ => clean = false,
+            }
+        }
+        if !clean {
+            continue;
+        }
+        moved.sort_unstable();
+        let parity = k % 2;
+        let mut at = 0u64;
+        for &i in &moved {
+            let m = &program.recvs[i];
+            let start = at.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
+            at = start + m.bytes;
+            moves.push((i, start));
+            relocated[k].push((m.loc.offset, m.loc.offset + m.bytes, start));
+        }
+        arena_bytes[parity] = arena_bytes[parity].max(at);
+        let mut order: Vec<usize> = (0..late.len()).filter(|&i| !late[i]).collect();
+        let early = order.len();
+        order.extend((0..late.len()).filter(|&i| late[i]));
+        plans[k] = Some((order, late.len() - early));
+    }
+    if plans.iter().all(Option::is_none) {
+        return 0;
+    }
+    // Each round's main arena closes the gaps the moved regions leave (`squeeze`).
+    let spans = program.round_spans.clone();
+    let mut moved = vec![false; program.recvs.len()];
+    for &(i, _) in &moves {
+        moved[i] = true;
+    }
+    let mut main = 0u64;
+    main_locs(program, &spans, &moved, |k, loc, len| {
+        main = main.max(squeeze(&relocated[k], loc.offset) + len);
+    });
+    // Memory: the whole staging must stay within what auto mode aims one round's staging at
+    // (or within what the program already needs, if more): the overlap is worth a few percent
+    // of a call, not gigabytes of somebody's KV cache.
+    let aligned = |x: u64| x.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
+    let total = aligned(main) + aligned(arena_bytes[0]) + aligned(arena_bytes[1]);
+    if total > program.staging_bytes.max(ROUND_TARGET_BYTES) {
+        return 0;
+    }
+    main_locs(program, &spans, &moved, |k, loc, _| {
+        loc.offset = squeeze(&relocated[k], loc.offset);
+    });
+    let main = main.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
+    // The arenas follow the main one; parity 1's follows parity 0's.
+    let base = [
+        main,
+        main + arena_bytes[0].div_ceil(STAGING_ALIGN) * STAGING_ALIGN,
+    ];
+    for &(i, start) in &moves {
+        let k = spans.iter().position(|s| i < s.recvs_end).unwrap_or(0);
+        program.recvs[i].loc.offset = base[k % 2] + start;
+    }
+    // Reorder each round's unpacks (early first) and point them at their regions' new places.
+    let mut unpack_start = 0usize;
+    for (k, span) in spans.iter().enumerate() {
+        let end = span.unpacks_end;
+        let old: Vec<StridedCopy> = program.unpacks[unpack_start..end].to_vec();
+        let order: Vec<usize> = match &plans[k] {
+            Some((order, _)) => order.clone(),
+            None => (0..old.len()).collect(),
+        };
+        for (slot, &at) in order.iter().enumerate() {
+            let mut u = old[at].clone();
+            if u.src.buffer == Buffer::Staging {
+                match relocated[k]
+                    .iter()
+                    .find(|&&(lo, hi, _)| lo <= u.src.offset && u.src.offset < hi)
+                {
+                    Some(&(lo, _, new)) => u.src.offset = base[k % 2] + new + (u.src.offset - lo),
+                    None => u.src.offset = squeeze(&relocated[k], u.src.offset),
+                }
+            }
+            program.unpacks[unpack_start + slot] = u;
+        }
+        program.round_spans[k].late_unpacks = plans[k].as_ref().map_or(0, |(_, late)| *late);
+        unpack_start = end;
+    }
+    let before = program.staging_bytes;
+    program.staging_bytes = base[1] + arena_bytes[1].div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
+    program.staging_bytes.saturating_sub(before)
+}
+
+/// `x`, an offset of round k's staging outside the moved regions, once the moved regions'
+/// (aligned) footprints below it are taken out.
+fn squeeze(relocated: &[(u64, u64, u64)], x: u64) -> u64 {
+    x - relocated
+        .iter()
+        .filter(|&&(_, hi, _)| hi <= x)
+        .map(|&(lo, hi, _)| hi.div_ceil(STAGING_ALIGN) * STAGING_ALIGN - lo)
+        .sum::<u64>()
+}
+
+/// Calls `f(round position, location, bytes)` for every staging location of the main arena:
+/// pack outputs, staged sends, and staging receives not `moved`.
+fn main_locs(
+    program: &mut RankProgram,
+    spans: &[RoundSpan],
+    moved: &[bool],
+    mut f: impl FnMut(usize, &mut Loc, u64),
+) {
+    let mut from = RoundSpan::default();
+    for (k, span) in spans.iter().enumerate() {
+        for c in &mut program.packs[from.packs_end..span.packs_end] {
+            if c.dst.buffer == Buffer::Staging {
+                let len = ByteSet::of_copy(c, false).extent_len();
+                f(k, &mut c.dst, len);
+            }
+        }
+        for m in &mut program.sends[from.sends_end..span.sends_end] {
+            if m.loc.buffer == Buffer::Staging {
+                f(k, &mut m.loc, m.bytes);
+            }
+        }
+        let range = from.recvs_end..span.recvs_end;
+        for (m, &moved) in program.recvs[range.clone()].iter_mut().zip(&moved[range]) {
+            if m.loc.buffer == Buffer::Staging && !moved {
+                f(k, &mut m.loc, m.bytes);
+            }
+        }
+        from = *span;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    fn bytes_of(s: &ByteSet) -> BTreeSet<u64> {
+        let mut out = BTreeSet::new();
+        let mut index = vec![0u64; s.dims.len()];
+        if s.is_empty() {
+            return out;
+        }
+        loop {
+            let base: u64 = s.offset
+                + s.dims
+                    .iter()
+                    .zip(&index)
+                    .map(|(&(_, stride), &i)| i * stride)
+                    .sum::<u64>();
+            out.extend(base..base + s.chunk);
+            if !crate::layout::next_index(&mut index, |d| s.dims[d].0) {
+                return out;
+            }
+        }
+    }
+
+    fn set() -> impl Strategy<Value = ByteSet> {
+        (
+            0u64..64,
+            0u64..9,
+            prop::collection::vec((0u64..5, 0u64..24), 0..3),
+        )
+            .prop_map(|(offset, chunk, dims)| ByteSet {
+                offset,
+                chunk,
+                dims,
+            })
+    }
+
+    proptest! {
+        /// Never says "disjoint" for sets that share a byte (the oracle enumerates bytes),
+        /// and is exact where it claims to be: runs and same-stride rows.
+        #[test]
+        fn may_overlap_is_sound_and_exact_on_rows(a in set(), b in set()) {
+            let shared = !bytes_of(&a).is_disjoint(&bytes_of(&b));
+            let said = may_overlap(&a, &b);
+            prop_assert!(said || !shared, "{a:?} {b:?}: said disjoint, share a byte");
+            // Small sets are always enumerated or computed exactly.
+            prop_assert_eq!(said, shared, "{:?} {:?}", a, b);
+        }
+    }
+
+    #[test]
+    fn column_blocks_of_one_matrix_do_not_overlap() {
+        // Rows of 16 KiB; columns [0, 4 KiB) and [4 KiB, 8 KiB) of 5120 rows.
+        let a = ByteSet {
+            offset: 0,
+            chunk: 4096,
+            dims: vec![(5120, 16384)],
+        };
+        let b = ByteSet {
+            offset: 4096,
+            ..a.clone()
+        };
+        assert!(!may_overlap(&a, &b));
+        assert!(may_overlap(&a, &ByteSet::run(16384 * 7 + 100, 10)));
+        assert!(!may_overlap(&a, &ByteSet::run(16384 * 7 + 4096, 12288)));
+    }
+}
