@@ -731,6 +731,53 @@ fn relayed_plans_run_from_the_export_alone() {
 }
 
 #[test]
+fn late_unpack_arenas_give_way_to_the_staging_limit() {
+    // Column shards into row shards, relayed on node 1: node-mates receive what a relay
+    // forwards into staging and nothing later reads what they unpack (late unpacks, with two
+    // arenas of their own). Under a limit the arenas would pass, the plan drops them and keeps
+    // the same messages.
+    let spec = tp2_to_tp2_dp4();
+    let config = relayed(4);
+    let planner = Planner::new(vec![spec.clone()], config.clone()).unwrap();
+    let rank = (8..16)
+        .find(|&r| {
+            let p = planner.rank_program(r).unwrap();
+            p.round_spans.iter().any(|s| s.late_unpacks > 0)
+        })
+        .expect("a rank with late unpacks");
+    let overlapped = planner.rank_program(rank).unwrap();
+    let sequential = planner.rank_program_sequential(rank).unwrap();
+    assert!(sequential.staging_bytes < overlapped.staging_bytes);
+    check_late_unpacks(&overlapped);
+    assert_eq!(
+        (&overlapped.sends, overlapped.recvs.len()),
+        (&sequential.sends, sequential.recvs.len())
+    );
+    let memory = initial_memory(std::slice::from_ref(&spec), rank);
+    for (limit, staging) in [
+        (0, overlapped.staging_bytes),
+        (overlapped.staging_bytes, overlapped.staging_bytes),
+        (sequential.staging_bytes, sequential.staging_bytes),
+    ] {
+        let mut d = Descriptors::new(std::slice::from_ref(&spec), &config);
+        d.config.maxStagingBytes = limit as usize;
+        let export = export_rank(&mut d, &memory, rank);
+        assert_eq!(export.info.stagingBytes as u64, staging, "limit {limit}");
+    }
+    // Below what the rounds need anyway: refused, naming the limit.
+    let mut d = Descriptors::new(std::slice::from_ref(&spec), &config);
+    d.config.maxStagingBytes = (sequential.staging_bytes - 1) as usize;
+    let mut plan: ncclReshardPlan_t = std::ptr::null_mut();
+    // SAFETY: the descriptors and everything they point to are alive and valid.
+    let created = unsafe {
+        ncclReshardPlanCreate(&mut plan, 1, d.tensors.as_ptr(), rank as c_int, &d.config)
+    };
+    assert_ne!(created, 0);
+    assert!(plan.is_null());
+    assert!(last_error().contains("staging"), "{}", last_error());
+}
+
+#[test]
 fn relayed_into_a_strided_view_over_several_rounds() {
     // TP1 → DP8 on one node: one replica takes each chunk from the source and forwards it to
     // the other seven, into the left half of a fused [40, 48] buffer.
@@ -1000,6 +1047,147 @@ fn config() -> impl Strategy<Value = Config> {
             relay,
             ..Default::default()
         })
+}
+
+/// Every byte offset one side of `copy` covers.
+fn copy_bytes(copy: &ncclreshard::plan::StridedCopy, src: bool) -> Vec<u64> {
+    let mut out = Vec::new();
+    if copy.chunk_bytes == 0 || copy.dims.iter().any(|d| d.count == 0) {
+        return out;
+    }
+    let mut index = vec![0u64; copy.dims.len()];
+    loop {
+        let mut at = if src {
+            copy.src.offset
+        } else {
+            copy.dst.offset
+        };
+        for (d, &i) in copy.dims.iter().zip(&index) {
+            at += i * if src { d.src_stride } else { d.dst_stride };
+        }
+        out.extend(at..at + copy.chunk_bytes);
+        let mut d = index.len();
+        loop {
+            if d == 0 {
+                return out;
+            }
+            d -= 1;
+            index[d] += 1;
+            if index[d] < copy.dims[d].count {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+}
+
+/// The late-unpack contract (docs/executor.md, "Overlapping unpacks"), byte by byte: what a
+/// round's late unpacks write, no later round's pack or send reads; what they read of staging,
+/// nothing writes in the next round, nor the packs of the round after (which run before the
+/// executor waits for them); the last round has none.
+fn check_late_unpacks(p: &RankProgram) {
+    use ncclreshard::plan::Buffer;
+    use std::collections::HashSet;
+    let rounds = p.rounds();
+    assert!(p.rounds_are_consistent(), "rank {}", p.rank);
+    if let Some(last) = rounds.last() {
+        assert_eq!(
+            last.late, 0,
+            "rank {}: late unpacks in the last round",
+            p.rank
+        );
+    }
+    let key = |l: &ncclreshard::plan::Loc| {
+        (
+            l.buffer,
+            if l.buffer == Buffer::Work {
+                0
+            } else {
+                l.tensor
+            },
+        )
+    };
+    for (k, round) in rounds.iter().enumerate() {
+        if round.late == 0 {
+            continue;
+        }
+        let mut written = HashSet::new();
+        let mut read = HashSet::new();
+        for u in round.late_unpacks() {
+            written.extend(copy_bytes(u, false).into_iter().map(|b| (key(&u.dst), b)));
+            assert_eq!(u.src.buffer, Buffer::Staging);
+            read.extend(copy_bytes(u, true));
+        }
+        for (j, later) in rounds.iter().enumerate().skip(k + 1) {
+            for c in later.packs {
+                for b in copy_bytes(c, true) {
+                    assert!(
+                        !written.contains(&(key(&c.src), b)),
+                        "rank {} round {j} packs what round {k}'s late unpacks write",
+                        p.rank
+                    );
+                }
+                if j <= k + 2 && c.dst.buffer == Buffer::Staging {
+                    for b in copy_bytes(c, false) {
+                        assert!(
+                            !read.contains(&b),
+                            "rank {} round {j} packs over round {k}'s late staging",
+                            p.rank
+                        );
+                    }
+                }
+            }
+            for m in later.sends {
+                for b in m.loc.offset..m.loc.offset + m.bytes {
+                    assert!(
+                        !written.contains(&(key(&m.loc), b)),
+                        "rank {} round {j} sends what round {k}'s late unpacks write",
+                        p.rank
+                    );
+                }
+            }
+            if j == k + 1 {
+                for m in later
+                    .recvs
+                    .iter()
+                    .filter(|m| m.loc.buffer == Buffer::Staging)
+                {
+                    for b in m.loc.offset..m.loc.offset + m.bytes {
+                        assert!(
+                            !read.contains(&b),
+                            "rank {} round {j} receives over round {k}'s late staging",
+                            p.rank
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Late unpacks keep their contract in random plans, and planning without them gives the
+    /// same messages in the same order.
+    #[test]
+    fn random_plans_keep_the_late_unpack_contract(
+        tensors in prop::collection::vec(tensor(), 1..=3),
+        config in config(),
+    ) {
+        let planner = match Planner::new(tensors, config) {
+            Ok(p) => p,
+            Err(_) => return Ok(()),
+        };
+        for rank in 0..planner.ranks().iter().copied().max().map_or(0, |r| r + 1) {
+            let p = planner.rank_program(rank).unwrap();
+            check_late_unpacks(&p);
+            let q = planner.rank_program_sequential(rank).unwrap();
+            prop_assert_eq!(p.sends.len(), q.sends.len());
+            prop_assert!(p.sends.iter().zip(&q.sends).all(|(a, b)| a.peer == b.peer && a.bytes == b.bytes));
+            prop_assert!(p.recvs.iter().zip(&q.recvs).all(|(a, b)| a.peer == b.peer && a.bytes == b.bytes));
+        }
+    }
 }
 
 proptest! {

@@ -95,10 +95,18 @@ impl PlanObject {
         )?;
         // The same program as program_from_transfers(rank_blocks, transfers), without listing
         // the blocks (tests/transfers.rs checks that they agree).
-        let program = Arc::new(planner.rank_program(rank)?);
+        let limit = staging_limit(max_staging_bytes);
+        let mut program = planner.rank_program(rank)?;
+        // Late unpacks' arenas add staging (docs/executor.md, "Overlapping unpacks"); past the
+        // limit the rank runs every unpack before the next round instead (the same messages).
+        if program.staging_bytes.saturating_add(program.work_bytes) > limit
+            && program.round_spans.iter().any(|s| s.late_unpacks > 0)
+        {
+            program = planner.rank_program_sequential(rank)?;
+        }
+        let program = Arc::new(program);
         // Checked here, not per call: a call refused on one rank after its peers posted their
         // messages would leave them waiting.
-        let limit = staging_limit(max_staging_bytes);
         let needed = program.staging_bytes.saturating_add(program.work_bytes);
         if needed > limit {
             return Err(Error::invalid_usage(format!(

@@ -3,9 +3,11 @@
 //! Pure data. Every address is a byte offset relative to one of the rank's buffers: a tensor's
 //! source view, a tensor's destination view, or the rank's staging arena. An executor runs the
 //! local copies, then each round in order: the round's packs, every send and receive of the
-//! round (posted together, like one NCCL group), then the round's unpacks. Rounds bound the
-//! staging arena (it is reused by every round) and let a rank forward in round `r + 1` what it
-//! received in round `r` (relays). Sends to a peer and receives from it are listed in the order
+//! round (posted together, like one NCCL group), then the round's unpacks; a round's *late*
+//! unpacks ([`RoundSpan::late_unpacks`]) may instead run beside the next round and must be done
+//! before the round after next posts its messages. Rounds bound the staging arena (it is
+//! reused by every round; late unpacks read two extra arenas, one per round parity) and let a
+//! rank forward in round `r + 1` what it received in round `r` (relays). Sends to a peer and receives from it are listed in the order
 //! both sides post them, in the same rounds on both sides; sizes match by construction.
 
 use super::convert::StridedConvert;
@@ -346,7 +348,8 @@ pub struct RankProgram {
     /// Where each round ends in the four lists above; empty means one round 0 holding
     /// everything.
     pub round_spans: Vec<RoundSpan>,
-    /// Bytes of staging arena the program addresses (the largest round's need).
+    /// Bytes of staging arena the program addresses (the largest round's need, plus the two
+    /// arenas of late unpacks, if any).
     pub staging_bytes: u64,
     /// Conversions of data this rank received in its source dtype, from the workspace into
     /// its destination views (and their scales), after the last round.
