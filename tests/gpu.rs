@@ -676,45 +676,38 @@ fn multi_rank_cases(n: u32) -> Vec<(&'static str, Vec<TensorSpec>, Config)> {
     if n >= 8 {
         // TP2 → TP2 × DP4 with 4 ranks per node: node 1 holds two replicas of each
         // destination shard, so each part crosses the network once and is forwarded (relay).
-        let tp2 = mesh(&[2], &[0, 1]);
-        let dp4_tp2 = mesh(&[4, 2], &(0..8).collect::<Vec<_>>());
-        cases.push((
-            "relayed TP2 → TP2×DP4",
-            vec![TensorSpec {
-                shape: vec![4096, 512],
-                dtype: DType::Bfloat16,
-                src: layout(tp2, &[Placement::Shard(0)]),
-                dst: layout(dp4_tp2, &[Placement::Replicate, Placement::Shard(0)]),
-            }],
-            Config {
-                mode: Mode::Auto,
-                topology: Topology::RanksPerNode(4),
-                rounds: 2,
-                split_min_bytes: 4096,
-                ..Default::default()
-            },
-        ));
-        // Column shards into row shards, relayed: what a relay forwards is strided on both
-        // ends, so its node-mates receive it into staging, and nothing later reads what they
-        // unpack: late unpacks, run on a side stream beside the next round.
-        let tp2 = mesh(&[2], &[0, 1]);
-        let dp4_tp2 = mesh(&[4, 2], &(0..8).collect::<Vec<_>>());
-        cases.push((
-            "relayed with late unpacks TP2 (columns) → TP2×DP4 (rows)",
-            vec![TensorSpec {
-                shape: vec![2048, 768],
-                dtype: DType::Bfloat16,
-                src: layout(tp2, &[Placement::Shard(1)]),
-                dst: layout(dp4_tp2, &[Placement::Replicate, Placement::Shard(0)]),
-            }],
-            Config {
-                mode: Mode::Auto,
-                topology: Topology::RanksPerNode(4),
-                rounds: 4,
-                split_min_bytes: 4096,
-                ..Default::default()
-            },
-        ));
+        // Then column shards into row shards: what a relay forwards is strided on both ends,
+        // so its node-mates receive it into staging and nothing later reads what they unpack
+        // (late unpacks, run on a side stream beside the next round).
+        for (name, shape, src, rounds) in [
+            ("relayed TP2 → TP2×DP4", [4096, 512], Placement::Shard(0), 2),
+            (
+                "relayed with late unpacks TP2 (columns) → TP2×DP4 (rows)",
+                [2048, 768],
+                Placement::Shard(1),
+                4,
+            ),
+        ] {
+            cases.push((
+                name,
+                vec![TensorSpec {
+                    shape: shape.to_vec(),
+                    dtype: DType::Bfloat16,
+                    src: layout(mesh(&[2], &[0, 1]), &[src]),
+                    dst: layout(
+                        mesh(&[4, 2], &(0..8).collect::<Vec<_>>()),
+                        &[Placement::Replicate, Placement::Shard(0)],
+                    ),
+                }],
+                Config {
+                    mode: Mode::Auto,
+                    topology: Topology::RanksPerNode(4),
+                    rounds,
+                    split_min_bytes: 4096,
+                    ..Default::default()
+                },
+            ));
+        }
     }
     cases
 }

@@ -1066,17 +1066,8 @@ fn copy_bytes(copy: &ncclreshard::plan::StridedCopy, src: bool) -> Vec<u64> {
             at += i * if src { d.src_stride } else { d.dst_stride };
         }
         out.extend(at..at + copy.chunk_bytes);
-        let mut d = index.len();
-        loop {
-            if d == 0 {
-                return out;
-            }
-            d -= 1;
-            index[d] += 1;
-            if index[d] < copy.dims[d].count {
-                break;
-            }
-            index[d] = 0;
+        if !ncclreshard::layout::next_index(&mut index, |d| copy.dims[d].count) {
+            return out;
         }
     }
 }
