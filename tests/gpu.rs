@@ -559,8 +559,10 @@ fn one_rank_cases() -> Vec<(&'static str, Vec<TensorSpec>)> {
 #[ignore = "needs CUDA and NCCL: scripts/gpu-check.sh, scripts/emulated-gpu-tests.sh"]
 fn one_rank_colocated_layouts_are_byte_exact() {
     let cases = one_rank_cases();
-    let total: u64 = with_ranks(1, true, |rank| {
+    let outcome: Vec<(u64, u32)> = with_ranks(1, true, |rank| {
         let mut total = 0;
+        // Plans whose late unpacks ran on a side stream beside the next round.
+        let mut overlapped = 0;
         for (name, tensors) in &cases {
             for mode in [Mode::Groupable, Mode::Staged, Mode::Auto] {
                 for (via_nccl, rounds) in [(false, 0), (true, 0), (true, 3)] {
@@ -587,6 +589,7 @@ fn one_rank_colocated_layouts_are_byte_exact() {
                     if via_nccl {
                         assert!(!program.sends.is_empty(), "{name}: expected self messages");
                     }
+                    overlapped += u32::from(program.rounds_iter().any(|r| r.late > 0));
                     let data = prepare(&rank.device, tensors, 0);
                     let executor = data.executor(program, mode);
                     for _ in 0..2 {
@@ -599,12 +602,13 @@ fn one_rank_colocated_layouts_are_byte_exact() {
                 }
             }
         }
-        total
-    })
-    .into_iter()
-    .sum();
+        (total, overlapped)
+    });
+    let total: u64 = outcome.iter().map(|o| o.0).sum();
+    let overlapped: u32 = outcome.iter().map(|o| o.1).sum();
+    assert!(overlapped > 0, "no plan with late unpacks");
     println!(
-        "gpu: one-rank colocated layouts: {} cases x 3 modes x (local, NCCL self, NCCL self in 3 rounds) byte-exact, {total} elements checked",
+        "gpu: one-rank colocated layouts: {} cases x 3 modes x (local, NCCL self, NCCL self in 3 rounds) byte-exact, {total} elements checked; {overlapped} plans ran late unpacks on a side stream",
         cases.len()
     );
 }
