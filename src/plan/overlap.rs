@@ -220,23 +220,25 @@ pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
             continue;
         }
         // The staging receives of the round, and which of them late unpacks read.
-        let staged: Vec<usize> = recvs_here
+        // By offset: staging regions of one round are disjoint.
+        let mut staged: Vec<usize> = recvs_here
             .clone()
             .filter(|&i| program.recvs[i].loc.buffer == Buffer::Staging)
             .collect();
+        staged.sort_unstable_by_key(|&i| program.recvs[i].loc.offset);
         let region_of = |u: &StridedCopy| -> Option<usize> {
             let (lo, hi) = ByteSet::of_copy(u, true).extent();
-            staged.iter().copied().find(|&i| {
-                let m = &program.recvs[i];
-                u128::from(m.loc.offset) <= lo && hi <= u128::from(m.loc.offset + m.bytes)
-            })
+            let at = staged.partition_point(|&i| u128::from(program.recvs[i].loc.offset) <= lo);
+            let i = *staged.get(at.checked_sub(1)?)?;
+            let m = &program.recvs[i];
+            (hi <= u128::from(m.loc.offset) + u128::from(m.bytes)).then_some(i)
         };
         let mut moved: Vec<usize> = Vec::new();
         let mut clean = true;
         for (u, &l) in round.unpacks.iter().zip(&late) {
             match (u.src.buffer == Buffer::Staging, region_of(u)) {
                 (true, Some(i)) => {
-                    if l && !moved.contains(&i) {
+                    if l {
                         moved.push(i);
                     }
                 }
@@ -247,6 +249,7 @@ pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
             continue;
         }
         moved.sort_unstable();
+        moved.dedup();
         let parity = k % 2;
         let mut at = 0u64;
         for &i in &moved {
