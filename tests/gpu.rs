@@ -1224,19 +1224,29 @@ fn graph_capture_replays_the_reshard_including_a_first_call_on_a_fresh_stream() 
     // Defect: the first call on a new stream allocated and uploaded (illegal during capture);
     // torch.cuda.graph captures on a stream of its own, so warming up elsewhere did not help.
     let n = world();
-    let (tensors, via_self) = all_to_all(n as u32, 64);
+    let (mut tensors, via_self) = all_to_all(n as u32, 1024);
+    // And back: row shards into column shards land strided, so receivers unpack.
+    let back = TensorSpec {
+        src: tensors[0].dst.clone(),
+        dst: tensors[0].src.clone(),
+        ..tensors[0].clone()
+    };
+    tensors.push(back);
     for mode in [Mode::Groupable, Mode::Staged, Mode::Auto] {
+        // Staged in 2 rounds: late unpacks, which a captured call keeps on its stream.
         let config = Config {
             mode,
-            rounds: if mode == Mode::Auto { 2 } else { 0 },
+            rounds: if mode == Mode::Groupable { 0 } else { 2 },
             split_min_bytes: 1024,
             local_via_messages: via_self,
             ..Default::default()
         };
-        with_ranks(n, true, |rank| {
+        let late = with_ranks(n, true, |rank| {
             let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
             let data = prepare(&rank.device, &tensors, rank.r);
-            let executor = data.executor(planner.rank_program(rank.r).unwrap(), mode);
+            let program = planner.rank_program(rank.r).unwrap();
+            let late = program.rounds_iter().any(|r| r.late > 0);
+            let executor = data.executor(program, mode);
             // Ranks are threads of one process here, so captures are thread-local: in global
             // mode another rank's allocation would (rightly) invalidate this rank's capture. A
             // job runs one process per GPU, where torch's global mode is fine.
@@ -1302,9 +1312,14 @@ fn graph_capture_replays_the_reshard_including_a_first_call_on_a_fresh_stream() 
                 ck(sys::cuGraphDestroy(graph), "destroy graph");
             }
             data.free(&rank.device);
+            late
         });
+        let late = late.iter().filter(|&&l| l).count();
+        if mode == Mode::Staged {
+            assert!(late > 0, "a staged 2-round plan without late unpacks");
+        }
         println!(
-            "gpu: {n} rank(s), {mode:?}: a first call during capture refused (capture still valid); after a warm-up, capture on a fresh stream + 3 replays byte-exact"
+            "gpu: {n} rank(s), {mode:?}: a first call during capture refused (capture still valid); after a warm-up, capture on a fresh stream + 3 replays byte-exact ({late} rank(s) with late unpacks)"
         );
     }
 }
