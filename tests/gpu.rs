@@ -1027,6 +1027,19 @@ fn all_to_all(n: u32, rows: u64) -> (Vec<TensorSpec>, bool) {
     (vec![spec], n == 1)
 }
 
+/// [`all_to_all`] and back: row shards into column shards land strided, so receivers unpack
+/// (in plans of several rounds, late unpacks on a side stream).
+fn there_and_back(n: u32, rows: u64) -> (Vec<TensorSpec>, bool) {
+    let (mut tensors, via_self) = all_to_all(n, rows);
+    let back = TensorSpec {
+        src: tensors[0].dst.clone(),
+        dst: tensors[0].src.clone(),
+        ..tensors[0].clone()
+    };
+    tensors.push(back);
+    (tensors, via_self)
+}
+
 #[test]
 #[ignore = "needs CUDA and NCCL: scripts/gpu-check.sh, scripts/emulated-gpu-tests.sh"]
 fn a_groupable_plan_runs_twice_in_a_callers_group_next_to_an_allreduce() {
@@ -1224,14 +1237,7 @@ fn graph_capture_replays_the_reshard_including_a_first_call_on_a_fresh_stream() 
     // Defect: the first call on a new stream allocated and uploaded (illegal during capture);
     // torch.cuda.graph captures on a stream of its own, so warming up elsewhere did not help.
     let n = world();
-    let (mut tensors, via_self) = all_to_all(n as u32, 1024);
-    // And back: row shards into column shards land strided, so receivers unpack.
-    let back = TensorSpec {
-        src: tensors[0].dst.clone(),
-        dst: tensors[0].src.clone(),
-        ..tensors[0].clone()
-    };
-    tensors.push(back);
+    let (tensors, via_self) = there_and_back(n as u32, 1024);
     for mode in [Mode::Groupable, Mode::Staged, Mode::Auto] {
         // Staged in 2 rounds: late unpacks, which a captured call keeps on its stream.
         let config = Config {
@@ -1330,9 +1336,13 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
     // Defect: staging was keyed by the stream handle, and cudaStreamPerThread is the same
     // handle on every thread: two threads shared one arena.
     let n = world();
-    let (tensors, via_self) = all_to_all(n as u32, 256);
+    // Both plans in rounds with late unpacks: concurrent calls take side streams from one
+    // device's pool.
+    let (tensors, via_self) = there_and_back(n as u32, 1024);
     let staged = Config {
         mode: Mode::Staged,
+        rounds: 3,
+        split_min_bytes: 1024,
         local_via_messages: via_self,
         ..Default::default()
     };
@@ -1354,12 +1364,9 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
         let mut handles = Vec::new();
         for r in 0..n {
             let planner = Planner::new(tensors.clone(), staged.clone()).unwrap();
-            let shared = Arc::new(executor_for(
-                &tensors,
-                r as u32,
-                planner.rank_program(r as u32).unwrap(),
-                Mode::Staged,
-            ));
+            let program = planner.rank_program(r as u32).unwrap();
+            assert!(program.rounds_iter().any(|r| r.late > 0), "no late unpacks");
+            let shared = Arc::new(executor_for(&tensors, r as u32, program, Mode::Staged));
             for (k, id) in ids.iter().enumerate() {
                 let (tensors, auto, shared) = (tensors.clone(), auto.clone(), shared.clone());
                 let (id, done) = (*id, &done);
@@ -1367,12 +1374,9 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
                     let device = Device::per_thread(r);
                     let comm = join(id, n, r, true);
                     let second = Planner::new(tensors.clone(), auto.clone()).unwrap();
-                    let other = executor_for(
-                        &tensors,
-                        r as u32,
-                        second.rank_program(r as u32).unwrap(),
-                        Mode::Auto,
-                    );
+                    let program = second.rank_program(r as u32).unwrap();
+                    assert!(program.rounds_iter().any(|r| r.late > 0), "no late unpacks");
+                    let other = executor_for(&tensors, r as u32, program, Mode::Auto);
                     let steps: Vec<RankData> = (0..3)
                         .map(|step| {
                             prepare_salted(&device, &tensors, r as u32, 10 * k as u32 + step)
@@ -1401,7 +1405,7 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
             h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
         }
     });
-    println!("gpu: {n} rank(s) x 2 threads on cudaStreamPerThread with their own communicators: one shared staged plan and a 2-round plan, 3 steps each, byte-exact");
+    println!("gpu: {n} rank(s) x 2 threads on cudaStreamPerThread with their own communicators: one shared staged 3-round plan and a 2-round plan, both with late unpacks on side streams, 3 steps each, byte-exact");
 }
 
 #[test]

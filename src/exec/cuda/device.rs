@@ -19,6 +19,9 @@ pub(crate) struct Device {
     init: Mutex<()>,
 }
 
+/// Side streams a device keeps for reuse (more exist only while that many calls overlap).
+const SIDE_STREAMS_KEPT: usize = 8;
+
 /// A non-blocking stream of the device's primary context with three events, which one call
 /// at a time uses to run its late unpacks beside its next round (docs/executor.md,
 /// "Overlapping unpacks"): `fork` marks the end of a round's NCCL group on the caller's
@@ -115,14 +118,23 @@ impl Device {
         Ok(self.pool.get_or_init(|| pool))
     }
 
-    /// A side stream for one call (context current): an idle one, or a new one. Give it back
-    /// with [`Device::give_back`] once the call has made the caller's stream wait for it.
+    /// A side stream for one call (context current): one whose work has all completed, or a
+    /// new one. Never one with another call's work still pending: the new call's stream would
+    /// then wait for that call's NCCL operations, a dependency between communicators that can
+    /// deadlock (two threads with their own communicators, each waiting on the other's peers).
+    /// Give it back with [`Device::give_back`] once the call has made the caller's stream
+    /// wait for it.
     pub fn side_stream(&self) -> Result<SideStream> {
-        let idle = self
-            .sides
-            .lock()
-            .map_err(|_| Error::internal("device lock poisoned"))?
-            .pop();
+        let idle = {
+            let mut sides = self
+                .sides
+                .lock()
+                .map_err(|_| Error::internal("device lock poisoned"))?;
+            sides
+                .iter()
+                .position(|side| side.stream.is_idle())
+                .map(|i| sides.swap_remove(i))
+        };
         match idle {
             Some(side) => Ok(side),
             None => Ok(SideStream {
@@ -133,10 +145,13 @@ impl Device {
         }
     }
 
-    /// Returns a side stream for later calls (its pending work is ordered before theirs).
+    /// Returns a side stream for later calls, which take it once its work has completed. Past
+    /// [`SIDE_STREAMS_KEPT`] kept ones it is destroyed (its pending work still completes).
     pub fn give_back(&self, side: SideStream) {
         if let Ok(mut sides) = self.sides.lock() {
-            sides.push(side);
+            if sides.len() < SIDE_STREAMS_KEPT {
+                sides.push(side);
+            }
         }
     }
 

@@ -345,6 +345,15 @@ impl PrivateStream {
         Ok(PrivateStream(stream))
     }
 
+    /// True when everything enqueued on the stream has completed (a failed query: false).
+    pub fn is_idle(&self) -> bool {
+        // SAFETY: a stream this value owns.
+        matches!(
+            guard("cuStreamQuery", || unsafe { sys::cuStreamQuery(self.0) }),
+            Ok(CUresult::CUDA_SUCCESS)
+        )
+    }
+
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: a stream this value owns.
         call("cuStreamSynchronize", || unsafe {
