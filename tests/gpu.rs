@@ -589,7 +589,7 @@ fn one_rank_colocated_layouts_are_byte_exact() {
                     if via_nccl {
                         assert!(!program.sends.is_empty(), "{name}: expected self messages");
                     }
-                    overlapped += u32::from(program.rounds_iter().any(|r| r.late > 0));
+                    overlapped += u32::from(program.has_late_unpacks());
                     let data = prepare(&rank.device, tensors, 0);
                     let executor = data.executor(program, mode);
                     for _ in 0..2 {
@@ -731,7 +731,7 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
             // A relay's forwarder sends from its destination view.
             let forwards = program.sends.iter().any(|m| m.loc.buffer == Buffer::Dst)
                 || program.packs.iter().any(|c| c.src.buffer == Buffer::Dst);
-            let late = program.rounds_iter().any(|r| r.late > 0);
+            let late = program.has_late_unpacks();
             let data = prepare(&rank.device, &tensors, rank.r);
             let executor = data.executor(program, config.mode);
             // ncclReshard twice (the second call reuses everything), then ncclReshardMulti.
@@ -1251,7 +1251,7 @@ fn graph_capture_replays_the_reshard_including_a_first_call_on_a_fresh_stream() 
             let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
             let data = prepare(&rank.device, &tensors, rank.r);
             let program = planner.rank_program(rank.r).unwrap();
-            let late = program.rounds_iter().any(|r| r.late > 0);
+            let late = program.has_late_unpacks();
             let executor = data.executor(program, mode);
             // Ranks are threads of one process here, so captures are thread-local: in global
             // mode another rank's allocation would (rightly) invalidate this rank's capture. A
@@ -1365,7 +1365,7 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
         for r in 0..n {
             let planner = Planner::new(tensors.clone(), staged.clone()).unwrap();
             let program = planner.rank_program(r as u32).unwrap();
-            assert!(program.rounds_iter().any(|r| r.late > 0), "no late unpacks");
+            assert!(program.has_late_unpacks(), "no late unpacks");
             let shared = Arc::new(executor_for(&tensors, r as u32, program, Mode::Staged));
             for (k, id) in ids.iter().enumerate() {
                 let (tensors, auto, shared) = (tensors.clone(), auto.clone(), shared.clone());
@@ -1375,7 +1375,7 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
                     let comm = join(id, n, r, true);
                     let second = Planner::new(tensors.clone(), auto.clone()).unwrap();
                     let program = second.rank_program(r as u32).unwrap();
-                    assert!(program.rounds_iter().any(|r| r.late > 0), "no late unpacks");
+                    assert!(program.has_late_unpacks(), "no late unpacks");
                     let other = executor_for(&tensors, r as u32, program, Mode::Auto);
                     let steps: Vec<RankData> = (0..3)
                         .map(|step| {

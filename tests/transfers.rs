@@ -742,7 +742,7 @@ fn late_unpack_arenas_give_way_to_the_staging_limit() {
     let rank = (8..16)
         .find(|&r| {
             let p = planner.rank_program(r).unwrap();
-            p.round_spans.iter().any(|s| s.late_unpacks > 0)
+            p.has_late_unpacks()
         })
         .expect("a rank with late unpacks");
     let overlapped = planner.rank_program(rank).unwrap();

@@ -100,7 +100,7 @@ impl PlanObject {
         // Late unpacks' arenas add staging (docs/executor.md, "Overlapping unpacks"); past the
         // limit the rank runs every unpack before the next round instead (the same messages).
         if program.staging_bytes.saturating_add(program.work_bytes) > limit
-            && program.round_spans.iter().any(|s| s.late_unpacks > 0)
+            && program.has_late_unpacks()
         {
             program = planner.rank_program_sequential(rank)?;
         }

@@ -18,6 +18,11 @@ use crate::layout::next_index;
 /// Staging regions start at multiples of this many bytes (vector-friendly for kernels).
 pub const STAGING_ALIGN: u64 = 256;
 
+/// `x` rounded up to a multiple of [`STAGING_ALIGN`].
+pub(crate) fn staging_aligned(x: u64) -> u64 {
+    x.div_ceil(STAGING_ALIGN) * STAGING_ALIGN
+}
+
 /// One destination-contiguous piece of a copy: `bytes` bytes landing at `dst`, read from
 /// `src` through `src_dims` (empty when the source side is contiguous too).
 struct Piece {
@@ -178,7 +183,7 @@ pub(crate) struct Emitter {
 
 impl Emitter {
     fn reserve(&mut self, bytes: u64) -> u64 {
-        let at = self.staging_bytes.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
+        let at = staging_aligned(self.staging_bytes);
         self.staging_bytes = at + bytes;
         at
     }

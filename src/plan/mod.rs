@@ -31,7 +31,6 @@ pub use convert::{ConvertDim, StridedConvert};
 pub use fingerprint::fingerprint;
 
 pub use messages::STAGING_ALIGN;
-pub use overlap::{may_overlap, ByteSet};
 pub use program::{
     Buffer, CopyDim, ExecMode, Loc, Message, RankProgram, Round, RoundSpan, StridedCopy,
 };

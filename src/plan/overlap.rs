@@ -11,27 +11,27 @@
 //!
 //! A pure rewrite of one rank's program: its messages keep their order, sizes and peers, so
 //! peers need not know. Decided from the program alone, with interval arithmetic on the
-//! copies' strided byte sets ([`may_overlap`], conservative: a pair it cannot decide cheaply
-//! counts as overlapping, and its unpack stays early).
+//! copies' strided byte sets ([`may_overlap`], conservative: a pair it cannot decide within
+//! the program's work budget counts as overlapping, and its unpack stays early).
 
 use super::config::ROUND_TARGET_BYTES;
 use super::fxhash::FxHashMap;
-use super::messages::STAGING_ALIGN;
+use super::messages::staging_aligned;
 use super::program::{Buffer, Loc, RankProgram, RoundSpan, StridedCopy};
 
 /// One side of a copy or a message as a set of bytes of one buffer: `chunk` bytes at
 /// `offset + Σ i_d · stride_d` for `0 ≤ i_d < count_d` (outermost first).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ByteSet {
-    pub offset: u64,
-    pub chunk: u64,
+struct ByteSet {
+    offset: u64,
+    chunk: u64,
     /// (count, stride) per dim, outermost first.
-    pub dims: Vec<(u64, u64)>,
+    dims: Vec<(u64, u64)>,
 }
 
 impl ByteSet {
     /// `bytes` contiguous bytes at `offset`.
-    pub fn run(offset: u64, bytes: u64) -> ByteSet {
+    fn run(offset: u64, bytes: u64) -> ByteSet {
         ByteSet {
             offset,
             chunk: bytes,
@@ -40,7 +40,7 @@ impl ByteSet {
     }
 
     /// The bytes a copy reads (`src`) or writes.
-    pub fn of_copy(copy: &StridedCopy, src: bool) -> ByteSet {
+    fn of_copy(copy: &StridedCopy, src: bool) -> ByteSet {
         ByteSet {
             offset: if src {
                 copy.src.offset
@@ -96,19 +96,11 @@ impl ByteSet {
 /// need a few thousand (Qwen3-32B → TP1×DP16: 3,350 pairs on its busiest rank).
 const WORK_MAX: u64 = 1 << 22;
 
-/// Most pieces [`may_overlap`] looks at before it gives up and answers "may overlap".
-const ENUMERATE_MAX: u64 = 4096;
-
 /// Whether two byte sets of one buffer may share a byte: exact for contiguous runs and for
 /// sets of one dim (rows of any stride against rows of the same stride, or against a run);
-/// sets of more dims, or rows of different strides, are cut into their outermost entries,
-/// looking at a few thousand pieces in all; past that the answer is `true` (conservative).
-pub fn may_overlap(a: &ByteSet, b: &ByteSet) -> bool {
-    let mut budget = ENUMERATE_MAX;
-    overlap_within(a, b, &mut budget)
-}
-
-fn overlap_within(a: &ByteSet, b: &ByteSet, budget: &mut u64) -> bool {
+/// sets of more dims, or rows of different strides, are cut into their outermost entries, each
+/// paid from `budget`; once it runs out the answer is `true` (conservative).
+fn may_overlap(a: &ByteSet, b: &ByteSet, budget: &mut u64) -> bool {
     let (a_lo, a_hi) = a.extent();
     let (b_lo, b_hi) = b.extent();
     if a_lo == a_hi || b_lo == b_hi || a_hi <= b_lo || b_hi <= a_lo {
@@ -123,7 +115,7 @@ fn overlap_within(a: &ByteSet, b: &ByteSet, budget: &mut u64) -> bool {
         }
         *budget -= count;
         s.outer_pieces()
-            .any(|piece| overlap_within(&piece, other, budget))
+            .any(|piece| may_overlap(&piece, other, budget))
     };
     match (a.dims.len(), b.dims.len()) {
         (0, 0) => true,
@@ -174,11 +166,11 @@ fn rows_meet_rows(a: &ByteSet, b: &ByteSet) -> bool {
 }
 
 /// Marks late unpacks and gives the staging they read arenas of their own (see the module
-/// documentation). Programs of one round, and rounds whose unpacks read staging regions the
-/// rewrite cannot tell apart, stay as they are. Returns the staging bytes the rewrite added.
-pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
+/// documentation). Programs of one round, rounds whose unpacks read staging regions the
+/// rewrite cannot tell apart, and programs past the memory or work budget stay as they are.
+pub fn overlap_unpacks(program: &mut RankProgram) {
     if program.round_spans.len() < 2 || !program.rounds_are_consistent() {
-        return 0;
+        return;
     }
     // Every later read of a destination view or the workspace: (position of its round, set),
     // by (buffer, tensor).
@@ -209,11 +201,9 @@ pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
     let mut work = WORK_MAX;
     // Per round: the order of its unpacks (early first) and how many are late.
     let mut plans: Vec<Option<(Vec<usize>, usize)>> = vec![None; program.round_spans.len()];
-    // Per round: receives into staging to move, by index in `recvs`, with their new offset.
-    let mut moves: Vec<(usize, u64)> = Vec::new();
     let mut arena_bytes = [0u64; 2];
-    // Offsets of moved staging regions by round: (old start, old end, new start).
-    let mut relocated: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); program.round_spans.len()];
+    // Per round: its staging receives to move into the arena of its parity.
+    let mut relocated: Vec<Vec<Moved>> = vec![Vec::new(); program.round_spans.len()];
     let mut recv_start = 0usize;
     for (k, round) in program.rounds_iter().enumerate() {
         let recvs_here = recv_start..recv_start + round.recvs.len();
@@ -230,7 +220,7 @@ pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
                     let later = &reads[reads.partition_point(|(r, _)| *r <= k)..];
                     !later.iter().any(|(_, set)| {
                         work = work.saturating_sub(1);
-                        overlap_within(set, &written, &mut work)
+                        may_overlap(set, &written, &mut work)
                     })
                 })
         };
@@ -238,7 +228,7 @@ pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
         if work == 0 {
             // Pathological programs (many pieces of one tensor unpacked and forwarded, sets of
             // many dims): not worth the planning time.
-            return 0;
+            return;
         }
         if !late.iter().any(|&l| l) {
             continue;
@@ -274,29 +264,32 @@ pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
         }
         moved.sort_unstable();
         moved.dedup();
-        let parity = k % 2;
         let mut at = 0u64;
-        for &i in &moved {
-            let m = &program.recvs[i];
-            let start = at.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
-            at = start + m.bytes;
-            moves.push((i, start));
-            relocated[k].push((m.loc.offset, m.loc.offset + m.bytes, start));
+        for &recv in &moved {
+            let m = &program.recvs[recv];
+            let to = staging_aligned(at);
+            at = to + m.bytes;
+            relocated[k].push(Moved {
+                recv,
+                from: m.loc.offset,
+                end: m.loc.offset + m.bytes,
+                to,
+            });
         }
-        arena_bytes[parity] = arena_bytes[parity].max(at);
+        arena_bytes[k % 2] = arena_bytes[k % 2].max(at);
         let mut order: Vec<usize> = (0..late.len()).filter(|&i| !late[i]).collect();
         let early = order.len();
         order.extend((0..late.len()).filter(|&i| late[i]));
         plans[k] = Some((order, late.len() - early));
     }
     if plans.iter().all(Option::is_none) {
-        return 0;
+        return;
     }
     // Each round's main arena closes the gaps the moved regions leave (`squeeze`).
     let spans = program.round_spans.clone();
     let mut moved = vec![false; program.recvs.len()];
-    for &(i, _) in &moves {
-        moved[i] = true;
+    for m in relocated.iter().flatten() {
+        moved[m.recv] = true;
     }
     let mut main = 0u64;
     main_locs(program, &spans, &moved, |k, loc, len| {
@@ -305,23 +298,20 @@ pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
     // Memory: the whole staging must stay within what auto mode aims one round's staging at
     // (or within what the program already needs, if more): the overlap is worth a few percent
     // of a call, not gigabytes of somebody's KV cache.
-    let aligned = |x: u64| x.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
-    let total = aligned(main) + aligned(arena_bytes[0]) + aligned(arena_bytes[1]);
+    let (main, arenas) = (staging_aligned(main), arena_bytes.map(staging_aligned));
+    let total = main + arenas[0] + arenas[1];
     if total > program.staging_bytes.max(ROUND_TARGET_BYTES) {
-        return 0;
+        return;
     }
     main_locs(program, &spans, &moved, |k, loc, _| {
         loc.offset = squeeze(&relocated[k], loc.offset);
     });
-    let main = main.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
     // The arenas follow the main one; parity 1's follows parity 0's.
-    let base = [
-        main,
-        main + arena_bytes[0].div_ceil(STAGING_ALIGN) * STAGING_ALIGN,
-    ];
-    for &(i, start) in &moves {
-        let k = spans.iter().position(|s| i < s.recvs_end).unwrap_or(0);
-        program.recvs[i].loc.offset = base[k % 2] + start;
+    let base = [main, main + arenas[0]];
+    for (k, round) in relocated.iter().enumerate() {
+        for m in round {
+            program.recvs[m.recv].loc.offset = base[k % 2] + m.to;
+        }
     }
     // Reorder each round's unpacks (early first) and point them at their regions' new places.
     let mut unpack_start = 0usize;
@@ -337,9 +327,9 @@ pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
             if u.src.buffer == Buffer::Staging {
                 match relocated[k]
                     .iter()
-                    .find(|&&(lo, hi, _)| lo <= u.src.offset && u.src.offset < hi)
+                    .find(|m| m.from <= u.src.offset && u.src.offset < m.end)
                 {
-                    Some(&(lo, _, new)) => u.src.offset = base[k % 2] + new + (u.src.offset - lo),
+                    Some(m) => u.src.offset = base[k % 2] + m.to + (u.src.offset - m.from),
                     None => u.src.offset = squeeze(&relocated[k], u.src.offset),
                 }
             }
@@ -348,18 +338,26 @@ pub fn overlap_unpacks(program: &mut RankProgram) -> u64 {
         program.round_spans[k].late_unpacks = plans[k].as_ref().map_or(0, |(_, late)| *late);
         unpack_start = end;
     }
-    let before = program.staging_bytes;
-    program.staging_bytes = base[1] + arena_bytes[1].div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
-    program.staging_bytes.saturating_sub(before)
+    program.staging_bytes = total;
+}
+
+/// A staging receive moved into its round's arena: its index in `recvs`, where it was
+/// (`from..end` of the main arena) and where it goes (`to`, from the arena's start).
+#[derive(Clone)]
+struct Moved {
+    recv: usize,
+    from: u64,
+    end: u64,
+    to: u64,
 }
 
 /// `x`, an offset of round k's staging outside the moved regions, once the moved regions'
 /// (aligned) footprints below it are taken out.
-fn squeeze(relocated: &[(u64, u64, u64)], x: u64) -> u64 {
+fn squeeze(relocated: &[Moved], x: u64) -> u64 {
     x - relocated
         .iter()
-        .filter(|&&(_, hi, _)| hi <= x)
-        .map(|&(lo, hi, _)| hi.div_ceil(STAGING_ALIGN) * STAGING_ALIGN - lo)
+        .filter(|m| m.end <= x)
+        .map(|m| staging_aligned(m.end) - m.from)
         .sum::<u64>()
 }
 
@@ -400,6 +398,11 @@ mod tests {
     use proptest::prelude::*;
     use std::collections::BTreeSet;
 
+    /// [`may_overlap`] with a few thousand pieces to look at.
+    fn overlaps(a: &ByteSet, b: &ByteSet) -> bool {
+        may_overlap(a, b, &mut 4096)
+    }
+
     fn bytes_of(s: &ByteSet) -> BTreeSet<u64> {
         let mut out = BTreeSet::new();
         let mut index = vec![0u64; s.dims.len()];
@@ -439,7 +442,7 @@ mod tests {
         #[test]
         fn may_overlap_is_sound_and_exact_on_rows(a in set(), b in set()) {
             let shared = !bytes_of(&a).is_disjoint(&bytes_of(&b));
-            let said = may_overlap(&a, &b);
+            let said = overlaps(&a, &b);
             prop_assert!(said || !shared, "{a:?} {b:?}: said disjoint, share a byte");
             // Small sets are always enumerated or computed exactly.
             prop_assert_eq!(said, shared, "{:?} {:?}", a, b);
@@ -460,7 +463,7 @@ mod tests {
             dims: vec![(1000, (1 << 30) + 8), (1000, 1 << 20), (1000, 1 << 10)],
             ..a.clone()
         };
-        assert!(may_overlap(&a, &b));
+        assert!(overlaps(&a, &b));
     }
 
     #[test]
@@ -475,8 +478,8 @@ mod tests {
             offset: 4096,
             ..a.clone()
         };
-        assert!(!may_overlap(&a, &b));
-        assert!(may_overlap(&a, &ByteSet::run(16384 * 7 + 100, 10)));
-        assert!(!may_overlap(&a, &ByteSet::run(16384 * 7 + 4096, 12288)));
+        assert!(!overlaps(&a, &b));
+        assert!(overlaps(&a, &ByteSet::run(16384 * 7 + 100, 10)));
+        assert!(!overlaps(&a, &ByteSet::run(16384 * 7 + 4096, 12288)));
     }
 }

@@ -370,6 +370,11 @@ impl RankProgram {
         }
     }
 
+    /// Whether some round has late unpacks ([`RoundSpan::late_unpacks`]).
+    pub fn has_late_unpacks(&self) -> bool {
+        self.round_spans.iter().any(|s| s.late_unpacks > 0)
+    }
+
     /// The rounds this rank runs, in order (at least one; local copies come before them).
     /// Spans out of order or out of range (a malformed program) end the list early.
     pub fn rounds(&self) -> Vec<Round<'_>> {

@@ -273,7 +273,7 @@ impl CudaExecutor {
         // order: a stream that joined a capture belongs to it until the capture ends, so it
         // could not serve another call meanwhile.
         let mut failure: Option<Error> = None;
-        let late = p.rounds_iter().any(|r| r.late > 0) && !capturing;
+        let late = p.has_late_unpacks() && !capturing;
         let side = if late {
             match device.side_stream() {
                 Ok(side) => Some(side),
