@@ -4,7 +4,7 @@
 //! receiver's local positions; the Cartesian product of pieces gives the [`Block`]s, each with
 //! the strided copy (sender's view → receiver's destination view) that moves it.
 
-use super::program::{Buffer, CopyDim, Loc, StridedCopy};
+use super::steps::{Buffer, CopyDim, Loc, StridedCopy};
 use crate::layout::{next_index, IndexRuns, RankView};
 
 /// A box of an [`Assignment`](super::Assignment)'s region (`start`, `count` per dim, global

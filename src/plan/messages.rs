@@ -11,7 +11,8 @@ use super::config::{
     AUTO_STAGE_MIN_MESSAGES, GROUPABLE_MAX_MESSAGES_PER_RANK, GROUPABLE_MAX_PIECES_PER_PAIR,
 };
 use super::fxhash::FxHashMap;
-use super::program::{Buffer, CopyDim, Loc, Message, StridedCopy};
+use super::program::Message;
+use super::steps::{Buffer, CopyDim, Loc, StridedCopy};
 use crate::error::{Error, Result};
 use crate::layout::next_index;
 

@@ -17,7 +17,8 @@
 use super::config::ROUND_TARGET_BYTES;
 use super::fxhash::FxHashMap;
 use super::messages::staging_aligned;
-use super::program::{Buffer, Loc, RankProgram, RoundSpan, StridedCopy};
+use super::program::{RankProgram, RoundSpan};
+use super::steps::{Buffer, Loc, StridedCopy};
 
 /// One side of a copy or a message as a set of bytes of one buffer: `chunk` bytes at
 /// `offset + Σ i_d · stride_d` for `0 ≤ i_d < count_d` (outermost first).

@@ -22,11 +22,15 @@
 //! `Loc::tensor` ([`region`]) and an offset in it, the same on both ends of a pair; the program
 //! then places each region the rank uses in its workspace ([`Conversions::program`]).
 
+use super::assign::Assignment;
 use super::blocks::{assignment_blocks, Block, Movement};
-use super::convert::{ConvertDim, StridedConvert};
+use super::config::{Config, Mode};
+use super::core::CorePlanner;
 use super::fingerprint::mix;
-use super::program::{Buffer, CopyDim, Loc, RankProgram, StridedCopy};
-use super::{Assignment, Config, Mode, Planner, Transfer};
+use super::messages::STAGING_ALIGN;
+use super::program::RankProgram;
+use super::rounds::Transfer;
+use super::steps::{Buffer, ConvertDim, CopyDim, Loc, StridedConvert, StridedCopy};
 use crate::error::{Error, Result};
 use crate::layout::{next_index, IndexRuns, Layout, RankView, Side, TensorSpec};
 use crate::quant::{Arithmetic, Conversion};
@@ -122,7 +126,7 @@ impl TensorPlan {
 /// converted.
 #[derive(Clone, Debug)]
 pub(crate) struct Conversions {
-    inner: Planner,
+    inner: CorePlanner,
     roles: Vec<Role>,
     /// Per (user) tensor, its plan when it converts.
     plans: Vec<Option<TensorPlan>>,
@@ -272,7 +276,7 @@ impl Conversions {
             scales += u32::from(plan.scale.is_some());
             plans.push(Some(plan));
         }
-        let inner = Planner::new(inner_specs, config.clone())?;
+        let inner = CorePlanner::new(inner_specs, config.clone())?;
         let conversions = Conversions {
             inner,
             roles,
@@ -283,7 +287,7 @@ impl Conversions {
         Ok(Some(conversions))
     }
 
-    pub(crate) fn inner(&self) -> &Planner {
+    pub(crate) fn inner(&self) -> &CorePlanner {
         &self.inner
     }
 
@@ -848,7 +852,7 @@ impl Conversions {
         let mut at = 0u64;
         for id in used {
             let (t, kind) = region_of(id);
-            at = at.div_ceil(super::STAGING_ALIGN) * super::STAGING_ALIGN;
+            at = at.div_ceil(STAGING_ALIGN) * STAGING_ALIGN;
             base.insert(id, at);
             at += self.region_bytes(tensors, t, kind, rank);
         }

@@ -8,7 +8,7 @@
 //! A block cut by a chunk boundary moves in several rounds, as the pieces [`StridedCopy::slice`]
 //! gives: the [`Transfer`]s that both the programs and the exported transfer list are made of.
 
-use super::program::StridedCopy;
+use super::steps::StridedCopy;
 
 /// Chunk boundaries fall on multiples of this many bytes of the pair's stream.
 const CUT_ALIGN: u64 = 4096;

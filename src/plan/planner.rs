@@ -1,0 +1,472 @@
+//! [`Planner`]: tensors + config (+ what each tensor becomes on its way) → any rank's
+//! [`RankProgram`] (docs/design.md §4–§5).
+//!
+//! It puts together the core (`core.rs`: tensors that arrive as they are), the conversions
+//! (`quantize.rs`: tensors that arrive in another dtype, planned as inner tensors of a core of
+//! their own) and the overlap pass (`overlap.rs`: late unpacks), which runs last on every
+//! program: planning walks down from here, never back up.
+
+use super::assign::Assignment;
+use super::blocks::Block;
+use super::config::Config;
+use super::core::CorePlanner;
+use super::fingerprint;
+use super::overlap;
+use super::program::RankProgram;
+use super::quantize::Conversions;
+use super::rounds::Transfer;
+use super::steps::StridedConvert;
+use crate::error::Result;
+use crate::layout::{Layout, TensorSpec};
+use crate::quant::Conversion;
+
+/// Validated inputs of a plan, ready to produce any rank's program. Immutable; every rank
+/// that builds one from the same tensors and config gets the same decisions.
+#[derive(Clone, Debug)]
+pub struct Planner {
+    /// The plan's tensors as the caller gave them (source dtypes).
+    core: CorePlanner,
+    /// Tensors that arrive in another dtype: their blocks are then made by an inner core over
+    /// their conversion classes.
+    conversions: Option<Box<Conversions>>,
+    /// The core's fingerprint, with the conversions mixed in when there are any.
+    fingerprint: u64,
+}
+
+impl Planner {
+    /// Validates every tensor and the config. Errors name the field: `tensors[3].src: …`.
+    pub fn new(tensors: Vec<TensorSpec>, config: Config) -> Result<Planner> {
+        let core = CorePlanner::new(tensors, config)?;
+        let fingerprint = core.fingerprint();
+        Ok(Planner {
+            core,
+            conversions: None,
+            fingerprint,
+        })
+    }
+
+    /// Like [`Planner::new`], with what each tensor becomes on its way: `conversions[t]`
+    /// (`None`: it arrives as it is) converts tensor t from its `dtype` to the conversion's
+    /// (docs/quantization.md). Errors name the tensor (`tensors[3]: …`): a conversion its
+    /// tensor does not allow, layouts where neither side holds a quantization block whole,
+    /// groupable mode.
+    pub fn with_conversions(
+        tensors: Vec<TensorSpec>,
+        conversions: Vec<Option<Conversion>>,
+        config: Config,
+    ) -> Result<Planner> {
+        let mut planner = Planner::new(tensors, config)?;
+        let core = &planner.core;
+        if let Some(c) = Conversions::new(core.tensors(), &conversions, core.config())? {
+            planner.fingerprint = fingerprint::with_conversions(planner.fingerprint, &conversions);
+            planner.conversions = Some(Box::new(c));
+        }
+        Ok(planner)
+    }
+
+    /// What each tensor becomes on its way (`None` when no tensor converts).
+    pub fn conversions(&self) -> Option<&[Option<Conversion>]> {
+        self.conversions.as_deref().map(|c| c.conversions())
+    }
+
+    /// The scale tensors of quantized tensors, in tensor order: (tensor, scale shape, scale
+    /// destination layout, bytes per scale). The k-th is the program's destination view
+    /// `tensors().len() + k` (`Loc::tensor`).
+    pub fn scale_tensors(&self) -> Vec<(u32, Vec<u64>, Layout, u32)> {
+        self.conversions
+            .as_deref()
+            .map_or_else(Vec::new, |c| c.scale_tensors())
+    }
+
+    /// The conversions `rank` runs before and after the rounds, for `rank`'s blocks (as
+    /// [`Planner::rank_blocks`] gives them), with workspace locations naming regions
+    /// (`region_of`) rather than offsets in the rank's workspace: the exported form.
+    pub fn conversion_steps(
+        &self,
+        rank: u32,
+        blocks: &[Block],
+    ) -> (Vec<StridedConvert>, Vec<StridedConvert>) {
+        match &self.conversions {
+            Some(c) => c.converts(self.core.tensors(), rank, blocks),
+            None => (Vec::new(), Vec::new()),
+        }
+    }
+
+    /// Rounds the data is spread over (see [`Config::rounds`]); relayed data takes one more.
+    pub fn rounds(&self) -> u32 {
+        match &self.conversions {
+            Some(c) => c.inner().rounds(),
+            None => self.core.rounds(),
+        }
+    }
+
+    /// The plan's tensors, as given (source dtypes).
+    pub fn tensors(&self) -> &[TensorSpec] {
+        self.core.tensors()
+    }
+
+    pub fn config(&self) -> &Config {
+        self.core.config()
+    }
+
+    /// Equal for two planners iff they were made from the same tensors, conversions and
+    /// config (every rank's [`RankProgram::fingerprint`]).
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Every rank that appears in a source, destination or scale mesh, ascending.
+    pub fn ranks(&self) -> Vec<u32> {
+        let mut ranks = self.core.ranks();
+        if let Some(c) = &self.conversions {
+            ranks.extend(c.scale_ranks());
+            ranks.sort_unstable();
+            ranks.dedup();
+        }
+        ranks
+    }
+
+    /// This rank's assignments: those it receives (local copies included) and those it sends,
+    /// each list in canonical order (tensor, then region corner).
+    pub fn assignments(&self, rank: u32) -> Vec<Assignment> {
+        match &self.conversions {
+            Some(c) => c.assignments(rank),
+            None => self.core.assignments(rank),
+        }
+    }
+
+    /// This rank's blocks — every box of data it receives, sends or copies locally, with the
+    /// copy geometry on both ends — in canonical order (tensor, region corner, block order).
+    pub fn rank_blocks(&self, rank: u32) -> Result<Vec<Block>> {
+        match &self.conversions {
+            Some(c) => c.rank_blocks(self.core.tensors(), rank),
+            None => self.core.rank_blocks(rank),
+        }
+    }
+
+    /// The program `rank` runs. A rank outside every mesh gets an empty program. Unpacks
+    /// nothing later reads are marked late, with staging of their own, so executors may run
+    /// them beside the next round (`overlap.rs`; [`Planner::rank_program_sequential`] leaves
+    /// every unpack before the next round and needs less staging).
+    pub fn rank_program(&self, rank: u32) -> Result<RankProgram> {
+        let mut program = self.rank_program_sequential(rank)?;
+        overlap::overlap_unpacks(&mut program);
+        Ok(program)
+    }
+
+    /// [`Planner::rank_program`] without late unpacks: the same messages, each round's
+    /// unpacks done before the next round starts, one staging arena reused by every round.
+    pub fn rank_program_sequential(&self, rank: u32) -> Result<RankProgram> {
+        match &self.conversions {
+            Some(_) => {
+                let blocks = self.rank_blocks(rank)?;
+                self.program_sequential(rank, &blocks, &self.transfers(&blocks))
+            }
+            None => self.core.rank_program(rank),
+        }
+    }
+
+    /// Forms `rank`'s program from its blocks (as [`Planner::rank_blocks`] returns them).
+    pub fn program_from_blocks(&self, rank: u32, blocks: &[Block]) -> Result<RankProgram> {
+        self.program_from_transfers(rank, blocks, &self.transfers(blocks))
+    }
+
+    /// Cuts a rank's blocks (as [`Planner::rank_blocks`] returns them) into the [`Transfer`]s
+    /// each round moves: local copies whole in round 0; each (sender, receiver) pair's blocks
+    /// spread over the rounds by one function of the pair that both ends run, so a transfer
+    /// has the same round, offset and copy on both ends. The one source of rounds for the
+    /// rank's program ([`Planner::program_from_transfers`]) and for the exported transfer list
+    /// (`ncclReshardPlanGetTransfers`). Local copies come first, in block order, then each
+    /// pair's transfers (pairs ascending) by round, in the order its messages are formed from.
+    pub fn transfers(&self, blocks: &[Block]) -> Vec<Transfer> {
+        match &self.conversions {
+            Some(c) => c.inner().transfers(blocks),
+            None => self.core.transfers(blocks),
+        }
+    }
+
+    /// Forms `rank`'s program from its blocks and their transfers (as [`Planner::transfers`]
+    /// returns them for those blocks), late unpacks marked as [`Planner::rank_program`] marks
+    /// them.
+    pub fn program_from_transfers(
+        &self,
+        rank: u32,
+        blocks: &[Block],
+        transfers: &[Transfer],
+    ) -> Result<RankProgram> {
+        let mut program = self.program_sequential(rank, blocks, transfers)?;
+        overlap::overlap_unpacks(&mut program);
+        Ok(program)
+    }
+
+    /// [`Planner::program_from_transfers`] without late unpacks.
+    fn program_sequential(
+        &self,
+        rank: u32,
+        blocks: &[Block],
+        transfers: &[Transfer],
+    ) -> Result<RankProgram> {
+        match &self.conversions {
+            Some(c) => c.program(
+                self.core.tensors(),
+                rank,
+                blocks,
+                transfers,
+                self.fingerprint,
+            ),
+            None => self.core.program_from_transfers(rank, blocks, transfers),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{DType, Mesh, Placement};
+    use crate::plan::{Buffer, ExecMode, Mode, Topology, GROUPABLE_MAX_MESSAGES_PER_RANK};
+
+    fn groupable() -> Config {
+        Config {
+            mode: Mode::Groupable,
+            ..Default::default()
+        }
+    }
+
+    fn layout(shape: &[u64], ranks: &[u32], placements: &[Placement]) -> Layout {
+        Layout::new(
+            Mesh::new(shape.to_vec(), ranks.to_vec()).unwrap(),
+            placements.to_vec(),
+        )
+    }
+
+    fn tp2_to_tp1_dim1(mode: Mode) -> Planner {
+        let spec = TensorSpec {
+            shape: vec![64, 32],
+            dtype: DType::Bfloat16,
+            src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
+            dst: layout(&[1], &[2], &[Placement::Replicate]),
+        };
+        Planner::new(
+            vec![spec],
+            Config {
+                mode,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn groupable_sends_one_message_per_destination_row() {
+        let planner = tp2_to_tp1_dim1(Mode::Groupable);
+        let receiver = planner.rank_program(2).unwrap();
+        assert_eq!(receiver.mode(), ExecMode::Groupable);
+        assert_eq!(receiver.recvs.len(), 2 * 64);
+        assert!(receiver
+            .recvs
+            .iter()
+            .all(|m| m.bytes == 16 * 2 && m.loc.buffer == Buffer::Dst));
+        // The sender's rows are contiguous in its buffer and adjacent rows merge on its side
+        // only if they are adjacent on the receiver's: they are not, so no merging, no packs.
+        let sender = planner.rank_program(0).unwrap();
+        assert_eq!(sender.sends.len(), 64);
+        assert!(sender.packs.is_empty());
+    }
+
+    #[test]
+    fn staged_coalesces_each_pair_into_one_message() {
+        for mode in [Mode::Staged, Mode::Auto] {
+            let planner = tp2_to_tp1_dim1(mode);
+            let receiver = planner.rank_program(2).unwrap();
+            assert_eq!(receiver.mode(), ExecMode::Staged);
+            assert_eq!(receiver.recvs.len(), 2);
+            assert!(receiver.recvs.iter().all(|m| m.bytes == 64 * 16 * 2));
+            assert_eq!(receiver.unpacks.len(), 2);
+            // The whole source shard is one contiguous run: sent without a pack.
+            let sender = planner.rank_program(1).unwrap();
+            assert_eq!(sender.sends.len(), 1);
+            assert!(sender.packs.is_empty());
+            assert_eq!(sender.sends[0].loc.buffer, Buffer::Src);
+        }
+    }
+
+    #[test]
+    fn gathering_a_row_split_packs_on_the_sender_except_in_groupable_mode() {
+        // TP1 → TP2 on dim 1: each receiver's half is contiguous for it but strided for the
+        // sender. Auto and staged: the sender packs and sends one message per receiver.
+        // Groupable: nothing is packed (a pack into staging would be overwritten by a second
+        // call in the same NCCL group before NCCL reads it), so one message per row.
+        let spec = TensorSpec {
+            shape: vec![8, 8],
+            dtype: DType::Float32,
+            src: layout(&[1], &[0], &[Placement::Replicate]),
+            dst: layout(&[2], &[1, 2], &[Placement::Shard(1)]),
+        };
+        let auto = Config {
+            mode: Mode::Auto,
+            ..Default::default()
+        };
+        let planner = Planner::new(vec![spec.clone()], auto).unwrap();
+        let sender = planner.rank_program(0).unwrap();
+        assert_eq!(sender.sends.len(), 2);
+        assert_eq!(sender.packs.len(), 2);
+        assert!(sender
+            .sends
+            .iter()
+            .all(|m| m.loc.buffer == Buffer::Staging && m.bytes == 8 * 4 * 4));
+        assert_eq!(planner.rank_program(1).unwrap().recvs.len(), 1);
+
+        let planner = Planner::new(vec![spec], groupable()).unwrap();
+        let sender = planner.rank_program(0).unwrap();
+        assert_eq!(sender.mode(), ExecMode::Groupable);
+        assert!(sender.packs.is_empty() && sender.staging_bytes == 0);
+        assert_eq!(sender.sends.len(), 2 * 8);
+        assert!(sender
+            .sends
+            .iter()
+            .all(|m| m.loc.buffer == Buffer::Src && m.bytes == 4 * 4));
+        let receiver = planner.rank_program(1).unwrap();
+        assert_eq!(receiver.recvs.len(), 8);
+        assert!(receiver.recvs.iter().all(|m| m.loc.buffer == Buffer::Dst));
+    }
+
+    #[test]
+    fn groupable_caps_messages_per_rank() {
+        // 16384 rows gathered from two senders, each row half from each: 32768 receives on
+        // one rank, over the groupable cap; auto mode coalesces them into two.
+        let spec = TensorSpec {
+            shape: vec![16384, 2],
+            dtype: DType::Float32,
+            src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
+            dst: layout(&[1], &[2], &[Placement::Replicate]),
+        };
+        let planner = Planner::new(vec![spec.clone()], groupable()).unwrap();
+        let err = planner.rank_program(2).unwrap_err();
+        assert!(
+            err.message.contains(&format!(
+                "more than {GROUPABLE_MAX_MESSAGES_PER_RANK} messages on rank 2"
+            )) && err.message.contains("use auto or staged mode"),
+            "{err}"
+        );
+        let auto = Config {
+            mode: Mode::Auto,
+            ..Default::default()
+        };
+        assert_eq!(
+            Planner::new(vec![spec], auto)
+                .unwrap()
+                .rank_program(2)
+                .unwrap()
+                .recvs
+                .len(),
+            2
+        );
+    }
+
+    #[test]
+    fn colocated_rank_copies_its_own_overlap() {
+        let spec = TensorSpec {
+            shape: vec![8],
+            dtype: DType::Float32,
+            src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
+            dst: layout(&[2], &[1, 0], &[Placement::Shard(0)]),
+        };
+        let planner = Planner::new(vec![spec], groupable()).unwrap();
+        let p = planner.rank_program(0).unwrap();
+        assert!(p.local_copies.is_empty());
+        assert_eq!((p.sends.len(), p.recvs.len()), (1, 1));
+        let same = TensorSpec {
+            shape: vec![8],
+            dtype: DType::Float32,
+            src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
+            dst: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
+        };
+        let p = Planner::new(vec![same], groupable())
+            .unwrap()
+            .rank_program(1)
+            .unwrap();
+        assert_eq!(p.bytes_copied_locally(), 16);
+        assert!(p.sends.is_empty() && p.recvs.is_empty());
+    }
+
+    #[test]
+    fn replicas_share_the_sending() {
+        // DP4 replicas of a TP2 shard feed a single TP1 receiver: four senders split the rows.
+        let spec = TensorSpec {
+            shape: vec![4096, 1024],
+            dtype: DType::Bfloat16,
+            src: layout(
+                &[4, 2],
+                &(0..8).collect::<Vec<_>>(),
+                &[Placement::Replicate, Placement::Shard(0)],
+            ),
+            dst: layout(&[1], &[8], &[Placement::Replicate]),
+        };
+        let planner = Planner::new(vec![spec], groupable()).unwrap();
+        let receiver = planner.rank_program(8).unwrap();
+        assert_eq!(receiver.peers(), (0..8).collect::<Vec<_>>());
+        assert_eq!(receiver.bytes_received(), 4096 * 1024 * 2);
+    }
+
+    #[test]
+    fn same_node_replica_is_preferred() {
+        let spec = TensorSpec {
+            shape: vec![1024],
+            dtype: DType::Float32,
+            src: layout(&[2], &[0, 8], &[Placement::Replicate]),
+            dst: layout(&[2], &[1, 9], &[Placement::Replicate]),
+        };
+        let config = Config {
+            topology: Topology::RanksPerNode(8),
+            ..Default::default()
+        };
+        let planner = Planner::new(vec![spec], config).unwrap();
+        assert_eq!(planner.rank_program(1).unwrap().peers(), [0]);
+        assert_eq!(planner.rank_program(9).unwrap().peers(), [8]);
+    }
+
+    #[test]
+    fn ranks_outside_every_mesh_get_empty_programs() {
+        let planner = tp2_to_tp1_dim1(Mode::Auto);
+        assert!(planner.rank_program(7).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_node_table_must_cover_every_rank() {
+        let planner = tp2_to_tp1_dim1(Mode::Auto);
+        let config = Config {
+            topology: Topology::NodeTable(vec![0, 0]),
+            ..Default::default()
+        };
+        let err = Planner::new(planner.tensors().to_vec(), config).unwrap_err();
+        assert!(
+            err.message
+                .contains("node table has 2 entries but the tensors use rank 2"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn groupable_refuses_absurd_message_counts() {
+        // 2^21 rows, each half a row from each of two senders: groupable would need 2^21
+        // messages per pair; auto coalesces them.
+        let spec = TensorSpec {
+            shape: vec![1 << 21, 2],
+            dtype: DType::Int8,
+            src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
+            dst: layout(&[1], &[2], &[Placement::Replicate]),
+        };
+        let groupable = Planner::new(vec![spec.clone()], groupable()).unwrap();
+        let err = groupable.rank_program(2).unwrap_err();
+        assert!(err.message.contains("use auto or staged mode"), "{err}");
+        let auto = Planner::new(
+            vec![spec],
+            Config {
+                mode: Mode::Auto,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(auto.rank_program(2).unwrap().recvs.len(), 2);
+    }
+}
