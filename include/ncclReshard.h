@@ -130,12 +130,6 @@
 
 
 /**
- * Default bound on a rank's staging (`NCCL_RESHARD_STAGING_BYTES` overrides it, the config's
- * `maxStagingBytes` overrides both).
- */
-#define DEFAULT_MAX_STAGING_BYTES (8 << 30)
-
-/**
  * Most tensor dims and most mesh axes a descriptor can carry.
  */
 #define NCCL_RESHARD_MAX_DIMS 8
@@ -260,7 +254,7 @@ typedef enum {
 
 /**
  * An opaque reshard plan: created once per rank by `ncclReshardPlanCreate`, immutable after,
- * destroyed by `ncclReshardPlanDestroy`.
+ * destroyed by `ncclReshardPlanDestroy`. The core's plan and the NCCL transport that runs it.
  */
 typedef struct ncclReshardPlan ncclReshardPlan;
 

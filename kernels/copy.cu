@@ -2,7 +2,7 @@
 // view), packs (source view -> staging) and unpacks (staging -> destination view), all driven
 // by the same `StridedCopy` descriptors the host executor runs (src/plan/program.rs), and the
 // conversions of tensors that arrive in another dtype (`StridedConvert`, docs/quantization.md),
-// all encoded by src/exec/cuda/descriptors.rs.
+// all encoded by src/gpu/descriptors.rs.
 //
 // Self-contained on purpose: compiled by NVRTC at first use with only
 // `--gpu-architecture=sm_XX -std=c++17`, no system, libc++ or CUDA toolkit headers. The CPU

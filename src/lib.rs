@@ -10,9 +10,11 @@ pub mod debug;
 pub mod error;
 pub mod exec;
 pub mod ffi;
+pub mod gpu;
 pub mod layout;
 pub mod plan;
 pub mod quant;
+pub mod transport;
 
 pub use error::{Error, ErrorKind, Result};
 

@@ -3,9 +3,9 @@
 
 mod oracle;
 
-use ncclreshard::exec::cuda::descriptors::{encode, Addressing, BaseKey, CopyDesc, Encoded};
-use ncclreshard::exec::host::copy_block;
+use ncclreshard::gpu::descriptors::{encode, Addressing, BaseKey, CopyDesc, Encoded};
 use ncclreshard::plan::{Buffer, StridedCopy};
+use ncclreshard::transport::host::copy_block;
 use ncclreshard::{Config, DType, Mode, Planner, TensorSpec};
 use oracle::strategies;
 use proptest::prelude::*;

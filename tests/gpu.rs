@@ -9,10 +9,11 @@
 
 use cudarc::driver::sys::{self, CUresult};
 use ncclreshard::exec::buffers::CallBuffers;
-use ncclreshard::exec::cuda::CudaExecutor;
-use ncclreshard::exec::host::{execute, RankBuffers};
+use ncclreshard::exec::{Plan, PlanTensor, StagingLimit};
 use ncclreshard::plan::{Buffer, RankProgram};
 use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
+use ncclreshard::transport::host::{execute, RankBuffers};
+use ncclreshard::transport::nccl::NcclTransport;
 use ncclreshard::{
     Config, DType, ErrorKind, Layout, Mesh, Mode, Placement, Planner, TensorSpec, Topology,
 };
@@ -408,33 +409,48 @@ fn prepare_salted(device: &Device, tensors: &[TensorSpec], rank: u32, salt: u32)
     }
 }
 
-/// An executor for `rank`'s program with the view offsets `prepare` uses.
-fn executor_for(
+/// `rank`'s plan as `ncclReshardPlanCreate` makes it (the policies of plan creation, the NCCL
+/// transport's limits), each tensor's views at `offsets[t]` = (source, destination, scale).
+fn plan_at(
     tensors: &[TensorSpec],
+    conversions: &[Option<Conversion>],
     rank: u32,
-    program: RankProgram,
-    mode: Mode,
-) -> CudaExecutor {
-    let (_, _, src_offsets, dst_offsets, _) = images(tensors, rank, 0);
-    CudaExecutor::new(
-        Arc::new(program),
-        src_offsets,
-        dst_offsets,
-        mode == Mode::Groupable,
+    config: &Config,
+    offsets: &[(u64, u64, u64)],
+) -> ncclreshard::Result<Plan> {
+    let tensors = tensors
+        .iter()
+        .zip(conversions)
+        .zip(offsets)
+        .map(|((spec, conversion), &(src, dst, scale))| PlanTensor {
+            conversion: conversion.clone(),
+            src_offset: src,
+            dst_offset: dst,
+            scale_offset: scale,
+            ..PlanTensor::new(spec.clone())
+        })
+        .collect();
+    Plan::new(
+        tensors,
+        rank,
+        config.clone(),
+        StagingLimit::new(0),
+        NcclTransport::LIMITS,
     )
 }
 
-impl RankData {
-    /// An executor for `program` with this rank's view offsets.
-    fn executor(&self, program: RankProgram, mode: Mode) -> CudaExecutor {
-        CudaExecutor::new(
-            Arc::new(program),
-            self.src_offsets.clone(),
-            self.dst_offsets.clone(),
-            mode == Mode::Groupable,
-        )
-    }
+/// `rank`'s plan with the view offsets `prepare` uses.
+fn plan_of(tensors: &[TensorSpec], rank: u32, config: &Config) -> ncclreshard::Result<Plan> {
+    let (_, _, src_offsets, dst_offsets, _) = images(tensors, rank, 0);
+    let offsets: Vec<(u64, u64, u64)> = src_offsets
+        .iter()
+        .zip(&dst_offsets)
+        .map(|(&s, &d)| (s, d, 0))
+        .collect();
+    plan_at(tensors, &vec![None; tensors.len()], rank, config, &offsets)
+}
 
+impl RankData {
     /// The single-buffer call's buffers.
     fn buffers(&self) -> CallBuffers<'static> {
         CallBuffers::Single {
@@ -493,10 +509,9 @@ fn config(mode: Mode) -> Config {
 /// Plans `rank`'s part (as every rank does on its own), runs it once on the rank's stream and
 /// communicator, checks every destination byte. Returns the elements checked.
 fn reshard(rank: &Rank, tensors: &[TensorSpec], config: &Config) -> u64 {
-    let planner = Planner::new(tensors.to_vec(), config.clone()).unwrap();
-    let program = planner.rank_program(rank.r).unwrap();
+    let plan = plan_of(tensors, rank.r, config).unwrap();
     let data = prepare(&rank.device, tensors, rank.r);
-    let executor = data.executor(program, config.mode);
+    let executor = NcclTransport::for_plan(&plan);
     executor
         .execute(&data.buffers(), rank.comm, rank.device.stream.cast())
         .unwrap_or_else(|e| panic!("rank {}: {e}", rank.r));
@@ -575,9 +590,8 @@ fn one_rank_colocated_layouts_are_byte_exact() {
                         split_min_bytes: if rounds > 0 { 4096 } else { 1 << 20 },
                         ..Default::default()
                     };
-                    let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
-                    let program = match planner.rank_program(0) {
-                        Ok(program) => program,
+                    let plan = match plan_of(tensors, 0, &config) {
+                        Ok(plan) => plan,
                         // Element-wise interleaving through self messages: past groupable
                         // mode's message cap (auto and staged take it).
                         Err(e) if mode == Mode::Groupable && via_nccl => {
@@ -586,12 +600,13 @@ fn one_rank_colocated_layouts_are_byte_exact() {
                         }
                         Err(e) => panic!("{name}: {e}"),
                     };
+                    let program = plan.program();
                     if via_nccl {
                         assert!(!program.sends.is_empty(), "{name}: expected self messages");
                     }
                     overlapped += u32::from(program.has_late_unpacks());
                     let data = prepare(&rank.device, tensors, 0);
-                    let executor = data.executor(program, mode);
+                    let executor = NcclTransport::for_plan(&plan);
                     for _ in 0..2 {
                         executor
                             .execute(&data.buffers(), rank.comm, rank.device.stream.cast())
@@ -726,14 +741,14 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
     }
     for (name, tensors, config) in multi_rank_cases(n as u32) {
         let outcome = with_ranks(n, true, |rank| {
-            let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
-            let program = planner.rank_program(rank.r).unwrap();
+            let plan = plan_of(&tensors, rank.r, &config).unwrap();
+            let program = plan.program();
             // A relay's forwarder sends from its destination view.
             let forwards = program.sends.iter().any(|m| m.loc.buffer == Buffer::Dst)
                 || program.packs.iter().any(|c| c.src.buffer == Buffer::Dst);
             let late = program.has_late_unpacks();
             let data = prepare(&rank.device, &tensors, rank.r);
-            let executor = data.executor(program, config.mode);
+            let executor = NcclTransport::for_plan(&plan);
             // ncclReshard twice (the second call reuses everything), then ncclReshardMulti.
             for _ in 0..2 {
                 executor
@@ -903,7 +918,10 @@ fn quantized_plans_match_the_host_executor() {
         execute(&programs, &mut host).unwrap_or_else(|e| panic!("{name}: host: {e}"));
 
         let device_views = with_ranks(n, true, |rank| {
-            let program = planner.rank_program(rank.r).unwrap();
+            let plan_with = |offsets: &[(u64, u64, u64)]| {
+                plan_at(&tensors, &conversions, rank.r, &config, offsets)
+                    .unwrap_or_else(|e| panic!("{name}, rank {}: {e}", rank.r))
+            };
             let memory = rank_buffers(&tensors, Some(&conversions), rank.r).unwrap();
             let upload = |v: &Vec<u8>| {
                 if v.is_empty() {
@@ -916,12 +934,7 @@ fn quantized_plans_match_the_host_executor() {
             let recv: Vec<u64> = memory.dst.iter().map(upload).collect();
             let as_usize = |v: &[u64]| v.iter().map(|&p| p as usize).collect::<Vec<_>>();
             let (send_ptrs, recv_ptrs) = (as_usize(&send), as_usize(&recv));
-            let executor = CudaExecutor::new(
-                Arc::new(program),
-                vec![0; memory.src.len()],
-                vec![0; memory.dst.len()],
-                false,
-            );
+            let executor = NcclTransport::for_plan(&plan_with(&vec![(0, 0, 0); tensors.len()]));
             executor
                 .execute(
                     &CallBuffers::PerTensor {
@@ -964,12 +977,15 @@ fn quantized_plans_match_the_host_executor() {
                 rank.device.upload(&send_image),
                 rank.device.upload(&recv_image),
             );
-            let executor = CudaExecutor::new(
-                Arc::new(planner.rank_program(rank.r).unwrap()),
-                src_offsets,
-                dst_offsets.clone(),
-                false,
-            );
+            // The k-th scale view (after the tensors' views) is that of the k-th quantized tensor.
+            let mut scale_offsets = vec![0; tensors.len()];
+            for (k, (t, ..)) in planner.scale_tensors().into_iter().enumerate() {
+                scale_offsets[t as usize] = dst_offsets[tensors.len() + k];
+            }
+            let offsets: Vec<(u64, u64, u64)> = (0..tensors.len())
+                .map(|t| (src_offsets[t], dst_offsets[t], scale_offsets[t]))
+                .collect();
+            let executor = NcclTransport::for_plan(&plan_with(&offsets));
             executor
                 .execute(
                     &CallBuffers::Single {
@@ -1052,13 +1068,12 @@ fn a_groupable_plan_runs_twice_in_a_callers_group_next_to_an_allreduce() {
         ..config(Mode::Groupable)
     };
     with_ranks(n, true, |rank| {
-        let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
-        let program = planner.rank_program(rank.r).unwrap();
+        let plan = plan_of(&tensors, rank.r, &config).unwrap();
         let first = prepare(&rank.device, &tensors, rank.r);
         // The second call's sources hold other values (a second step's weights): anything the
         // first call left for NCCL to read at the group's end being overwritten would show.
         let second = prepare_salted(&rank.device, &tensors, rank.r, 7);
-        let executor = first.executor(program, Mode::Groupable);
+        let executor = NcclTransport::for_plan(&plan);
         let counts: Vec<f32> = (0..1024).map(|i| i as f32).collect();
         let bytes: Vec<u8> = counts.iter().flat_map(|x| x.to_le_bytes()).collect();
         let sum_in = rank.device.upload(&bytes);
@@ -1118,9 +1133,9 @@ fn staged_and_multi_round_plans_inside_a_group_are_refused_on_every_rank() {
             ..Default::default()
         };
         with_ranks(n, true, |rank| {
-            let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
+            let plan = plan_of(&tensors, rank.r, &config).unwrap();
             let data = prepare(&rank.device, &tensors, rank.r);
-            let executor = data.executor(planner.rank_program(rank.r).unwrap(), mode);
+            let executor = NcclTransport::for_plan(&plan);
             let stream = rank.device.stream.cast();
             // SAFETY: balanced group calls.
             unsafe {
@@ -1189,11 +1204,10 @@ fn a_launch_failing_mid_call_still_posts_every_group_so_no_peer_waits() {
         ..Default::default()
     };
     with_ranks(n, true, |rank| {
-        let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
-        let program = planner.rank_program(rank.r).unwrap();
-        let rounds = program.rounds().len();
+        let plan = plan_of(&tensors, rank.r, &config).unwrap();
+        let rounds = plan.program().rounds().len();
         let data = prepare(&rank.device, &tensors, rank.r);
-        let executor = data.executor(program, Mode::Auto);
+        let executor = NcclTransport::for_plan(&plan);
         let stream = rank.device.stream.cast();
         executor
             .execute(&data.buffers(), rank.comm, stream)
@@ -1248,11 +1262,10 @@ fn graph_capture_replays_the_reshard_including_a_first_call_on_a_fresh_stream() 
             ..Default::default()
         };
         let late = with_ranks(n, true, |rank| {
-            let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
+            let plan = plan_of(&tensors, rank.r, &config).unwrap();
             let data = prepare(&rank.device, &tensors, rank.r);
-            let program = planner.rank_program(rank.r).unwrap();
-            let late = program.has_late_unpacks();
-            let executor = data.executor(program, mode);
+            let late = plan.program().has_late_unpacks();
+            let executor = NcclTransport::for_plan(&plan);
             // Ranks are threads of one process here, so captures are thread-local: in global
             // mode another rank's allocation would (rightly) invalidate this rank's capture. A
             // job runs one process per GPU, where torch's global mode is fine.
@@ -1363,20 +1376,18 @@ fn concurrent_calls_on_per_thread_default_streams_and_several_plans() {
     std::thread::scope(|scope| {
         let mut handles = Vec::new();
         for r in 0..n {
-            let planner = Planner::new(tensors.clone(), staged.clone()).unwrap();
-            let program = planner.rank_program(r as u32).unwrap();
-            assert!(program.has_late_unpacks(), "no late unpacks");
-            let shared = Arc::new(executor_for(&tensors, r as u32, program, Mode::Staged));
+            let plan = plan_of(&tensors, r as u32, &staged).unwrap();
+            assert!(plan.program().has_late_unpacks(), "no late unpacks");
+            let shared = Arc::new(NcclTransport::for_plan(&plan));
             for (k, id) in ids.iter().enumerate() {
                 let (tensors, auto, shared) = (tensors.clone(), auto.clone(), shared.clone());
                 let (id, done) = (*id, &done);
                 handles.push(scope.spawn(move || {
                     let device = Device::per_thread(r);
                     let comm = join(id, n, r, true);
-                    let second = Planner::new(tensors.clone(), auto.clone()).unwrap();
-                    let program = second.rank_program(r as u32).unwrap();
-                    assert!(program.has_late_unpacks(), "no late unpacks");
-                    let other = executor_for(&tensors, r as u32, program, Mode::Auto);
+                    let second = plan_of(&tensors, r as u32, &auto).unwrap();
+                    assert!(second.program().has_late_unpacks(), "no late unpacks");
+                    let other = NcclTransport::for_plan(&second);
                     let steps: Vec<RankData> = (0..3)
                         .map(|step| {
                             prepare_salted(&device, &tensors, r as u32, 10 * k as u32 + step)
@@ -1446,11 +1457,9 @@ fn nccl_reshard_check_refuses_a_rank_that_planned_differently_and_tolerates_mixe
         } else {
             &tensors
         };
-        let planner = Planner::new(mine.clone(), Config::default()).unwrap();
+        let plan = plan_of(mine, rank.r, &Config::default()).unwrap();
         let data = prepare(&rank.device, mine, rank.r);
-        let executor = data
-            .executor(planner.rank_program(rank.r).unwrap(), Mode::Groupable)
-            .with_peer_check(true);
+        let executor = NcclTransport::for_plan(&plan).with_peer_check(true);
         let result = executor.execute(&data.buffers(), rank.comm, rank.device.stream.cast());
         data.free(&rank.device);
         result.err()
@@ -1463,11 +1472,9 @@ fn nccl_reshard_check_refuses_a_rank_that_planned_differently_and_tolerates_mixe
     // Defect: a rank with the check and a peer without it paired check messages with data.
     // Now the fingerprints travel on every call either way; only the waiting differs.
     with_ranks(n, true, |rank| {
-        let planner = Planner::new(tensors.clone(), Config::default()).unwrap();
+        let plan = plan_of(&tensors, rank.r, &Config::default()).unwrap();
         let data = prepare(&rank.device, &tensors, rank.r);
-        let executor = data
-            .executor(planner.rank_program(rank.r).unwrap(), Mode::Groupable)
-            .with_peer_check(rank.r % 2 == 0);
+        let executor = NcclTransport::for_plan(&plan).with_peer_check(rank.r % 2 == 0);
         for _ in 0..2 {
             executor
                 .execute(&data.buffers(), rank.comm, rank.device.stream.cast())
@@ -1491,9 +1498,9 @@ fn streams_of_another_device_or_context_are_refused() {
         ..Default::default()
     };
     with_ranks(1, true, |rank| {
-        let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
+        let plan = plan_of(&tensors, 0, &config).unwrap();
         let data = prepare(&rank.device, &tensors, 0);
-        let executor = data.executor(planner.rank_program(0).unwrap(), Mode::Staged);
+        let executor = NcclTransport::for_plan(&plan);
         let mut own = std::ptr::null_mut();
         let mut stream = std::ptr::null_mut();
         // SAFETY: a context of our own on device 0 and a stream in it, destroyed below.
@@ -1629,11 +1636,10 @@ fn copy_kernel_bandwidth_against_memcpy() {
             };
             spec.dst.strides = strides.clone();
             let tensors = vec![spec];
-            let planner = Planner::new(tensors.clone(), config.clone()).unwrap();
-            let program = planner.rank_program(0).unwrap();
+            let plan = plan_of(&tensors, 0, config).unwrap();
             let data = prepare(device, &tensors, 0);
             let bytes: u64 = tensors[0].shape.iter().product::<u64>() * u64::from(dtype.size());
-            let executor = data.executor(program, config.mode);
+            let executor = NcclTransport::for_plan(&plan);
             let buffers = data.buffers();
             let ours = time_ms(device.stream, 5, || {
                 executor

@@ -4,8 +4,8 @@
 
 mod oracle;
 
-use ncclreshard::exec::host::{execute, RankBuffers};
 use ncclreshard::plan::{Buffer, ExecMode, GROUPABLE_MAX_MESSAGES_PER_RANK};
+use ncclreshard::transport::host::{execute, RankBuffers};
 use ncclreshard::{
     Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
 };

@@ -2,7 +2,7 @@
 //! `-std=c++17` as options, for the GPUs users run (A100, H100/H200, B200), without a warning.
 //! No GPU needed: NVRTC is a compiler library.
 
-use ncclreshard::exec::cuda::nvrtc;
+use ncclreshard::gpu::nvrtc;
 
 #[test]
 #[ignore = "needs NVRTC (libnvrtc.so.12): scripts/native-tests.sh runs it with the nvidia-cuda-nvrtc-cu12 wheel via NCCL_RESHARD_NVRTC_LIBRARY"]

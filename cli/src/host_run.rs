@@ -6,10 +6,10 @@ use crate::commands::refit_setup;
 use crate::out;
 use crate::work;
 use crate::Failure;
-use ncclreshard::exec::host::{copy_block, execute, RankBuffers};
 use ncclreshard::layout::{row_major_strides, RankView, Side};
 use ncclreshard::plan::{Buffer, CopyDim, Loc, StridedCopy};
 use ncclreshard::quant::Conversion;
+use ncclreshard::transport::host::{copy_block, execute, RankBuffers};
 use ncclreshard::{Config, IndexRuns, RankProgram, TensorSpec};
 use ncclreshard_tools::check::{
     destination_view_bytes, expected_conversion, rank_buffers, verify_converted_view,

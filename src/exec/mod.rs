@@ -1,7 +1,10 @@
-//! Executors: what runs a rank's `RankProgram`. [`buffers`] is the contract about a call's
-//! buffers every executor (and any other transport) follows; [`host`] runs all ranks' programs
-//! over host memory, [`cuda`] one rank's on a CUDA stream and NCCL communicator.
+//! What every transport shares (docs/design.md §4): the plan object and the policies of plan
+//! creation ([`Plan`]), the contract about a call's buffers ([`buffers`]), and the one walk of a
+//! rank's program that every transport runs ([`schedule`]). The transports themselves are in
+//! `crate::transport`.
 
 pub mod buffers;
-pub mod cuda;
-pub mod host;
+mod plan;
+pub mod schedule;
+
+pub use plan::{rank_program, Export, Limits, NoLimits, Plan, PlanTensor, StagingLimit};

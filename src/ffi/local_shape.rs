@@ -2,7 +2,7 @@
 //! ([`Layout::rank_view`]) and writes the outputs.
 
 use super::boundary::array;
-use super::convert;
+use super::decode;
 use super::types::*;
 use crate::error::{Error, Result};
 use crate::layout::validate_shape;
@@ -25,11 +25,11 @@ pub(crate) unsafe fn local_shape(
     runs_capacity: c_int,
     runs_per_dim: *mut c_int,
 ) -> Result<()> {
-    let n = convert::count(ndim, NCCL_RESHARD_MAX_DIMS, "ndim")?;
+    let n = decode::count(ndim, NCCL_RESHARD_MAX_DIMS, "ndim")?;
     // SAFETY: shape holds ndim entries.
-    let global = convert::sizes(unsafe { array(shape, n, "shape") }?, "shape")?;
+    let global = decode::sizes(unsafe { array(shape, n, "shape") }?, "shape")?;
     // SAFETY: layout is NULL or a valid descriptor whose pointers are NULL or valid.
-    let layout = unsafe { convert::layout(layout, n, &"layout", &mut Default::default()) }?;
+    let layout = unsafe { decode::layout(layout, n, &"layout", &mut Default::default()) }?;
     validate_shape(&global, ELEM_SIZE)?;
     layout.validate(&global, ELEM_SIZE, "layout")?;
     let rank_u =

@@ -11,14 +11,15 @@
 #![allow(clippy::missing_safety_doc)]
 
 mod boundary;
-mod convert;
+mod decode;
+mod export;
 mod local_shape;
-mod plan;
 pub mod types;
 
 use crate::error::{Error, Result};
+use crate::exec::{Plan, StagingLimit};
+use crate::transport::nccl::NcclTransport;
 use boundary::{arg, array, boundary, read_versioned, write_versioned};
-use plan::PlanObject;
 use std::os::raw::{c_char, c_int, c_void};
 pub use types::*;
 
@@ -46,16 +47,19 @@ const fn parse_version(text: &str) -> c_int {
 }
 
 /// An opaque reshard plan: created once per rank by `ncclReshardPlanCreate`, immutable after,
-/// destroyed by `ncclReshardPlanDestroy`.
-pub struct ncclReshardPlan(PlanObject);
+/// destroyed by `ncclReshardPlanDestroy`. The core's plan and the NCCL transport that runs it.
+pub struct ncclReshardPlan {
+    plan: Plan,
+    nccl: NcclTransport,
+}
 
 /// Handle to a plan.
 pub type ncclReshardPlan_t = *mut ncclReshardPlan;
 
-fn plan_ref<'a>(plan: ncclReshardPlan_t) -> Result<&'a PlanObject> {
+fn plan_ref<'a>(plan: ncclReshardPlan_t) -> Result<&'a ncclReshardPlan> {
     // SAFETY: a non-NULL plan handle comes from ncclReshardPlanCreate and has not been
     // destroyed (the API contract); plans are immutable, so shared access is sound.
-    unsafe { arg(plan.cast_const(), "plan") }.map(|p| &p.0)
+    unsafe { arg(plan.cast_const(), "plan") }
 }
 
 /// Creates this rank's plan for resharding `ntensors` tensors.
@@ -89,10 +93,12 @@ pub unsafe extern "C" fn ncclReshardPlanCreate(
             Error::invalid_argument(format!("rank is {rank}; ranks are non-negative"))
         })?;
         // SAFETY: the caller passes ntensors valid descriptors and a NULL or valid config.
-        let inputs = unsafe { convert::tensors(tensors, ntensors) }?;
-        let (config, max_staging_bytes) = unsafe { convert::config(config) }?;
-        let object = PlanObject::new(inputs, rank, config, max_staging_bytes)?;
-        let handle = Box::into_raw(Box::new(ncclReshardPlan(object)));
+        let tensors = unsafe { decode::tensors(tensors, ntensors) }?;
+        let (config, max_staging_bytes) = unsafe { decode::config(config) }?;
+        let staging = StagingLimit::new(max_staging_bytes);
+        let core = Plan::new(tensors, rank, config, staging, NcclTransport::LIMITS)?;
+        let nccl = NcclTransport::for_plan(&core);
+        let handle = Box::into_raw(Box::new(ncclReshardPlan { plan: core, nccl }));
         // SAFETY: plan is non-NULL and writable per the contract.
         unsafe { plan.write(handle) };
         Ok(())
@@ -159,9 +165,12 @@ pub unsafe extern "C" fn ncclReshard(
     stream: cudaStream_t,
 ) -> ncclResult_t {
     boundary("ncclReshard", || {
-        let plan = plan_ref(plan)?;
-        let buffers = plan.views().single(sendbuff as usize, recvbuff as usize)?;
-        plan.execute(&buffers, comm, stream)
+        let handle = plan_ref(plan)?;
+        let buffers = handle
+            .plan
+            .views()
+            .single(sendbuff as usize, recvbuff as usize)?;
+        handle.nccl.execute(&buffers, comm, stream)
     })
 }
 
@@ -182,7 +191,8 @@ pub unsafe extern "C" fn ncclReshardMulti(
     stream: cudaStream_t,
 ) -> ncclResult_t {
     boundary("ncclReshardMulti", || {
-        let plan = plan_ref(plan)?;
+        let handle = plan_ref(plan)?;
+        let plan = &handle.plan;
         let pointers = |table: *const usize, n: usize, name: &str| -> Result<&[usize]> {
             if table.is_null() {
                 return Ok(&[]);
@@ -194,7 +204,7 @@ pub unsafe extern "C" fn ncclReshardMulti(
         let send = pointers(sendbuffs.cast(), plan.ntensors(), "sendbuffs")?;
         let recv = pointers(recvbuffs.cast(), plan.ndestinations(), "recvbuffs")?;
         let buffers = plan.views().per_tensor(send, recv)?;
-        plan.execute(&buffers, comm, stream)
+        handle.nccl.execute(&buffers, comm, stream)
     })
 }
 
@@ -209,18 +219,18 @@ pub unsafe extern "C" fn ncclReshardPlanGetInfo(
     info: *mut ncclReshardPlanInfo_t,
 ) -> ncclResult_t {
     boundary("ncclReshardPlanGetInfo", || {
-        let plan = plan_ref(plan)?;
+        let plan = &plan_ref(plan)?.plan;
         // SAFETY: info is NULL or points to a struct of at least its stated size.
         let caller = unsafe {
             read_versioned(
                 info.cast_const(),
-                convert::INFO_MIN_SIZE,
+                decode::INFO_MIN_SIZE,
                 ncclReshardPlanInfo_t::default(),
                 "info",
             )
         }?;
         // SAFETY: as above; the write is bounded by the caller's size.
-        unsafe { write_versioned(info, &plan.info(), caller.size) };
+        unsafe { write_versioned(info, &export::info(plan), caller.size) };
         Ok(())
     })
 }
@@ -256,11 +266,11 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
     count: *mut c_int,
 ) -> ncclResult_t {
     boundary("ncclReshardPlanGetTransfers", || {
-        let plan = plan_ref(plan)?;
+        let plan = &plan_ref(plan)?.plan;
         if count.is_null() {
             return Err(Error::invalid_argument("count is NULL"));
         }
-        let entries = plan.transfers()?;
+        let entries = export::transfers(plan)?;
         let total = c_int::try_from(entries.len()).map_err(|_| {
             Error::invalid_usage("the plan has more transfers than an int can count")
         })?;
@@ -275,7 +285,7 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
             let first = unsafe {
                 read_versioned(
                     transfers.cast_const(),
-                    convert::TRANSFER_MIN_SIZE,
+                    decode::TRANSFER_MIN_SIZE,
                     ncclReshardTransfer_t::default(),
                     "transfers[0]",
                 )
@@ -285,7 +295,7 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
             let forwards = entries
                 .iter()
                 .any(|t| t.srcView == ncclReshardView_t::ncclReshardViewDestination as c_int);
-            if first.size < convert::TRANSFER_SRC_VIEW_SIZE && forwards {
+            if first.size < decode::TRANSFER_SRC_VIEW_SIZE && forwards {
                 return Err(Error::invalid_usage(format!(
                     "transfers[0].size is {} (a struct from before 0.2, without srcView) but this plan forwards relayed data (transfers that read the sender's destination view); build against the current header (size {}) or plan with config.relay = 0",
                     first.size,
@@ -298,7 +308,7 @@ pub unsafe extern "C" fn ncclReshardPlanGetTransfers(
                     || t.dstView != ncclReshardView_t::ncclReshardViewDestination as c_int
                     || t.srcView > ncclReshardView_t::ncclReshardViewDestination as c_int
             });
-            if first.size < convert::TRANSFER_CONVERT_SIZE && converts {
+            if first.size < decode::TRANSFER_CONVERT_SIZE && converts {
                 return Err(Error::invalid_usage(format!(
                     "transfers[0].size is {} (a struct from before 0.4, without dstView, the dtypes and the scale fields) but this plan converts tensors on the way; build against the current header (size {})",
                     first.size,
@@ -418,7 +428,7 @@ pub unsafe extern "C" fn ncclReshardGetNcclLibrary(
         if ncclVersion.is_null() {
             return Err(Error::invalid_argument("ncclVersion is NULL"));
         }
-        let nccl = crate::exec::cuda::nccl::nccl()?;
+        let nccl = crate::transport::nccl::library::nccl()?;
         let version = nccl.version();
         // SAFETY: both are non-NULL and writable per the contract; the string lives in the
         // process-wide NCCL table, which is never dropped.

@@ -7,10 +7,11 @@
 
 use crate::reference_quantizer::{self, Converted};
 use ncclreshard::error::{Error, Result};
-use ncclreshard::exec::host::{execute, RankBuffers};
+use ncclreshard::exec::{rank_program, NoLimits, StagingLimit};
 use ncclreshard::layout::{next_index, RankView, Side, TensorSpec};
 use ncclreshard::plan::{Config, Planner, RankProgram};
 use ncclreshard::quant::{float, Conversion};
+use ncclreshard::transport::host::{execute, RankBuffers};
 use ncclreshard::DType;
 
 /// What a successful check moved and verified.
@@ -466,7 +467,7 @@ pub fn check_with_conversions(
     }
     let programs: Vec<RankProgram> = ranks
         .iter()
-        .map(|&r| planner.rank_program(r))
+        .map(|&r| rank_program(&planner, r, StagingLimit::new(0), &NoLimits))
         .collect::<Result<_>>()?;
     let mut buffers = ranks
         .iter()

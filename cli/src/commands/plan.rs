@@ -4,7 +4,9 @@ use super::{chosen_mode, load_one, per_file, usage, Command};
 use crate::args::{flag, value, Parsed};
 use crate::out;
 use crate::Failure;
+use ncclreshard::exec::{rank_program, StagingLimit};
 use ncclreshard::plan::ExecMode;
+use ncclreshard::transport::nccl::NcclTransport;
 use ncclreshard::{Config, Planner, RankProgram, Topology};
 use ncclreshard_tools::case::Case;
 use serde::Serialize;
@@ -141,8 +143,8 @@ fn programs(case: &Case, planner: &Planner, ranks: &[u32]) -> Result<Vec<RankPro
     ranks
         .iter()
         .map(|&r| {
-            planner
-                .rank_program(r)
+            // As ncclReshardPlanCreate plans it (the staging limit, the NCCL transport's).
+            rank_program(planner, r, StagingLimit::new(0), NcclTransport::LIMITS)
                 .map_err(|e| Failure::Input(format!("case {}: rank {r}: {e}", case.name)))
         })
         .collect()

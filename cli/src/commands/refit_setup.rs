@@ -6,8 +6,10 @@ use crate::args::Parsed;
 use crate::models_json::{load_model, load_system, Model};
 use crate::work;
 use crate::Failure;
+use ncclreshard::exec::{rank_program, StagingLimit};
 use ncclreshard::layout::Side;
 use ncclreshard::quant::Conversion;
+use ncclreshard::transport::nccl::NcclTransport;
 use ncclreshard::{Config, DType, Mode, Planner, RankProgram, TensorSpec, Topology};
 use ncclreshard_tools::models::{
     count_parameters, infer_conversions, ExpertStorage, InferDtype, InferSpec, Refit, RefitOptions,
@@ -259,8 +261,8 @@ pub fn plan_all(planner: &Planner, label: &str) -> Result<(Vec<RankProgram>, Dur
     let ranks = planner.ranks();
     let (programs, took) = work::track(label, ranks.len(), |done| {
         work::map(&ranks, done, |&rank| {
-            planner
-                .rank_program(rank)
+            // As ncclReshardPlanCreate plans it (the staging limit, the NCCL transport's).
+            rank_program(planner, rank, StagingLimit::new(0), NcclTransport::LIMITS)
                 .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))
         })
     });

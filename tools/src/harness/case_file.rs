@@ -8,6 +8,8 @@
 
 use crate::case;
 use crate::check::check_with_conversions;
+use ncclreshard::exec::{rank_program, StagingLimit};
+use ncclreshard::transport::nccl::NcclTransport;
 use ncclreshard::{ErrorKind, Planner};
 
 /// The file name the parser is given (its errors must start with it).
@@ -93,7 +95,9 @@ pub fn run(data: &[u8]) -> Outcome {
                 Some(outside),
             ];
             for rank in picks.into_iter().flatten() {
-                if let Err(error) = planner.rank_program(rank) {
+                let program =
+                    rank_program(&planner, rank, StagingLimit::new(0), NcclTransport::LIMITS);
+                if let Err(error) = program {
                     no_internal_error(&format!("{name}: rank {rank}"), &error);
                 }
             }

@@ -1,9 +1,10 @@
-//! C descriptors → the core's types, validating every field and naming it in errors
+//! Decoding C descriptors into the core's types, validating every field and naming it in errors
 //! (`tensors[2].src->placements[1].dim: …`).
 
 use super::boundary::{array, read_versioned};
 use super::types::*;
 use crate::error::{Error, Result};
+use crate::exec::PlanTensor;
 use crate::layout::{DType, Layout, Mesh, Placement, TensorSpec};
 use crate::plan::{Config, Mode, Topology, DEFAULT_SPLIT_MIN_BYTES, MAX_ROUNDS};
 use crate::quant::{Conversion, FieldNames, ScaleFormat, Scheme};
@@ -29,18 +30,6 @@ pub(crate) const TRANSFER_MIN_SIZE: usize = std::mem::offset_of!(ncclReshardTran
 /// The smallest transfer struct that holds `srcView` (which a plan with forwards needs).
 pub(crate) const TRANSFER_SRC_VIEW_SIZE: usize =
     std::mem::offset_of!(ncclReshardTransfer_t, srcView) + std::mem::size_of::<c_int>();
-
-/// A converted tensor and this rank's view offsets in the single-buffer call.
-pub(crate) struct TensorInput {
-    pub spec: TensorSpec,
-    /// What the tensor becomes on its way, if anything.
-    pub conversion: Option<Conversion>,
-    pub src_offset: u64,
-    pub dst_offset: u64,
-    /// Offset of this rank's scale view in the single-buffer call's `recvbuff`.
-    pub scale_offset: u64,
-    pub name: Option<String>,
-}
 
 /// Refuses a struct from a header newer than this library: its fields may mean what this
 /// library does not know. 0 (a struct not from an initializer) is taken as the oldest.
@@ -403,7 +392,7 @@ unsafe fn conversion(
 pub(crate) unsafe fn tensors(
     tensors: *const ncclReshardTensor_t,
     ntensors: c_int,
-) -> Result<Vec<TensorInput>> {
+) -> Result<Vec<PlanTensor>> {
     let n = usize::try_from(ntensors)
         .ok()
         .filter(|&n| n >= 1)
@@ -480,7 +469,7 @@ pub(crate) unsafe fn tensors(
                 .and_then(|()| c.validate_named(&spec, &FieldNames::C))
                 .map_err(|e| e.context(field))?;
         }
-        out.push(TensorInput {
+        out.push(PlanTensor {
             spec,
             conversion,
             src_offset: c.srcOffset as u64,
@@ -630,7 +619,7 @@ mod tests {
         t
     }
 
-    fn convert(tensors: &[ncclReshardTensor_t]) -> Result<Vec<TensorInput>> {
+    fn convert(tensors: &[ncclReshardTensor_t]) -> Result<Vec<PlanTensor>> {
         // SAFETY: every tensor and layout outlives the call; tables hold meshShape entries.
         unsafe { super::tensors(tensors.as_ptr(), tensors.len() as c_int) }
     }
@@ -642,7 +631,7 @@ mod tests {
         let good = layout(&good_table, 1);
         let bad_rank = layout(&bad_table, 1);
         let bad_kind = layout(&good_table, 7);
-        let error = |t: &[ncclReshardTensor_t]| convert(t).err().expect("refused").message;
+        let error = |t: &[ncclReshardTensor_t]| convert(t).expect_err("refused").message;
         let ok = tensor(&good, &good);
         assert_eq!(
             error(&[ok, tensor(&good, &bad_rank)]),

@@ -18,9 +18,9 @@
 //! is the NCCL it leads to). Only functions present in NCCL 2.18 are required, so any NCCL
 //! from 2.18 on works.
 
-use super::libs::dlerror;
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
+use crate::gpu::driver::dlerror;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::fmt::Write as _;
 use std::sync::OnceLock;

@@ -9,14 +9,14 @@
 //! compiled to PTX for the newest architecture it knows below the device's, and the driver
 //! compiles that at load time.
 
-use super::libs::dlerror;
+use super::driver::dlerror;
 use crate::error::{Error, Result};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel source, embedded so users need no file and no CUDA toolkit headers.
-pub const KERNEL_SOURCE: &str = include_str!("../../../kernels/copy.cu");
+pub const KERNEL_SOURCE: &str = include_str!("../../kernels/copy.cu");
 /// The kernel's entry point.
 pub const KERNEL_NAME: &str = "ncclReshardCopyKernel";
 

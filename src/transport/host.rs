@@ -7,8 +7,9 @@
 //! different things — this executor returns an error naming the ranks instead.
 
 use crate::error::{Error, Result};
+use crate::exec::schedule::{self, Step, Steps};
 use crate::layout::next_index;
-use crate::plan::{Buffer, Loc, Message, RankProgram, StridedConvert, StridedCopy};
+use crate::plan::{Buffer, Loc, Message, RankProgram, Round, StridedConvert, StridedCopy};
 use crate::quant::amax;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Barrier, Mutex};
@@ -236,82 +237,132 @@ impl Memory<'_> {
 
 fn run_rank(program: &RankProgram, views: &mut RankBuffers, shared: Shared<'_>) -> Result<()> {
     let rank = program.rank;
-    let mut memory = Memory {
-        views,
-        staging: Vec::new(),
-        work: Vec::new(),
+    let mut host = HostRank {
+        program,
+        rounds: program.rounds(),
+        memory: Memory {
+            views,
+            staging: Vec::new(),
+            work: Vec::new(),
+        },
+        shared,
+        met: 0,
+        deferred: [None, None],
+        result: Ok(()),
     };
-    let memory = &mut memory;
-    let at = |e: Error| e.context(format!("rank {rank}"));
-    // Errors (and panics) are held until the round's barrier is met, and a rank that failed
-    // keeps meeting the barriers, so one bad rank can never leave the others waiting.
-    let mut result = guarded(rank, || {
-        memory.staging = allocate(rank, program.staging_bytes, "staging")?;
-        memory.work = allocate(rank, program.work_bytes, "conversion workspace")?;
-        for convert in &program.converts_before {
-            run_convert(convert, memory).map_err(at)?;
-        }
-        for copy in &program.local_copies {
-            run_copy(copy, memory).map_err(at)?;
-        }
+    host.result = guarded(rank, || {
+        host.memory.staging = allocate(rank, program.staging_bytes, "staging")?;
+        host.memory.work = allocate(rank, program.work_bytes, "conversion workspace")?;
         Ok(())
     });
-    let mine = program.rounds();
-    // Late unpacks run as late as an executor may run them: a round's after the packs of the
-    // rank's round after next, just before that round's messages (or at the end), so a plan
-    // that let a later round touch what they read or write fails here, byte for byte.
-    let mut deferred: Vec<(usize, &[StridedCopy])> = Vec::new();
-    for &round in shared.rounds {
-        let position = mine.iter().position(|r| r.round == round);
-        let part = position.map(|k| &mine[k]);
-        // Phase 1: packs and sends of the round.
-        result = result.and_then(|()| match (part, position) {
-            (Some(part), Some(k)) => guarded(rank, || {
-                for copy in part.packs {
-                    run_copy(copy, memory).map_err(at)?;
-                }
-                while deferred.first().is_some_and(|&(at, _)| at + 2 <= k) {
-                    let (_, late) = deferred.remove(0);
-                    for copy in late {
-                        run_copy(copy, memory).map_err(at)?;
-                    }
-                }
-                send_all(rank, round, part.sends, memory, shared)
-            }),
-            _ => Ok(()),
-        });
-        shared.barrier.wait();
-        // Phase 2: every send of the round is posted; receives find their message or fail.
-        result = result.and_then(|()| match (part, position) {
-            (Some(part), Some(k)) => guarded(rank, || {
-                receive_all(rank, round, part.recvs, memory, shared.mailboxes)?;
-                for copy in part.early_unpacks() {
-                    run_copy(copy, memory).map_err(at)?;
-                }
-                if part.late > 0 {
-                    deferred.push((k, part.late_unpacks()));
-                }
-                Ok(())
-            }),
-            _ => Ok(()),
-        });
-        // Nobody posts the next round's sends before every receive of this one is matched,
-        // so a rank expecting a message that was not sent fails instead of taking a later one.
-        shared.barrier.wait();
+    // The walk's own result repeats the first failure the rank recorded, if any.
+    let _ = schedule::run(program, &mut host);
+    host.meet_rounds_up_to(None);
+    host.result
+}
+
+/// One rank's call on the host: the walk's steps over its memory, each round's exchange
+/// through the mailboxes between two barriers that every rank meets for every round any rank
+/// takes part in.
+///
+/// Errors (and panics) are held: a rank that failed does no more work and posts no more
+/// messages, but keeps meeting the barriers, so one bad rank can never leave the others
+/// waiting (they fail on the messages it did not send, naming it).
+struct HostRank<'a, 'v> {
+    program: &'a RankProgram,
+    rounds: Vec<Round<'a>>,
+    memory: Memory<'v>,
+    shared: Shared<'a>,
+    /// How many of `shared.rounds` this rank has met the barriers of.
+    met: usize,
+    /// Per parity: the round whose late unpacks are forked and not yet run.
+    deferred: [Option<usize>; 2],
+    /// The rank's first failure.
+    result: Result<()>,
+}
+
+impl HostRank<'_, '_> {
+    /// Runs `work` unless the rank already failed; records its failure.
+    fn work(&mut self, work: impl FnOnce(&mut Memory<'_>) -> Result<()>) -> Result<()> {
+        if self.result.is_ok() {
+            let memory = &mut self.memory;
+            self.result = guarded(self.program.rank, || work(memory));
+        }
+        self.result.clone()
     }
-    result.and_then(|()| {
-        guarded(rank, || {
-            for (_, late) in deferred.drain(..) {
-                for copy in late {
-                    run_copy(copy, memory).map_err(at)?;
-                }
+
+    /// Meets both barriers of every round before `round` (all remaining ones for `None`) that
+    /// this rank takes no part in.
+    fn meet_rounds_up_to(&mut self, round: Option<u32>) {
+        while let Some(&r) = self.shared.rounds.get(self.met) {
+            if round.is_some_and(|round| r >= round) {
+                break;
             }
-            for convert in &program.converts_after {
-                run_convert(convert, memory).map_err(at)?;
+            self.shared.barrier.wait();
+            self.shared.barrier.wait();
+            self.met += 1;
+        }
+    }
+}
+
+impl Steps for HostRank<'_, '_> {
+    fn run(&mut self, step: Step) -> Result<()> {
+        let (program, rounds) = (self.program, &self.rounds);
+        let (converts, copies): (&[StridedConvert], Vec<&[StridedCopy]>) = match step {
+            Step::ConvertsBefore => (&program.converts_before, Vec::new()),
+            Step::Packs(0) => (&[], vec![&program.local_copies, rounds[0].packs]),
+            Step::Packs(k) => (&[], vec![rounds[k].packs]),
+            Step::EarlyUnpacks(k) => (&[], vec![rounds[k].early_unpacks()]),
+            Step::ConvertsAfter => (&program.converts_after, Vec::new()),
+        };
+        let rank = program.rank;
+        self.work(|memory| {
+            for convert in converts {
+                run_convert(convert, memory).map_err(|e| e.context(format!("rank {rank}")))?;
+            }
+            for copy in copies.into_iter().flatten() {
+                run_copy(copy, memory).map_err(|e| e.context(format!("rank {rank}")))?;
             }
             Ok(())
         })
-    })
+    }
+
+    /// Phase 1: the round's sends; then, once every rank has posted its sends, phase 2: the
+    /// receives find their message or fail. Nobody posts the next round's sends before every
+    /// receive of this one is matched, so a rank expecting a message that was not sent fails
+    /// instead of taking a later one.
+    fn exchange(&mut self, _: usize, round: &Round<'_>) -> Result<()> {
+        self.meet_rounds_up_to(Some(round.round));
+        let (rank, shared) = (self.program.rank, self.shared);
+        let _ = self.work(|memory| send_all(rank, round.round, round.sends, memory, shared));
+        shared.barrier.wait();
+        let _ = self
+            .work(|memory| receive_all(rank, round.round, round.recvs, memory, shared.mailboxes));
+        shared.barrier.wait();
+        self.met += 1;
+        self.result.clone()
+    }
+
+    /// Late unpacks run as late as an executor may run them, when their parity is joined:
+    /// after the packs of the rank's round after next, just before that round's messages (or
+    /// at the end), so a plan that let a later round touch what they read or write fails
+    /// here, byte for byte.
+    fn fork_late(&mut self, k: usize) -> Result<()> {
+        self.deferred[k % 2] = Some(k);
+        Ok(())
+    }
+
+    fn join_late(&mut self, parity: usize) -> Result<()> {
+        let Some(k) = self.deferred[parity].take() else {
+            return Ok(());
+        };
+        let (rank, late) = (self.program.rank, self.rounds[k].late_unpacks());
+        self.work(|memory| {
+            late.iter()
+                .try_for_each(|copy| run_copy(copy, memory))
+                .map_err(|e| e.context(format!("rank {rank}")))
+        })
+    }
 }
 
 fn send_all(

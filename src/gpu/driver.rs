@@ -1,12 +1,61 @@
-//! The few CUDA driver calls the executor makes, through cudarc's `sys` layer (never its safe
-//! wrappers: the caller owns the streams, and nothing of theirs may be destroyed by a drop).
-//! Every call goes through [`call`], which turns a missing symbol into an error and a failing
-//! `CUresult` into an error carrying the driver's own text.
+//! The CUDA driver, found at run time, and the few calls the library makes to it, through
+//! cudarc's `sys` layer (never its safe wrappers: the caller owns the streams, and nothing of
+//! theirs may be destroyed by a drop).
+//!
+//! Nothing CUDA is linked at build time: the driver (libcuda.so.1) is opened by cudarc on first
+//! use, which panics when it is missing — so [`init`] checks first and turns absence into an
+//! error, and every cudarc call runs inside [`guard`]. Every call goes through [`call`], which
+//! also turns a failing `CUresult` into an error carrying the driver's own text.
 
-use super::libs::guard;
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUresult};
 use std::ffi::{c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
+
+/// The text of the last dlopen/dlsym failure.
+pub(crate) fn dlerror() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated string owned by libc.
+    let text = unsafe { libc::dlerror() };
+    if text.is_null() {
+        "unknown error".into()
+    } else {
+        // SAFETY: non-NULL, NUL-terminated (see above).
+        unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+/// Runs a cudarc call, turning its panics (a missing library or symbol) into errors.
+pub(crate) fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|panic| {
+        let detail = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        Error::system(format!("{what}: {detail}"))
+    })
+}
+
+/// Makes sure the CUDA driver can be loaded and is initialised (once per process).
+pub(crate) fn init() -> Result<()> {
+    static READY: OnceLock<Result<()>> = OnceLock::new();
+    READY
+        .get_or_init(|| {
+            // SAFETY: only probes whether the library can be opened.
+            if !unsafe { sys::is_culib_present() } {
+                return Err(Error::system(
+                    "the CUDA driver (libcuda.so.1) was not found: ncclReshard needs an NVIDIA GPU and driver",
+                ));
+            }
+            // SAFETY: cuInit has no preconditions.
+            let status = guard("cuInit", || unsafe { sys::cuInit(0) })?;
+            check(status, "cuInit")
+        })
+        .clone()
+}
 
 /// An error for a failing driver call, with the driver's name and text for the code.
 pub(crate) fn check(status: CUresult, what: &str) -> Result<()> {

@@ -1,0 +1,279 @@
+//! [`Plan`]: one rank's plan, the object behind `ncclReshardPlan_t` and what Rust callers
+//! create the same way (docs/design.md §3–§4). It owns every policy of plan creation, so every
+//! caller gets the same programs, refusals and messages: the staging limit (the config's, or
+//! `NCCL_RESHARD_STAGING_BYTES`, or 8 GiB), the program without late-unpack arenas when those
+//! would pass it, the refusal naming staging when even that does not fit, and the limits of
+//! the transport that will run the plan ([`Limits`]), all checked here, where every rank
+//! refuses alike, rather than at a call, where a rank refusing after its peers posted their
+//! messages would leave them waiting.
+
+use super::buffers::RankViews;
+use crate::debug::{self, Level};
+use crate::error::{Error, Result};
+use crate::layout::{DType, TensorSpec};
+use crate::plan::{Block, Config, Mode, Planner, RankProgram, StridedConvert, Transfer};
+use crate::quant::Conversion;
+use std::sync::{Arc, OnceLock};
+
+/// One tensor of a plan as a rank describes it: the tensor, what it becomes on its way, and
+/// where this rank's views sit in the buffers of a single-buffer call (`ncclReshard`).
+#[derive(Clone, Debug)]
+pub struct PlanTensor {
+    pub spec: TensorSpec,
+    /// What the tensor becomes on its way (`None`: it arrives as it is).
+    pub conversion: Option<Conversion>,
+    /// Byte offset of this rank's source view in the call's source buffer.
+    pub src_offset: u64,
+    /// Byte offset of this rank's destination view in the call's destination buffer.
+    pub dst_offset: u64,
+    /// Byte offset of this rank's scale view (quantized tensors) in the destination buffer.
+    pub scale_offset: u64,
+    /// A name for messages (`tensors[3] (layers.0.wq)`).
+    pub name: Option<String>,
+}
+
+impl PlanTensor {
+    /// `spec` arriving as it is, its views at offset 0, unnamed.
+    pub fn new(spec: TensorSpec) -> PlanTensor {
+        PlanTensor {
+            spec,
+            conversion: None,
+            src_offset: 0,
+            dst_offset: 0,
+            scale_offset: 0,
+            name: None,
+        }
+    }
+}
+
+/// What a transport cannot run, stated by the transport and checked by [`Plan::new`] (and
+/// [`rank_program`]) on every rank's program.
+pub trait Limits: Sync {
+    /// `Err` (`ncclInvalidUsage`, naming what is over which limit and what to change) when the
+    /// transport cannot run `program`.
+    fn check(&self, program: &RankProgram) -> Result<()>;
+}
+
+/// The limits of a transport that runs any program (the host executor).
+pub struct NoLimits;
+
+impl Limits for NoLimits {
+    fn check(&self, _: &RankProgram) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// How many bytes of staging plus conversion workspace a rank's program may address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingLimit(u64);
+
+impl StagingLimit {
+    /// The limit when neither the config nor the environment sets one.
+    pub const DEFAULT_BYTES: u64 = 8 << 30;
+
+    /// `configured` bytes (the config's `maxStagingBytes`); when 0, `NCCL_RESHARD_STAGING_BYTES`
+    /// if set to a positive count, else [`StagingLimit::DEFAULT_BYTES`].
+    pub fn new(configured: u64) -> StagingLimit {
+        if configured > 0 {
+            return StagingLimit(configured);
+        }
+        StagingLimit(
+            std::env::var("NCCL_RESHARD_STAGING_BYTES")
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .filter(|&v| v > 0)
+                .unwrap_or(Self::DEFAULT_BYTES),
+        )
+    }
+
+    pub fn bytes(self) -> u64 {
+        self.0
+    }
+}
+
+/// The program plan creation gives `rank`: the planner's, without the late unpacks' arenas
+/// when they would take the rank past `staging` (the same messages, every unpack before the
+/// next round, docs/executor.md "Overlapping unpacks"); refused when even that does not fit,
+/// or when the transport's `limits` refuse it. [`Plan::new`] is this plus the rank's views;
+/// tools that plan every rank with one planner call it directly.
+pub fn rank_program(
+    planner: &Planner,
+    rank: u32,
+    staging: StagingLimit,
+    limits: &dyn Limits,
+) -> Result<RankProgram> {
+    let limit = staging.bytes();
+    let needs = |p: &RankProgram| p.staging_bytes.saturating_add(p.work_bytes);
+    let mut program = planner.rank_program(rank)?;
+    if needs(&program) > limit && program.has_late_unpacks() {
+        program = planner.rank_program_sequential(rank)?;
+    }
+    let needed = needs(&program);
+    if needed > limit {
+        return Err(Error::invalid_usage(format!(
+            "the plan needs {needed} bytes of staging on rank {rank} (its largest round{}) but the limit is {limit}; raise config.rounds (more, smaller rounds), config.maxStagingBytes or NCCL_RESHARD_STAGING_BYTES, or plan in groupable mode (no staging)",
+            if program.work_bytes > 0 {
+                format!(", plus {} bytes of conversion workspace", program.work_bytes)
+            } else {
+                String::new()
+            }
+        )));
+    }
+    limits.check(&program)?;
+    Ok(program)
+}
+
+/// A rank's part of its plan as data (`ncclReshardPlanGetTransfers`): its blocks, the
+/// transfers they are cut into in export order (by round, then block, then offset in the
+/// block), and its conversions before and after the rounds, with workspace locations naming
+/// regions (`plan::region_of`).
+#[derive(Clone, Debug)]
+pub struct Export {
+    pub blocks: Vec<Block>,
+    pub transfers: Vec<Transfer>,
+    pub converts_before: Vec<StridedConvert>,
+    pub converts_after: Vec<StridedConvert>,
+}
+
+/// One rank's plan: its program, its views (which check each call's buffers) and its planner.
+/// Computed once at creation and immutable after, so shareable across threads; the export is
+/// computed on first use, since only transports other than NCCL need it.
+pub struct Plan {
+    rank: u32,
+    planner: Planner,
+    program: Arc<RankProgram>,
+    views: RankViews,
+    /// Each tensor's (source, destination) dtype.
+    dtypes: Vec<(DType, DType)>,
+    export: OnceLock<Export>,
+}
+
+impl Plan {
+    /// Plans `rank`'s part of resharding `tensors` under `config`, within `staging`, for a
+    /// transport with `limits`. Every rank passes the same tensors (but for its own offsets)
+    /// and config; nothing is communicated. Errors name the field (`tensors[2].src: …`) or
+    /// the limit and what to change.
+    pub fn new(
+        tensors: Vec<PlanTensor>,
+        rank: u32,
+        config: Config,
+        staging: StagingLimit,
+        limits: &dyn Limits,
+    ) -> Result<Plan> {
+        let n = tensors.len();
+        let (mut specs, mut conversions) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut offsets, mut scale_offsets) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut names = Vec::with_capacity(n);
+        for t in tensors {
+            offsets.push((t.src_offset, t.dst_offset));
+            scale_offsets.push(t.scale_offset);
+            names.push(t.name);
+            conversions.push(t.conversion);
+            specs.push(t.spec);
+        }
+        let dtypes = specs
+            .iter()
+            .zip(&conversions)
+            .map(|(s, c)| (s.dtype, c.as_ref().map_or(s.dtype, |c| c.dtype)))
+            .collect();
+        let planner = Planner::with_conversions(specs, conversions, config)?;
+        let views = RankViews::with_conversions(
+            rank,
+            planner.tensors(),
+            planner.conversions(),
+            &offsets,
+            &scale_offsets,
+            names,
+        )?;
+        // The same program as program_from_transfers(rank_blocks, transfers), without listing
+        // the blocks (tests/transfers.rs checks that they agree).
+        let program = Arc::new(rank_program(&planner, rank, staging, limits)?);
+        debug::log(Level::Info, || {
+            format!(
+                "plan for rank {rank}: {} tensors, {:?} mode, {} round(s), {} peers, {} sends ({} bytes), {} receives ({} bytes), {} bytes copied locally, {} staging bytes, fingerprint {:#018x}",
+                views.tensors().len(),
+                program.mode(),
+                program.rounds().len(),
+                program.peers().len(),
+                program.sends.len(),
+                program.bytes_sent(),
+                program.recvs.len(),
+                program.bytes_received(),
+                program.bytes_copied_locally(),
+                program.staging_bytes,
+                program.fingerprint
+            )
+        });
+        Ok(Plan {
+            rank,
+            planner,
+            program,
+            views,
+            dtypes,
+            export: OnceLock::new(),
+        })
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// The config's mode (a plan is groupable iff made in [`Mode::Groupable`]).
+    pub fn mode(&self) -> Mode {
+        self.planner.config().mode
+    }
+
+    pub fn planner(&self) -> &Planner {
+        &self.planner
+    }
+
+    /// What the rank runs on every call.
+    pub fn program(&self) -> &Arc<RankProgram> {
+        &self.program
+    }
+
+    /// This rank's views and the rules a call's buffers must follow.
+    pub fn views(&self) -> &RankViews {
+        &self.views
+    }
+
+    /// Tensors of the plan.
+    pub fn ntensors(&self) -> usize {
+        self.dtypes.len()
+    }
+
+    /// Destination views of a call: the tensors', then their scales'.
+    pub fn ndestinations(&self) -> usize {
+        self.views.tensors().len()
+    }
+
+    /// Each tensor's (source, destination) dtype.
+    pub fn dtypes(&self) -> &[(DType, DType)] {
+        &self.dtypes
+    }
+
+    /// The rank's part of the plan as data, computed on first use.
+    pub fn export(&self) -> Result<&Export> {
+        if let Some(export) = self.export.get() {
+            return Ok(export);
+        }
+        let blocks = self.planner.rank_blocks(self.rank)?;
+        let mut transfers = self.planner.transfers(&blocks);
+        transfers.sort_by_key(|t| (t.round, t.block, t.offset));
+        let (converts_before, converts_after) = self.planner.conversion_steps(self.rank, &blocks);
+        // Another thread may have set it meanwhile: both computed the same.
+        let _ = self.export.set(Export {
+            blocks,
+            transfers,
+            converts_before,
+            converts_after,
+        });
+        Ok(self.export.get().expect("set above"))
+    }
+}
+
+// Plans are shared across threads.
+const _: fn() = || {
+    fn is<T: Send + Sync>() {}
+    is::<Plan>();
+};

@@ -1,0 +1,217 @@
+//! The one walk of a rank's [`RankProgram`] that every transport runs (docs/design.md §4):
+//! what happens when, and what a failure stops. Transports say how each step is done by
+//! implementing [`Steps`]; the walk ([`run`]) is written once.
+//!
+//! In order: the conversions before the rounds; per round, its packs (the local copies with
+//! the first round's), the round's exchange (its sends and receives as one group), its late
+//! unpacks started beside what follows, its early unpacks; the conversions after the rounds.
+//! Round k's late unpacks read an arena of their own (one per round parity), so they must be
+//! done before round k + 2 posts its exchange (which reuses that arena) and before the
+//! conversions after the rounds; [`Steps::join_late`] says so at those two points and nowhere
+//! else.
+//!
+//! Failures: a step that fails stops every later local step, but never an exchange. Peers wait
+//! for each round's messages, so once any message may have been posted every round is still
+//! exchanged (with whatever the buffers hold) and the first error is returned at the end: a
+//! failed call can leave wrong bytes in the destination, never a peer waiting forever.
+
+use crate::error::{Error, Result};
+use crate::plan::{RankProgram, Round};
+
+/// Local work of one call (copies and conversions of the rank's own memory), in the order the
+/// walk asks for it. Indices count the rank's own rounds (`RankProgram::rounds`), from 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// `RankProgram::converts_before`.
+    ConvertsBefore,
+    /// Round k's packs; round 0 runs the program's local copies first.
+    Packs(usize),
+    /// Round k's early unpacks (`Round::early_unpacks`), after its exchange.
+    EarlyUnpacks(usize),
+    /// `RankProgram::converts_after`, once every late unpack is done.
+    ConvertsAfter,
+}
+
+/// How a transport does each step of one call of a rank's program (see the module
+/// documentation for the order and the failure rule). A device transport gets the local steps
+/// from the GPU runtime (`gpu::DeviceCall`) and implements only its exchange.
+pub trait Steps {
+    /// Runs `step`'s copies or conversions after everything asked for before.
+    fn run(&mut self, step: Step) -> Result<()>;
+
+    /// Posts round `k`'s sends and receives (`round`) as one group: together, so that the
+    /// order of a pair's messages cannot deadlock.
+    fn exchange(&mut self, k: usize, round: &Round<'_>) -> Result<()>;
+
+    /// Starts round `k`'s late unpacks (`Round::late_unpacks`): they may run at any time from
+    /// now until the next [`Steps::join_late`] of parity `k % 2`.
+    fn fork_late(&mut self, k: usize) -> Result<()>;
+
+    /// Waits (in the call's order) for the late unpacks started for rounds of `parity`.
+    fn join_late(&mut self, parity: usize) -> Result<()>;
+}
+
+/// Runs `program` through `steps`. Returns the first error (see the module documentation for
+/// what still runs after it).
+pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
+    let mut failure: Option<Error> = None;
+    local(&mut failure, || steps.run(Step::ConvertsBefore));
+    let mut rounds = 0;
+    for (k, round) in program.rounds_iter().enumerate() {
+        rounds = k + 1;
+        local(&mut failure, || steps.run(Step::Packs(k)));
+        if k >= 2 {
+            if let Err(e) = steps.join_late(k % 2) {
+                failure.get_or_insert(e);
+            }
+        }
+        if let Err(e) = steps.exchange(k, &round) {
+            failure.get_or_insert(e);
+        }
+        if round.late > 0 {
+            local(&mut failure, || steps.fork_late(k));
+        }
+        local(&mut failure, || steps.run(Step::EarlyUnpacks(k)));
+    }
+    // The older pending parity first: round `rounds - 2`'s, then `rounds - 1`'s.
+    for parity in [rounds % 2, (rounds + 1) % 2] {
+        if let Err(e) = steps.join_late(parity) {
+            failure.get_or_insert(e);
+        }
+    }
+    local(&mut failure, || steps.run(Step::ConvertsAfter));
+    failure.map_or(Ok(()), Err)
+}
+
+/// Runs a local step unless an earlier one failed.
+fn local(failure: &mut Option<Error>, step: impl FnOnce() -> Result<()>) {
+    if failure.is_none() {
+        *failure = step().err();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::{Buffer, CopyDim, Loc, Message, RoundSpan, StridedCopy};
+
+    /// Records the walk; fails the steps it is told to.
+    #[derive(Default)]
+    struct Log {
+        events: Vec<String>,
+        fail: Vec<String>,
+    }
+
+    impl Log {
+        fn note(&mut self, event: String) -> Result<()> {
+            let failed = self.fail.contains(&event);
+            self.events.push(event.clone());
+            if failed {
+                Err(Error::internal(event))
+            } else {
+                Ok(())
+            }
+        }
+    }
+
+    impl Steps for Log {
+        fn run(&mut self, step: Step) -> Result<()> {
+            self.note(format!("{step:?}"))
+        }
+        fn exchange(&mut self, k: usize, _: &Round<'_>) -> Result<()> {
+            self.note(format!("Exchange({k})"))
+        }
+        fn fork_late(&mut self, k: usize) -> Result<()> {
+            self.note(format!("Fork({k})"))
+        }
+        fn join_late(&mut self, parity: usize) -> Result<()> {
+            self.note(format!("Join({parity})"))
+        }
+    }
+
+    fn unpack() -> StridedCopy {
+        let at = |buffer| Loc {
+            buffer,
+            tensor: 0,
+            offset: 0,
+        };
+        StridedCopy::new(
+            at(Buffer::Staging),
+            at(Buffer::Dst),
+            1,
+            &[CopyDim {
+                count: 1,
+                src_stride: 1,
+                dst_stride: 1,
+            }],
+        )
+    }
+
+    /// Three rounds; the first two each have one late unpack.
+    fn program() -> RankProgram {
+        let message = Message {
+            peer: 1,
+            loc: Loc {
+                buffer: Buffer::Staging,
+                tensor: 0,
+                offset: 0,
+            },
+            bytes: 1,
+        };
+        let span = |round: u32, n: usize, late: usize| RoundSpan {
+            round,
+            recvs_end: n,
+            unpacks_end: n,
+            late_unpacks: late,
+            ..Default::default()
+        };
+        RankProgram {
+            recvs: vec![message; 3],
+            unpacks: vec![unpack(); 3],
+            round_spans: vec![span(0, 1, 1), span(1, 2, 1), span(4, 3, 0)],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn late_unpacks_are_joined_before_their_arena_is_reused_and_at_the_end() {
+        let mut log = Log::default();
+        run(&program(), &mut log).unwrap();
+        assert_eq!(
+            log.events.join(" "),
+            "ConvertsBefore Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+             Packs(1) Exchange(1) Fork(1) EarlyUnpacks(1) \
+             Packs(2) Join(0) Exchange(2) EarlyUnpacks(2) \
+             Join(1) Join(0) ConvertsAfter"
+        );
+    }
+
+    #[test]
+    fn a_failure_stops_local_steps_but_every_round_is_still_exchanged() {
+        let mut log = Log {
+            fail: vec!["Packs(1)".into()],
+            ..Default::default()
+        };
+        let e = run(&program(), &mut log).unwrap_err();
+        assert_eq!(e.message, "Packs(1)");
+        assert_eq!(
+            log.events.join(" "),
+            "ConvertsBefore Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+             Packs(1) Exchange(1) \
+             Join(0) Exchange(2) \
+             Join(1) Join(0)"
+        );
+        // A failed exchange is reported after the rest has run.
+        let mut log = Log {
+            fail: vec!["Exchange(0)".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            run(&program(), &mut log).unwrap_err().message,
+            "Exchange(0)"
+        );
+        assert!(log
+            .events
+            .ends_with(&["Exchange(2)".into(), "Join(1)".into(), "Join(0)".into()]));
+    }
+}

@@ -1,0 +1,252 @@
+//! One call of a rank's program on a device: the local steps of the walk (`exec::schedule`)
+//! as kernel launches on the caller's stream, late unpacks on a side stream beside the next
+//! round, staging from the device's stream-ordered pool for the call; the round exchanges come
+//! from the transport ([`Exchange`]).
+
+use super::descriptors::{Addressing, BaseKey, MAX_BASES};
+use super::device::{Device, SideStream};
+use super::driver::{self, Kernel};
+use super::tables::{Arena, DeviceProgram, Phases, Tables, Uploaded};
+use crate::error::{Error, Result};
+use crate::exec::buffers::CallBuffers;
+use crate::exec::schedule::{Step, Steps};
+use crate::plan::{Loc, Round};
+use cudarc::driver::sys;
+use std::ffi::c_void;
+
+/// Threads per block; must match `NCCL_RESHARD_THREADS` in kernels/copy.cu.
+const THREADS: u32 = 256;
+/// Most blocks one launch covers (the rest go to further launches).
+const MAX_GRID: u64 = 1 << 30;
+
+/// What a device transport implements: one round's sends and receives, posted as one group in
+/// stream order on the call's stream, at the device addresses `memory` gives.
+pub(crate) trait Exchange {
+    fn exchange(&mut self, k: usize, round: &Round<'_>, memory: &CallMemory<'_>) -> Result<()>;
+}
+
+/// Where a call's buffers are on the device: the caller's views and the call's staging.
+pub(crate) struct CallMemory<'a> {
+    pub addressing: Addressing<'a>,
+    buffers: &'a CallBuffers<'a>,
+    staging: u64,
+    arena: Arena,
+}
+
+impl CallMemory<'_> {
+    /// The pointer a base slot holds in this call.
+    pub fn base(&self, key: BaseKey) -> u64 {
+        let (staging, arena) = (self.staging, &self.arena);
+        match (key, self.buffers) {
+            (BaseKey::Staging, _) => staging,
+            (BaseKey::Work, _) => staging + arena.work,
+            (BaseKey::Scratch, _) => staging + arena.scratch,
+            (BaseKey::SendBuffer, CallBuffers::Single { send, .. }) => *send as u64,
+            (BaseKey::RecvBuffer, CallBuffers::Single { recv, .. }) => *recv as u64,
+            (BaseKey::SrcTensor(t), CallBuffers::PerTensor { send, .. }) => {
+                send.get(t as usize).copied().unwrap_or(0) as u64
+            }
+            (BaseKey::DstTensor(t), CallBuffers::PerTensor { recv, .. }) => {
+                recv.get(t as usize).copied().unwrap_or(0) as u64
+            }
+            // An encoding always matches its addressing.
+            _ => 0,
+        }
+    }
+
+    /// The device address of a program location in this call.
+    pub fn address(&self, loc: Loc) -> u64 {
+        let (key, offset) = self.addressing.resolve(loc);
+        self.base(key) + offset
+    }
+}
+
+/// A call in progress on one device: its staging, its side stream, and the transport's
+/// exchange. Made by [`DeviceCall::begin`], ended by [`DeviceCall::finish`].
+pub(crate) struct DeviceCall<'a, E> {
+    device: &'a Device,
+    kernel: &'a Kernel,
+    phases: &'a Phases,
+    stream: sys::CUstream,
+    memory: CallMemory<'a>,
+    /// For late unpacks (none under capture: they then stay on the caller's stream).
+    side: Option<SideStream>,
+    /// Per arena parity: the side stream has late unpacks reading it that the caller's stream
+    /// has not yet waited for.
+    pending: [bool; 2],
+    /// The transport's exchange.
+    pub exchange: E,
+}
+
+impl<'a, E: Exchange> DeviceCall<'a, E> {
+    /// Takes what the call needs before anything is enqueued: its staging (allocated on
+    /// `stream`) and, when it has late unpacks and `stream` is not being captured, a side
+    /// stream. Fails with nothing taken.
+    ///
+    /// Under capture late unpacks stay on the caller's stream, in order: a stream that joined
+    /// a capture belongs to it until the capture ends, so it could not serve another call
+    /// meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    pub fn begin(
+        device: &'a Device,
+        program: &'a DeviceProgram,
+        tables: &'a Tables,
+        buffers: &'a CallBuffers<'a>,
+        stream: sys::CUstream,
+        capturing: bool,
+        exchange: E,
+    ) -> Result<Self> {
+        let kernel = device.kernel()?;
+        let (phases, addressing) = match buffers {
+            CallBuffers::Single { .. } => (&tables.single, program.single_addressing()),
+            CallBuffers::PerTensor { .. } => (&tables.per_tensor, Addressing::PerTensor),
+        };
+        let arena = program.arena();
+        let staging = match arena.total {
+            0 => 0,
+            bytes => {
+                let bytes = usize::try_from(bytes)
+                    .map_err(|_| Error::invalid_usage("staging does not fit the address space"))?;
+                device.pool()?.alloc(bytes, stream)?
+            }
+        };
+        let side = if program.program.has_late_unpacks() && !capturing {
+            match device.side_stream() {
+                Ok(side) => Some(side),
+                Err(e) => {
+                    if staging != 0 {
+                        let _ = device.pool().and_then(|pool| pool.free(staging, stream));
+                    }
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
+        Ok(DeviceCall {
+            device,
+            kernel,
+            phases,
+            stream,
+            memory: CallMemory {
+                addressing,
+                buffers,
+                staging,
+                arena,
+            },
+            side,
+            pending: [false; 2],
+            exchange,
+        })
+    }
+
+    /// Gives the side stream back (the caller's stream already waits for its work) and frees
+    /// the staging in stream order.
+    pub fn finish(self) -> Result<()> {
+        if let Some(side) = self.side {
+            self.device.give_back(side);
+        }
+        match self.memory.staging {
+            0 => Ok(()),
+            staging => self.device.pool()?.free(staging, self.stream),
+        }
+    }
+
+    fn launch(&self, tables: &Uploaded, stream: sys::CUstream) -> Result<()> {
+        launch_all(self.kernel, tables, &self.memory, stream)
+    }
+}
+
+impl<E: Exchange> Steps for DeviceCall<'_, E> {
+    fn run(&mut self, step: Step) -> Result<()> {
+        let phases = self.phases;
+        let passes = match step {
+            Step::ConvertsBefore => phases.converts_before.as_slice(),
+            Step::Packs(k) => std::slice::from_ref(&phases.rounds[k].before),
+            Step::EarlyUnpacks(k) => std::slice::from_ref(&phases.rounds[k].early),
+            Step::ConvertsAfter => phases.converts_after.as_slice(),
+        };
+        passes
+            .iter()
+            .try_for_each(|pass| self.launch(pass, self.stream))
+    }
+
+    fn exchange(&mut self, k: usize, round: &Round<'_>) -> Result<()> {
+        self.exchange.exchange(k, round, &self.memory)
+    }
+
+    /// On the side stream once the caller's stream has passed this point (the round's
+    /// exchange), its end marked in `side.done[k % 2]`; without a side stream, here on the
+    /// caller's stream.
+    fn fork_late(&mut self, k: usize) -> Result<()> {
+        let late = &self.phases.rounds[k].late;
+        let Some(side) = &self.side else {
+            return self.launch(late, self.stream);
+        };
+        side.fork.record(self.stream)?;
+        side.fork.wait_on(side.stream.0)?;
+        let launched = self.launch(late, side.stream.0);
+        side.done[k % 2].record(side.stream.0)?;
+        self.pending[k % 2] = true;
+        launched
+    }
+
+    fn join_late(&mut self, parity: usize) -> Result<()> {
+        match &self.side {
+            Some(side) if self.pending[parity] => {
+                self.pending[parity] = false;
+                side.done[parity].wait_on(self.stream)
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+#[repr(C)]
+struct Bases([u64; MAX_BASES]);
+
+fn launch_all(
+    kernel: &Kernel,
+    tables: &Uploaded,
+    memory: &CallMemory<'_>,
+    stream: sys::CUstream,
+) -> Result<()> {
+    for launch in &tables.launches {
+        let mut bases = Bases([0; MAX_BASES]);
+        for (slot, &key) in launch.bases.iter().enumerate() {
+            bases.0[slot] = memory.base(key);
+        }
+        let mut done = 0;
+        while done < launch.tiles {
+            let blocks = (launch.tiles - done).min(MAX_GRID);
+            let mut descs = tables.descs.ptr;
+            let mut tiles = tables.tiles.ptr;
+            let mut first = launch.first_tile + done;
+            let mut params: [*mut c_void; 4] = [
+                (&mut descs as *mut u64).cast(),
+                (&mut tiles as *mut u64).cast(),
+                (&mut first as *mut u64).cast(),
+                (&mut bases as *mut Bases).cast(),
+            ];
+            // SAFETY: the kernel's parameters are (const CopyDesc*, const Tile*, u64, Bases),
+            // matching `params`; the tables stay alive while the plan does.
+            driver::call("cuLaunchKernel", || unsafe {
+                sys::cuLaunchKernel(
+                    kernel.function,
+                    blocks as u32,
+                    1,
+                    1,
+                    THREADS,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            })?;
+            done += blocks;
+        }
+    }
+    Ok(())
+}
