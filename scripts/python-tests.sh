@@ -4,6 +4,8 @@
 #    libncclreshard.so in the wheel), torch and pytest from scripts/requirements-python.txt;
 #  - the ncclreshard CLI, which the JSON tests replay Python-written case files through;
 #  - pytest python/tests (CPU only: torch's fake process group, host runs of exported plans);
+#    test_header_structs.py compiles against the NVIDIA headers scripts/native-tests.sh puts in
+#    target/native-venv (or NCCL_RESHARD_NATIVE_INCLUDE) and fails without them;
 #  - python/examples/refit_torchrun.py on 8 emulated GPUs when scripts/build-emulator.sh and
 #    scripts/native-tests.sh (NVRTC) have run, as scripts/test.sh does before this.
 # The venv is reused while the requirements file is unchanged (torch is about 3 GB).
