@@ -13,8 +13,11 @@
 
 mod oracle;
 
+use ncclreshard::exec::{Plan, PlanTensor, StagingLimit};
 use ncclreshard::ffi::*;
 use ncclreshard::layout::row_major_strides;
+use ncclreshard::quant::Conversion;
+use ncclreshard::transport::nccl::NcclTransport;
 use ncclreshard::{
     Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
 };
@@ -775,6 +778,46 @@ fn late_unpack_arenas_give_way_to_the_staging_limit() {
     assert_ne!(created, 0);
     assert!(plan.is_null());
     assert!(last_error().contains("staging"), "{}", last_error());
+}
+
+#[test]
+fn converting_plans_give_their_arenas_way_to_the_staging_limit_too() {
+    // Defect: the program without late unpacks of a plan whose tensors convert on the way
+    // still had them (the overlap pass also ran inside the conversions), so a limit below the
+    // arenas refused the plan instead of dropping them. Through the Rust plan object, which is
+    // what ncclReshardPlanCreate runs.
+    let spec = tp2_to_tp2_dp4();
+    let config = relayed(4);
+    let fp8 = Conversion::cast(DType::Float8E4M3);
+    let plan = |rank: u32, limit: u64| {
+        let tensor = PlanTensor {
+            conversion: Some(fp8.clone()),
+            ..PlanTensor::new(spec.clone())
+        };
+        Plan::new(
+            vec![tensor],
+            rank,
+            config.clone(),
+            StagingLimit::new(limit),
+            NcclTransport::LIMITS,
+        )
+    };
+    let planner =
+        Planner::with_conversions(vec![spec.clone()], vec![Some(fp8.clone())], config.clone())
+            .unwrap();
+    let rank = (8..16)
+        .find(|&r| planner.rank_program(r).unwrap().has_late_unpacks())
+        .expect("a rank with late unpacks");
+    let overlapped = planner.rank_program(rank).unwrap();
+    let sequential = planner.rank_program_sequential(rank).unwrap();
+    assert!(!sequential.has_late_unpacks());
+    assert!(sequential.staging_bytes < overlapped.staging_bytes);
+    assert_eq!(plan(rank, 0).unwrap().program().as_ref(), &overlapped);
+    let needs = |p: &RankProgram| p.staging_bytes + p.work_bytes;
+    let limited = plan(rank, needs(&sequential)).unwrap();
+    assert_eq!(limited.program().as_ref(), &sequential);
+    let err = plan(rank, needs(&sequential) - 1).err().expect("refused");
+    assert!(err.message.contains("bytes of staging on rank"), "{err}");
 }
 
 #[test]
