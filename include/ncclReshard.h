@@ -18,7 +18,7 @@
 /** Library version this header belongs to (see ncclReshardGetVersion). */
 #define NCCL_RESHARD_MAJOR 0
 #define NCCL_RESHARD_MINOR 4
-#define NCCL_RESHARD_PATCH 1
+#define NCCL_RESHARD_PATCH 2
 #define NCCL_RESHARD_VERSION_CODE NCCL_RESHARD_VERSION(NCCL_RESHARD_MAJOR, NCCL_RESHARD_MINOR, NCCL_RESHARD_PATCH)
 
 /** Identifies an initialised ncclReshardConfig_t ("RESH"). */
@@ -138,8 +138,21 @@
  * How a tensor is placed along one mesh axis (torch `Replicate`, `Shard`, `_StridedShard`).
  */
 typedef enum {
+  /**
+   * Every rank along the mesh axis holds the whole tensor (torch `Replicate()`); the
+   * placement's `dim` and `splitFactor` are ignored.
+   */
   ncclReshardReplicate = 0,
+  /**
+   * The mesh axis cuts tensor dim `dim` into contiguous chunks as torch.chunk does (trailing
+   * chunks short or empty): torch `Shard(dim)`. `splitFactor` is ignored.
+   */
   ncclReshardShard = 1,
+  /**
+   * torch `_StridedShard(dim, split_factor)`, as FSDP2 + TP produce it: dim `dim` is cut into
+   * `splitFactor` pieces, each piece cut across the mesh axis, and a rank holds its part of
+   * every piece.
+   */
   ncclReshardStridedShard = 2,
 } ncclReshardPlacementKind_t;
 
@@ -153,8 +166,21 @@ typedef enum {
  * inside a group; other plans called there are refused with `ncclInvalidUsage`.
  */
 typedef enum {
+  /**
+   * Every message goes from the source view straight into the destination view: one round,
+   * no staging, callable inside `ncclGroupStart/End`. Plan creation refuses a rank past
+   * 16384 messages and any tensor that converts.
+   */
   ncclReshardModeGroupable = 0,
+  /**
+   * One packed message per peer pair and round, unpacked on arrival. Not callable inside a
+   * group.
+   */
   ncclReshardModeStaged = 1,
+  /**
+   * The default: a peer pair is staged where sending its runs as they are would take many
+   * small messages, else its runs are sent as they are. Not callable inside a group.
+   */
   ncclReshardModeAuto = 2,
 } ncclReshardMode_t;
 
@@ -268,8 +294,18 @@ typedef ncclReshardPlan *ncclReshardPlan_t;
  * Shard and StridedShard; `splitFactor` is StridedShard's split factor (≥ 1).
  */
 typedef struct {
+  /**
+   * An `ncclReshardPlacementKind_t`; any other value (there is no Partial) is refused.
+   */
   int kind;
+  /**
+   * The tensor dim the mesh axis shards, 0 to the tensor's `ndim` − 1 (Shard and
+   * StridedShard; ignored for Replicate).
+   */
   int dim;
+  /**
+   * StridedShard's split factor, at least 1; ignored by the other kinds.
+   */
   int64_t splitFactor;
 } ncclReshardPlacement_t;
 
@@ -283,13 +319,45 @@ typedef struct {
  * row-major. The pointed-to arrays are read during `ncclReshardPlanCreate` only.
  */
 typedef struct {
+  /**
+   * `sizeof(ncclReshardLayout_t)` of the caller's header (the initializer sets it). The
+   * struct is unchanged since 0.1; a smaller size is refused.
+   */
   size_t size;
+  /**
+   * The `NCCL_RESHARD_VERSION_CODE` of the caller's header (the initializer sets it); a
+   * version newer than the library is refused, 0 is taken as the oldest.
+   */
   unsigned int version;
+  /**
+   * Number of mesh axes, 1 to `NCCL_RESHARD_MAX_DIMS` (the initializer's 0 is refused).
+   */
   int meshNdim;
+  /**
+   * Ranks along each of the first `meshNdim` mesh axes, each at least 1, at most 2^20 ranks
+   * in all; later entries are ignored.
+   */
   int64_t meshShape[NCCL_RESHARD_MAX_DIMS];
+  /**
+   * NULL, or one communicator rank per mesh position (the product of `meshShape` entries,
+   * row-major, last axis fastest): non-negative, no duplicates, any order.
+   */
   const int *ranks;
+  /**
+   * With `ranks` NULL, the mesh's first rank (non-negative): position i holds rank
+   * `firstRank + i`. Ignored when `ranks` is set.
+   */
   int firstRank;
+  /**
+   * One placement per mesh axis (the first `meshNdim` entries; later ones are ignored). The
+   * initializer's zeroed entries are `ncclReshardReplicate`.
+   */
   ncclReshardPlacement_t placements[NCCL_RESHARD_MAX_DIMS];
+  /**
+   * NULL (every local view dense row-major), or one stride per tensor dim (the tensor's
+   * `ndim` entries), in elements, not bytes, used by every rank's local view on this
+   * side. The strides must not make elements overlap.
+   */
   const int64_t *strides;
 } ncclReshardLayout_t;
 
@@ -310,17 +378,30 @@ typedef struct {
  * scales in `ncclReshardMulti`. Read during `ncclReshardPlanCreate` only.
  */
 typedef struct {
+  /**
+   * `sizeof(ncclReshardQuant_t)` of the caller's header (the initializer sets it). The
+   * struct is unchanged since it was added in 0.4; a smaller size is refused.
+   */
   size_t size;
+  /**
+   * The `NCCL_RESHARD_VERSION_CODE` of the caller's header (the initializer sets it); a
+   * version newer than the library is refused, 0 is taken as the oldest.
+   */
   unsigned int version;
   /**
-   * An `ncclReshardQuantScheme_t` (no default: set it).
+   * An `ncclReshardQuantScheme_t` (no default: set it). The scaled schemes need an FP8
+   * `dstDtype`; `ncclReshardQuantNone` is a plain cast, the same as `quant` = NULL.
    */
   int scheme;
   /**
-   * `ncclReshardQuantBlock`: the block's rows (second-to-last dim) and columns (last dim),
-   * 0 = 128.
+   * `ncclReshardQuantBlock` only: the block's extent along the second-to-last dim, in
+   * elements; 0 = 128, negative values are refused. Ignored by the other schemes.
    */
   int64_t blockRows;
+  /**
+   * `ncclReshardQuantBlock` only: the block's extent along the last dim, in
+   * elements; 0 = 128, negative values are refused. Ignored by the other schemes.
+   */
   int64_t blockCols;
   /**
    * An `ncclReshardScaleFormat_t` (unset: `ncclReshardScaleFloat32`).
@@ -359,18 +440,71 @@ typedef struct {
  * must be identical on all ranks. `name` is optional (NULL), used in messages only.
  */
 typedef struct {
+  /**
+   * `sizeof(ncclReshardTensor_t)` of the caller's header (the initializer sets it), at
+   * least the 0.1 struct's (which ends before `dstDtype`). It is also the stride of the
+   * `tensors` array, so every element must state the same size.
+   */
   size_t size;
+  /**
+   * The `NCCL_RESHARD_VERSION_CODE` of the caller's header (the initializer sets it); a
+   * version newer than the library is refused, 0 is taken as the oldest.
+   */
   unsigned int version;
+  /**
+   * Number of tensor dims, 0 (a single element) to `NCCL_RESHARD_MAX_DIMS`.
+   */
   int ndim;
+  /**
+   * The global tensor's extent along each of the first `ndim` dims, in elements
+   * (non-negative; later entries are ignored). The whole tensor must stay under 2^63 bytes.
+   */
   int64_t shape[NCCL_RESHARD_MAX_DIMS];
+  /**
+   * The source's element type, an `ncclDataType_t` (0 to 11, `ncclInt8` to
+   * `ncclFloat8e5m2`). No default: `NCCL_RESHARD_UNDEF_INT` is refused.
+   */
   ncclDataType_t dtype;
+  /**
+   * The source layout (not NULL). Its strides count elements of `dtype`.
+   */
   const ncclReshardLayout_t *src;
+  /**
+   * The destination layout (not NULL). Its strides count elements of `dstDtype`.
+   */
   const ncclReshardLayout_t *dst;
+  /**
+   * Byte offset of this rank's source view from `sendbuff` in `ncclReshard`, per rank
+   * (unused on a rank without a source view and by `ncclReshardMulti`).
+   */
   size_t srcOffset;
+  /**
+   * Byte offset of this rank's destination view from `recvbuff` in `ncclReshard`, per
+   * rank (unused on a rank without a destination view and by `ncclReshardMulti`).
+   */
   size_t dstOffset;
+  /**
+   * NULL, or a NUL-terminated name that error and log messages use for the tensor; copied
+   * during `ncclReshardPlanCreate`.
+   */
   const char *name;
+  /**
+   * The destination's element type (`ncclBfloat16`, `ncclFloat16`, `ncclFloat8e4m3` or
+   * `ncclFloat8e5m2`, from a float32, bfloat16 or float16 `dtype`). `NCCL_RESHARD_UNDEF_INT`
+   * (the initializer's), or `dtype` itself with `quant` NULL: no conversion. Since 0.4.
+   */
   ncclDataType_t dstDtype;
+  /**
+   * NULL: a plain cast to `dstDtype` (if it differs from `dtype`); else how the tensor is
+   * quantized, which needs `dstDtype` set. Read during `ncclReshardPlanCreate` only. Since
+   * 0.4.
+   */
   const ncclReshardQuant_t *quant;
+  /**
+   * Byte offset of this rank's view of the tensor's scales from `recvbuff` in
+   * `ncclReshard`. Per rank; used only when `quant` has a scaled scheme and the rank holds
+   * scales, unused by `ncclReshardMulti`. Since 0.4.
+   */
   size_t scaleOffset;
 } ncclReshardTensor_t;
 
@@ -395,16 +529,62 @@ typedef struct {
  * a struct from an older header (smaller `size`) gets the defaults.
  */
 typedef struct {
+  /**
+   * `sizeof(ncclReshardConfig_t)` of the caller's header (the initializer sets it), at
+   * least the 0.1 struct's (which ends before `rounds`); fields past it get their defaults.
+   */
   size_t size;
+  /**
+   * Must be `NCCL_RESHARD_CONFIG_MAGIC` (the initializer sets it); anything else is refused
+   * with `ncclInvalidArgument`.
+   */
   unsigned int magic;
+  /**
+   * The `NCCL_RESHARD_VERSION_CODE` of the caller's header (the initializer sets it); a
+   * version newer than the library is refused, 0 is taken as the oldest.
+   */
   unsigned int version;
+  /**
+   * An `ncclReshardMode_t`; `NCCL_RESHARD_UNDEF_INT`: `ncclReshardModeAuto`.
+   */
   int mode;
+  /**
+   * Ranks per node when rank r sits on node r / ranksPerNode; 0 or `NCCL_RESHARD_UNDEF_INT`:
+   * topology unknown, negative values are refused. Ignored when `nodeOfRank` is set.
+   */
   int ranksPerNode;
+  /**
+   * NULL, or `nodeOfRankCount` node ids (non-negative), entry r being rank r's node; ranks
+   * at or past `nodeOfRankCount` have no known node. Read during `ncclReshardPlanCreate`.
+   */
   const int *nodeOfRank;
+  /**
+   * Entries in `nodeOfRank` (non-negative); ignored when `nodeOfRank` is NULL.
+   */
   int nodeOfRankCount;
+  /**
+   * The smallest part, in bytes, that a replicated overlap is split into across senders,
+   * and a peer pair's data or a relay across rounds; 0: 1 MiB.
+   */
   size_t splitMinBytes;
+  /**
+   * Bound, in bytes, on what one call of the plan allocates on this rank (staging plus
+   * conversion workspace), checked at plan creation (`ncclInvalidUsage` when over); 0:
+   * `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB. Not part of the plan's fingerprint.
+   */
   size_t maxStagingBytes;
+  /**
+   * Staged and auto modes: how many rounds the data is cut into, 0 to 1024 (relays forward
+   * in the round after their data arrives, which may add one). 0 or
+   * `NCCL_RESHARD_UNDEF_INT`: chosen from the tensors' sizes (about 4 GiB per rank and
+   * round, at most 32). Groupable plans always have one round. Since 0.2.
+   */
   int rounds;
+  /**
+   * Staged and auto modes with a known topology: 1 sends data that several replicas on one
+   * node need across the network once and forwards it within the node, 0 sends it to each
+   * replica from a source rank. `NCCL_RESHARD_UNDEF_INT`: 1. Since 0.2.
+   */
   int relay;
 } ncclReshardConfig_t;
 
@@ -412,12 +592,23 @@ typedef struct {
  * What a plan does on its rank (`ncclReshardPlanGetInfo`).
  */
 typedef struct {
+  /**
+   * Set by the caller to `sizeof(ncclReshardPlanInfo_t)` (the initializer does), at least
+   * the 0.1 struct's (which ends before `rounds`). The library writes at most that many
+   * bytes and leaves `size` as it is.
+   */
   size_t size;
+  /**
+   * Written by the library: its own `NCCL_RESHARD_VERSION_CODE`.
+   */
   unsigned int version;
   /**
    * The plan's rank.
    */
   int rank;
+  /**
+   * Number of tensors the plan was created with (`ncclReshardPlanCreate`'s `ntensors`).
+   */
   int ntensors;
   /**
    * The configured `ncclReshardMode_t`.
@@ -432,9 +623,25 @@ typedef struct {
    * Number of distinct peers this rank sends to or receives from.
    */
   int peers;
+  /**
+   * NCCL sends one call of the plan posts on this rank, over every round (the per-call
+   * fingerprint exchange not counted).
+   */
   int64_t messagesSent;
+  /**
+   * NCCL receives one call of the plan posts on this rank, over every round (the per-call
+   * fingerprint exchange not counted).
+   */
   int64_t messagesReceived;
+  /**
+   * Bytes this rank sends to other ranks per call, over every round, forwards of relayed
+   * data included: the sum of `bytes` of its send transfers.
+   */
   uint64_t bytesSent;
+  /**
+   * Bytes this rank receives from other ranks per call, over every round: the sum of
+   * `bytes` of its receive transfers.
+   */
   uint64_t bytesReceived;
   /**
    * Bytes copied locally (colocated source and destination on this rank).
@@ -449,10 +656,15 @@ typedef struct {
    */
   uint64_t fingerprint;
   /**
-   * Bytes of this rank's source / destination buffer the plan reads / writes: the end of
-   * the last tensor view (`offset + extent`).
+   * Bytes of `sendbuff` a single-buffer `ncclReshard` call reads at most: the end of this
+   * rank's furthest source view (`srcOffset` + extent); 0 on a rank without source views.
    */
   uint64_t sendBytes;
+  /**
+   * Bytes of `recvbuff` a single-buffer `ncclReshard` call writes at most: the end of this
+   * rank's furthest destination or scale view (`dstOffset` or `scaleOffset` + extent); 0 on
+   * a rank without destination views.
+   */
   uint64_t recvBytes;
   /**
    * Rounds this rank runs (each: packs, one NCCL group, unpacks); 1 for a groupable plan.
@@ -530,7 +742,7 @@ typedef struct {
  * b[k]·scaleStride[k]` of `scaleView`, by the tensor's `quant`; `chunkBytes` is 0 and `bytes`
  * the bytes written. Ordering: a convert transfer reading the Source view has round 0 and runs
  * before the rank's transfers that read its Converted or Scales views; one reading the
- * Unconverted view has round = the plan's rounds and runs after every receive.
+ * Unconverted view has a round one past the rank's last and runs after every receive.
  *
  * `round`, `srcView`, `blockOffset` and `blockBytes` were added in 0.2: a caller whose struct
  * is the older size gets the other fields only. Its copies are still exact, and without
@@ -539,7 +751,16 @@ typedef struct {
  * `ncclReshardPlanGetTransfers` refuses such a struct.
  */
 typedef struct {
+  /**
+   * Set by the caller in the array's first struct (the initializer does): every struct is
+   * taken to be that size, at most that many bytes of each are written, and `size` is left
+   * as it is. Below the 0.1 struct's it is refused (`ncclInvalidArgument`); below 0.2's for
+   * a plan with forwards and below 0.4's for a plan that converts (`ncclInvalidUsage`).
+   */
   size_t size;
+  /**
+   * Written by the library: its own `NCCL_RESHARD_VERSION_CODE`.
+   */
   unsigned int version;
   /**
    * An `ncclReshardTransferKind_t`.
@@ -549,17 +770,63 @@ typedef struct {
    * The other rank (this rank for a local copy).
    */
   int peer;
+  /**
+   * The tensor whose data the transfer carries: its index in `ncclReshardPlanCreate`'s
+   * `tensors`, or `ntensors + k` for the scales of the k-th tensor with scales.
+   */
   int tensor;
+  /**
+   * Dims of the block, the tensor's `ndim`: the number of `globalStart`/`globalCount`
+   * entries that count (later ones are 0).
+   */
   int ndim;
+  /**
+   * The block's first global index along each dim d < `ndim`, in elements (for scales, in
+   * blocks of the scale grid).
+   */
   int64_t globalStart[NCCL_RESHARD_MAX_DIMS];
+  /**
+   * The block's extent along each dim d < `ndim`, in elements (for scales, in blocks).
+   */
   int64_t globalCount[NCCL_RESHARD_MAX_DIMS];
+  /**
+   * Byte offset of the first grid point (a convert transfer: the box's first element) in
+   * the sender's `srcView` of `tensor`.
+   */
   uint64_t srcOffset;
+  /**
+   * Byte offset of the first grid point (a convert transfer: the box's first element) in
+   * the receiver's `dstView` of `tensor`.
+   */
   uint64_t dstOffset;
+  /**
+   * Contiguous bytes copied at each grid point; 0 for a convert transfer.
+   */
   uint64_t chunkBytes;
+  /**
+   * Axes of the copy grid, 0 (one chunk) to `NCCL_RESHARD_MAX_DIMS`; for a convert transfer,
+   * the box's dims (= `ndim`). `count`, `srcStride` and `dstStride` hold that many entries.
+   */
   int copyNdim;
+  /**
+   * Grid points along each axis k < `copyNdim`, outermost first (a convert transfer:
+   * elements along dim k).
+   */
   int64_t count[NCCL_RESHARD_MAX_DIMS];
+  /**
+   * Bytes between neighbouring grid points along axis k in the sender's view (a convert
+   * transfer: between elements along dim k of `srcView`).
+   */
   int64_t srcStride[NCCL_RESHARD_MAX_DIMS];
+  /**
+   * Bytes between neighbouring grid points along axis k in the receiver's view (a convert
+   * transfer: between elements along dim k of `dstView`).
+   */
   int64_t dstStride[NCCL_RESHARD_MAX_DIMS];
+  /**
+   * Bytes the transfer moves, `chunkBytes` times the product of `count`; for a convert
+   * transfer, the bytes it writes (values, then scales).
+   */
   uint64_t bytes;
   /**
    * The round (see the execution rule), equal on both ends of a send and its receive.
@@ -585,20 +852,31 @@ typedef struct {
    */
   int dstView;
   /**
-   * The element types read and written (`ncclDataType_t`): the tensor's `dtype` on both
-   * sides for plain data, its `dstDtype` for converted data, and for a convert transfer
-   * the conversion's source and destination types.
+   * The element type read (`ncclDataType_t`): the tensor's `dtype` for data that travels
+   * unconverted, its `dstDtype` for data its sender converted, `ncclUint8` for scales; for
+   * a convert transfer, the type it converts from.
    */
   int srcDtype;
+  /**
+   * The element type written (`ncclDataType_t`): `srcDtype` for every transfer but a
+   * convert transfer, for which it is the type converted to (the tensor's `dstDtype`).
+   */
   int dstDtype;
   /**
    * Convert transfers of quantized tensors: the view the box's block scales go to
    * (`ncclReshardViewScales` on a sender, `ncclReshardViewDestination` = the scale view on a
-   * receiver), the offset of its first block's scale and the byte stride between blocks
-   * along each dim.
+   * receiver). Other transfers hold `ncclReshardViewDestination`, to be ignored.
    */
   int scaleView;
+  /**
+   * Convert transfers of quantized tensors: byte offset of the box's first block's scale in
+   * `scaleView`; 0 otherwise.
+   */
   uint64_t scaleOffset;
+  /**
+   * Convert transfers of quantized tensors: bytes between the scales of neighbouring blocks
+   * along each dim k < `copyNdim` in `scaleView`; ignore it otherwise.
+   */
   int64_t scaleStride[NCCL_RESHARD_MAX_DIMS];
 } ncclReshardTransfer_t;
 

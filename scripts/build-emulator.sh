@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the CUDA/NCCL emulator (emu/, DESIGN §7.6) and assembles target/emu/lib/:
+# Builds the CUDA/NCCL emulator (emu/, docs/design.md §7.6) and assembles target/emu/lib/:
 #   libncclreshard-emu-runtime.so  the emulator (driver API, cudart subset, NCCL in one library)
 #   libcuda.so.1  (libcuda.so)     shims: empty libraries with the real SONAMEs whose only
 #   libcudart.so.12 (libcudart.so) content is a DT_NEEDED on libncclreshard-emu-runtime.so, so

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU tests on emulated devices (DESIGN §7.6), part of the README's test command. Builds the
+# The GPU tests on emulated devices (docs/design.md §7.6), part of the README's test command. Builds the
 # CPU emulation of the CUDA driver, cudart and NCCL (emu/, scripts/build-emulator.sh) and runs
 # the unchanged library on 8 emulated devices, ranks as threads:
 #  - tests/gpu.rs: every mode, rounds and relays, colocated ranks, strided views, per-tensor

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks (DESIGN §7.6) for a machine with a CUDA GPU, its driver, NCCL and NVRTC.
+# GPU checks (docs/design.md §7.7) for a machine with a CUDA GPU, its driver, NCCL and NVRTC.
 #
 #   bash scripts/gpu-check.sh            build (when cargo is here) and run the GPU tests
 #   bash scripts/gpu-check.sh --prepare  only build the test binary into .gpu/ (for a GPU

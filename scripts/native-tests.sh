@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The native side of the tests (DESIGN §7.3–7.5), with real NVIDIA parts from PyPI and no GPU:
+# The native side of the tests (docs/design.md §7.3–7.5), with real NVIDIA parts from PyPI and no GPU:
 #  - the copy kernels compiled by the real NVRTC for sm_80, sm_90 and sm_100;
 #  - the top-level CMake project's ctest suite (header as C11/C++17 with -Werror against the
 #    real nccl.h, the C API test plain / ASan+UBSan / valgrind / static, exported symbols and

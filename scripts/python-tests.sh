@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Python package's tests (python/, DESIGN §7), part of the README's test command:
+# The Python package's tests (python/, docs/design.md §7), part of the README's test command:
 #  - `pip install ./python` into target/py-venv (the build runs cargo and puts
 #    libncclreshard.so in the wheel), torch and pytest from scripts/requirements-python.txt;
 #  - the ncclreshard CLI, which the JSON tests replay Python-written case files through;

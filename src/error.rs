@@ -25,13 +25,20 @@ pub enum ErrorKind {
 /// person who wrote the descriptor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Error {
+    /// The class of failure; the C boundary returns the `ncclResult_t` it maps to.
     pub kind: ErrorKind,
+    /// What is wrong, naming the field and its value (`src: placements[1] = Shard(3) shards
+    /// dim 3 but the tensor has 2 dims`). The C boundary prefixes the function's name and
+    /// makes it the thread's last error.
     pub message: String,
 }
 
+/// The library's `Result`: the error is an [`Error`] unless a signature names another.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// An [`ErrorKind::InvalidArgument`] error: a descriptor, argument or file the caller must
+    /// fix. The message should name the field and its value.
     pub fn invalid_argument(message: impl Into<String>) -> Self {
         Error {
             kind: ErrorKind::InvalidArgument,
@@ -39,6 +46,8 @@ impl Error {
         }
     }
 
+    /// An [`ErrorKind::InvalidUsage`] error: a well-formed request that the plan or the
+    /// current state does not allow.
     pub fn invalid_usage(message: impl Into<String>) -> Self {
         Error {
             kind: ErrorKind::InvalidUsage,
@@ -46,6 +55,8 @@ impl Error {
         }
     }
 
+    /// An [`ErrorKind::System`] error: a library, executor or facility this build or machine
+    /// lacks, or whose loading failed.
     pub fn system(message: impl Into<String>) -> Self {
         Error {
             kind: ErrorKind::System,
@@ -53,6 +64,7 @@ impl Error {
         }
     }
 
+    /// An [`ErrorKind::Internal`] error: a broken invariant of the library, always a bug.
     pub fn internal(message: impl Into<String>) -> Self {
         Error {
             kind: ErrorKind::Internal,

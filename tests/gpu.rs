@@ -1,4 +1,4 @@
-//! GPU tests (DESIGN §7.6–7.7): the CUDA + NCCL executor on CUDA devices, ranks as threads
+//! GPU tests (docs/design.md §7.6–7.7): the CUDA + NCCL executor on CUDA devices, ranks as threads
 //! (as a multi-process job would run them), every destination byte checked.
 //!
 //! They need a CUDA driver, NCCL and NVRTC, so they are ignored by default.

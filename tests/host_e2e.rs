@@ -1,4 +1,4 @@
-//! End to end on the host executor (DESIGN §7 step 2), verified only through the oracle: every
+//! End to end on the host executor (docs/design.md §7 step 2), verified only through the oracle: every
 //! rank's buffers are filled and checked from the oracle's index lists and view geometry, never
 //! from the crate's layout code.
 

@@ -1,4 +1,4 @@
-//! Layouts against the brute-force torch oracle (DESIGN §2, §7 step 1): every rank's index
+//! Layouts against the brute-force torch oracle (docs/design.md §2, §7 step 1): every rank's index
 //! lists, every element's owners, view geometry, torch's documented examples, and bad
 //! descriptors rejected with an error that names the field.
 

@@ -1,7 +1,7 @@
 //! A strict CPU emulation of the CUDA driver API, a subset of the CUDA runtime and NCCL, built as
 //! one shared library (`libncclreshard_emu.so`) that shims named `libcuda.so.1`,
 //! `libcudart.so.12` and `libnccl.so.2` point at (`scripts/build-emulator.sh`). It is a test
-//! double for libncclreshard (DESIGN §7.6): the unchanged library runs on emulated devices, ranks
+//! double for libncclreshard (docs/design.md §7.6): the unchanged library runs on emulated devices, ranks
 //! as threads, and every misuse the emulator can see (out-of-bounds or dangling device pointers,
 //! unordered stream work, illegal calls during graph capture, unmatched NCCL messages, deadlocks)
 //! aborts the process with a report instead of silently passing.

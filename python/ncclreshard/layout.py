@@ -1,5 +1,5 @@
 """One side of a reshard: a device mesh of communicator ranks and one placement per mesh
-axis (DESIGN §2: PyTorch DTensor's rules), and a rank's local shape under it."""
+axis (docs/design.md §2: PyTorch DTensor's rules), and a rank's local shape under it."""
 
 from __future__ import annotations
 

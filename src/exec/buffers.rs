@@ -17,11 +17,18 @@ use crate::quant::Conversion;
 /// Where a call's buffers are: what an executor is handed after [`RankViews`] checked them.
 pub enum CallBuffers<'a> {
     /// `ncclReshard`: one source and one destination buffer; views at the plan's offsets.
-    Single { send: usize, recv: usize },
+    Single {
+        /// `sendbuff` (0 when the rank has no source view).
+        send: usize,
+        /// `recvbuff` (0 when the rank has no destination view).
+        recv: usize,
+    },
     /// `ncclReshardMulti`: one pointer per tensor and side (0 where the rank has no view; an
     /// empty slice when the rank has no views on that side).
     PerTensor {
+        /// `sendbuffs`: one source view per tensor.
         send: &'a [usize],
+        /// `recvbuffs`: one destination view per tensor, then one per scale tensor.
         recv: &'a [usize],
     },
 }
@@ -30,7 +37,9 @@ pub enum CallBuffers<'a> {
 /// from byte `offset` of the buffer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ViewRange {
+    /// Byte offset of the view's first byte in the buffer.
     pub offset: u64,
+    /// The view's extent: from its first byte to past its last (strided views included).
     pub bytes: u64,
 }
 
@@ -43,7 +52,9 @@ impl ViewRange {
 /// One tensor's views on this rank (`None` where the rank has no view on that side).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TensorViews {
+    /// The source view in the call's source buffer.
     pub src: Option<ViewRange>,
+    /// The destination view in the call's destination buffer.
     pub dst: Option<ViewRange>,
 }
 

@@ -19,6 +19,7 @@ use std::sync::{Arc, OnceLock};
 /// where this rank's views sit in the buffers of a single-buffer call (`ncclReshard`).
 #[derive(Clone, Debug)]
 pub struct PlanTensor {
+    /// The tensor: shape, dtype, source and destination layouts.
     pub spec: TensorSpec,
     /// What the tensor becomes on its way (`None`: it arrives as it is).
     pub conversion: Option<Conversion>,
@@ -86,6 +87,7 @@ impl StagingLimit {
         )
     }
 
+    /// The limit in bytes.
     pub fn bytes(self) -> u64 {
         self.0
     }
@@ -129,9 +131,13 @@ pub fn rank_program(
 /// regions (`plan::region_of`).
 #[derive(Clone, Debug)]
 pub struct Export {
+    /// Every box of data the rank sends, receives or copies locally (`Planner::rank_blocks`).
     pub blocks: Vec<Block>,
+    /// The blocks' parts by round (`Transfer::block` indexes `blocks`), in export order.
     pub transfers: Vec<Transfer>,
+    /// Conversions the rank runs before the first round (a sender's).
     pub converts_before: Vec<StridedConvert>,
+    /// Conversions the rank runs after the last round (a receiver's).
     pub converts_after: Vec<StridedConvert>,
 }
 
@@ -214,6 +220,7 @@ impl Plan {
         })
     }
 
+    /// The rank this plan is for (its rank in the communicator that runs it).
     pub fn rank(&self) -> u32 {
         self.rank
     }
@@ -223,6 +230,7 @@ impl Plan {
         self.planner.config().mode
     }
 
+    /// The planner of every rank's plan (the same on every rank).
     pub fn planner(&self) -> &Planner {
         &self.planner
     }

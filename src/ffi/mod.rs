@@ -1,4 +1,4 @@
-//! The C ABI (DESIGN §3): the only module with `#[no_mangle]` exports and C naming.
+//! The C ABI (docs/design.md §3): the only module with `#[no_mangle]` exports and C naming.
 //!
 //! Every export runs inside [`boundary::boundary`]: arguments are NULL-checked and validated,
 //! errors return NCCL result codes with a message in `ncclReshardGetLastError()`, outputs are

@@ -40,8 +40,11 @@ pub const NCCL_RESHARD_UNDEF_INT: c_int = c_int::MIN;
 /// when a table and its struct do not list the same fields in the same order.
 /// cbindgen:ignore
 pub struct InitializerField {
+    /// The C field's name, as the struct spells it.
     pub name: &'static str,
+    /// The C expression the macro gives the field.
     pub value: &'static str,
+    /// The comment written beside the value in the macro.
     pub comment: &'static str,
 }
 
@@ -221,8 +224,15 @@ pub const TRANSFER_INITIALIZER: &[InitializerField] = &[
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ncclReshardPlacementKind_t {
+    /// Every rank along the mesh axis holds the whole tensor (torch `Replicate()`); the
+    /// placement's `dim` and `splitFactor` are ignored.
     ncclReshardReplicate = 0,
+    /// The mesh axis cuts tensor dim `dim` into contiguous chunks as torch.chunk does (trailing
+    /// chunks short or empty): torch `Shard(dim)`. `splitFactor` is ignored.
     ncclReshardShard = 1,
+    /// torch `_StridedShard(dim, split_factor)`, as FSDP2 + TP produce it: dim `dim` is cut into
+    /// `splitFactor` pieces, each piece cut across the mesh axis, and a rank holds its part of
+    /// every piece.
     ncclReshardStridedShard = 2,
 }
 
@@ -236,8 +246,15 @@ pub enum ncclReshardPlacementKind_t {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ncclReshardMode_t {
+    /// Every message goes from the source view straight into the destination view: one round,
+    /// no staging, callable inside `ncclGroupStart/End`. Plan creation refuses a rank past
+    /// 16384 messages and any tensor that converts.
     ncclReshardModeGroupable = 0,
+    /// One packed message per peer pair and round, unpacked on arrival. Not callable inside a
+    /// group.
     ncclReshardModeStaged = 1,
+    /// The default: a peer pair is staged where sending its runs as they are would take many
+    /// small messages, else its runs are sent as they are. Not callable inside a group.
     ncclReshardModeAuto = 2,
 }
 
@@ -322,13 +339,20 @@ pub enum ncclReshardScaleFormat_t {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ncclReshardQuant_t {
+    /// `sizeof(ncclReshardQuant_t)` of the caller's header (the initializer sets it). The
+    /// struct is unchanged since it was added in 0.4; a smaller size is refused.
     pub size: usize,
+    /// The `NCCL_RESHARD_VERSION_CODE` of the caller's header (the initializer sets it); a
+    /// version newer than the library is refused, 0 is taken as the oldest.
     pub version: c_uint,
-    /// An `ncclReshardQuantScheme_t` (no default: set it).
+    /// An `ncclReshardQuantScheme_t` (no default: set it). The scaled schemes need an FP8
+    /// `dstDtype`; `ncclReshardQuantNone` is a plain cast, the same as `quant` = NULL.
     pub scheme: c_int,
-    /// `ncclReshardQuantBlock`: the block's rows (second-to-last dim) and columns (last dim),
-    /// 0 = 128.
+    /// `ncclReshardQuantBlock` only: the block's extent along the second-to-last dim, in
+    /// elements; 0 = 128, negative values are refused. Ignored by the other schemes.
     pub blockRows: i64,
+    /// `ncclReshardQuantBlock` only: the block's extent along the last dim, in
+    /// elements; 0 = 128, negative values are refused. Ignored by the other schemes.
     pub blockCols: i64,
     /// An `ncclReshardScaleFormat_t` (unset: `ncclReshardScaleFloat32`).
     pub scaleFormat: c_int,
@@ -343,8 +367,12 @@ pub struct ncclReshardQuant_t {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ncclReshardPlacement_t {
+    /// An `ncclReshardPlacementKind_t`; any other value (there is no Partial) is refused.
     pub kind: c_int,
+    /// The tensor dim the mesh axis shards, 0 to the tensor's `ndim` − 1 (Shard and
+    /// StridedShard; ignored for Replicate).
     pub dim: c_int,
+    /// StridedShard's split factor, at least 1; ignored by the other kinds.
     pub splitFactor: i64,
 }
 
@@ -358,13 +386,29 @@ pub struct ncclReshardPlacement_t {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ncclReshardLayout_t {
+    /// `sizeof(ncclReshardLayout_t)` of the caller's header (the initializer sets it). The
+    /// struct is unchanged since 0.1; a smaller size is refused.
     pub size: usize,
+    /// The `NCCL_RESHARD_VERSION_CODE` of the caller's header (the initializer sets it); a
+    /// version newer than the library is refused, 0 is taken as the oldest.
     pub version: c_uint,
+    /// Number of mesh axes, 1 to `NCCL_RESHARD_MAX_DIMS` (the initializer's 0 is refused).
     pub meshNdim: c_int,
+    /// Ranks along each of the first `meshNdim` mesh axes, each at least 1, at most 2^20 ranks
+    /// in all; later entries are ignored.
     pub meshShape: [i64; NCCL_RESHARD_MAX_DIMS],
+    /// NULL, or one communicator rank per mesh position (the product of `meshShape` entries,
+    /// row-major, last axis fastest): non-negative, no duplicates, any order.
     pub ranks: *const c_int,
+    /// With `ranks` NULL, the mesh's first rank (non-negative): position i holds rank
+    /// `firstRank + i`. Ignored when `ranks` is set.
     pub firstRank: c_int,
+    /// One placement per mesh axis (the first `meshNdim` entries; later ones are ignored). The
+    /// initializer's zeroed entries are `ncclReshardReplicate`.
     pub placements: [ncclReshardPlacement_t; NCCL_RESHARD_MAX_DIMS],
+    /// NULL (every local view dense row-major), or one stride per tensor dim (the tensor's
+    /// `ndim` entries), in elements, not bytes, used by every rank's local view on this
+    /// side. The strides must not make elements overlap.
     pub strides: *const i64,
 }
 
@@ -391,18 +435,45 @@ pub struct ncclReshardLayout_t {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ncclReshardTensor_t {
+    /// `sizeof(ncclReshardTensor_t)` of the caller's header (the initializer sets it), at
+    /// least the 0.1 struct's (which ends before `dstDtype`). It is also the stride of the
+    /// `tensors` array, so every element must state the same size.
     pub size: usize,
+    /// The `NCCL_RESHARD_VERSION_CODE` of the caller's header (the initializer sets it); a
+    /// version newer than the library is refused, 0 is taken as the oldest.
     pub version: c_uint,
+    /// Number of tensor dims, 0 (a single element) to `NCCL_RESHARD_MAX_DIMS`.
     pub ndim: c_int,
+    /// The global tensor's extent along each of the first `ndim` dims, in elements
+    /// (non-negative; later entries are ignored). The whole tensor must stay under 2^63 bytes.
     pub shape: [i64; NCCL_RESHARD_MAX_DIMS],
+    /// The source's element type, an `ncclDataType_t` (0 to 11, `ncclInt8` to
+    /// `ncclFloat8e5m2`). No default: `NCCL_RESHARD_UNDEF_INT` is refused.
     pub dtype: ncclDataType_t,
+    /// The source layout (not NULL). Its strides count elements of `dtype`.
     pub src: *const ncclReshardLayout_t,
+    /// The destination layout (not NULL). Its strides count elements of `dstDtype`.
     pub dst: *const ncclReshardLayout_t,
+    /// Byte offset of this rank's source view from `sendbuff` in `ncclReshard`, per rank
+    /// (unused on a rank without a source view and by `ncclReshardMulti`).
     pub srcOffset: usize,
+    /// Byte offset of this rank's destination view from `recvbuff` in `ncclReshard`, per
+    /// rank (unused on a rank without a destination view and by `ncclReshardMulti`).
     pub dstOffset: usize,
+    /// NULL, or a NUL-terminated name that error and log messages use for the tensor; copied
+    /// during `ncclReshardPlanCreate`.
     pub name: *const c_char,
+    /// The destination's element type (`ncclBfloat16`, `ncclFloat16`, `ncclFloat8e4m3` or
+    /// `ncclFloat8e5m2`, from a float32, bfloat16 or float16 `dtype`). `NCCL_RESHARD_UNDEF_INT`
+    /// (the initializer's), or `dtype` itself with `quant` NULL: no conversion. Since 0.4.
     pub dstDtype: ncclDataType_t,
+    /// NULL: a plain cast to `dstDtype` (if it differs from `dtype`); else how the tensor is
+    /// quantized, which needs `dstDtype` set. Read during `ncclReshardPlanCreate` only. Since
+    /// 0.4.
     pub quant: *const ncclReshardQuant_t,
+    /// Byte offset of this rank's view of the tensor's scales from `recvbuff` in
+    /// `ncclReshard`. Per rank; used only when `quant` has a scaled scheme and the rank holds
+    /// scales, unused by `ncclReshardMulti`. Since 0.4.
     pub scaleOffset: usize,
 }
 
@@ -427,16 +498,40 @@ pub struct ncclReshardTensor_t {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ncclReshardConfig_t {
+    /// `sizeof(ncclReshardConfig_t)` of the caller's header (the initializer sets it), at
+    /// least the 0.1 struct's (which ends before `rounds`); fields past it get their defaults.
     pub size: usize,
+    /// Must be `NCCL_RESHARD_CONFIG_MAGIC` (the initializer sets it); anything else is refused
+    /// with `ncclInvalidArgument`.
     pub magic: c_uint,
+    /// The `NCCL_RESHARD_VERSION_CODE` of the caller's header (the initializer sets it); a
+    /// version newer than the library is refused, 0 is taken as the oldest.
     pub version: c_uint,
+    /// An `ncclReshardMode_t`; `NCCL_RESHARD_UNDEF_INT`: `ncclReshardModeAuto`.
     pub mode: c_int,
+    /// Ranks per node when rank r sits on node r / ranksPerNode; 0 or `NCCL_RESHARD_UNDEF_INT`:
+    /// topology unknown, negative values are refused. Ignored when `nodeOfRank` is set.
     pub ranksPerNode: c_int,
+    /// NULL, or `nodeOfRankCount` node ids (non-negative), entry r being rank r's node; ranks
+    /// at or past `nodeOfRankCount` have no known node. Read during `ncclReshardPlanCreate`.
     pub nodeOfRank: *const c_int,
+    /// Entries in `nodeOfRank` (non-negative); ignored when `nodeOfRank` is NULL.
     pub nodeOfRankCount: c_int,
+    /// The smallest part, in bytes, that a replicated overlap is split into across senders,
+    /// and a peer pair's data or a relay across rounds; 0: 1 MiB.
     pub splitMinBytes: usize,
+    /// Bound, in bytes, on what one call of the plan allocates on this rank (staging plus
+    /// conversion workspace), checked at plan creation (`ncclInvalidUsage` when over); 0:
+    /// `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB. Not part of the plan's fingerprint.
     pub maxStagingBytes: usize,
+    /// Staged and auto modes: how many rounds the data is cut into, 0 to 1024 (relays forward
+    /// in the round after their data arrives, which may add one). 0 or
+    /// `NCCL_RESHARD_UNDEF_INT`: chosen from the tensors' sizes (about 4 GiB per rank and
+    /// round, at most 32). Groupable plans always have one round. Since 0.2.
     pub rounds: c_int,
+    /// Staged and auto modes with a known topology: 1 sends data that several replicas on one
+    /// node need across the network once and forwards it within the node, 0 sends it to each
+    /// replica from a source rank. `NCCL_RESHARD_UNDEF_INT`: 1. Since 0.2.
     pub relay: c_int,
 }
 
@@ -444,10 +539,15 @@ pub struct ncclReshardConfig_t {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ncclReshardPlanInfo_t {
+    /// Set by the caller to `sizeof(ncclReshardPlanInfo_t)` (the initializer does), at least
+    /// the 0.1 struct's (which ends before `rounds`). The library writes at most that many
+    /// bytes and leaves `size` as it is.
     pub size: usize,
+    /// Written by the library: its own `NCCL_RESHARD_VERSION_CODE`.
     pub version: c_uint,
     /// The plan's rank.
     pub rank: c_int,
+    /// Number of tensors the plan was created with (`ncclReshardPlanCreate`'s `ntensors`).
     pub ntensors: c_int,
     /// The configured `ncclReshardMode_t`.
     pub mode: c_int,
@@ -456,9 +556,17 @@ pub struct ncclReshardPlanInfo_t {
     pub groupable: c_int,
     /// Number of distinct peers this rank sends to or receives from.
     pub peers: c_int,
+    /// NCCL sends one call of the plan posts on this rank, over every round (the per-call
+    /// fingerprint exchange not counted).
     pub messagesSent: i64,
+    /// NCCL receives one call of the plan posts on this rank, over every round (the per-call
+    /// fingerprint exchange not counted).
     pub messagesReceived: i64,
+    /// Bytes this rank sends to other ranks per call, over every round, forwards of relayed
+    /// data included: the sum of `bytes` of its send transfers.
     pub bytesSent: u64,
+    /// Bytes this rank receives from other ranks per call, over every round: the sum of
+    /// `bytes` of its receive transfers.
     pub bytesReceived: u64,
     /// Bytes copied locally (colocated source and destination on this rank).
     pub bytesCopied: u64,
@@ -466,9 +574,12 @@ pub struct ncclReshardPlanInfo_t {
     pub stagingBytes: u64,
     /// Equal on all ranks iff they created the plan from the same descriptors and config.
     pub fingerprint: u64,
-    /// Bytes of this rank's source / destination buffer the plan reads / writes: the end of
-    /// the last tensor view (`offset + extent`).
+    /// Bytes of `sendbuff` a single-buffer `ncclReshard` call reads at most: the end of this
+    /// rank's furthest source view (`srcOffset` + extent); 0 on a rank without source views.
     pub sendBytes: u64,
+    /// Bytes of `recvbuff` a single-buffer `ncclReshard` call writes at most: the end of this
+    /// rank's furthest destination or scale view (`dstOffset` or `scaleOffset` + extent); 0 on
+    /// a rank without destination views.
     pub recvBytes: u64,
     /// Rounds this rank runs (each: packs, one NCCL group, unpacks); 1 for a groupable plan.
     /// Added in 0.2: an older caller's smaller struct does not get it.
@@ -539,7 +650,7 @@ pub struct ncclReshardPlanInfo_t {
 /// b[k]·scaleStride[k]` of `scaleView`, by the tensor's `quant`; `chunkBytes` is 0 and `bytes`
 /// the bytes written. Ordering: a convert transfer reading the Source view has round 0 and runs
 /// before the rank's transfers that read its Converted or Scales views; one reading the
-/// Unconverted view has round = the plan's rounds and runs after every receive.
+/// Unconverted view has a round one past the rank's last and runs after every receive.
 ///
 /// `round`, `srcView`, `blockOffset` and `blockBytes` were added in 0.2: a caller whose struct
 /// is the older size gets the other fields only. Its copies are still exact, and without
@@ -549,23 +660,50 @@ pub struct ncclReshardPlanInfo_t {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ncclReshardTransfer_t {
+    /// Set by the caller in the array's first struct (the initializer does): every struct is
+    /// taken to be that size, at most that many bytes of each are written, and `size` is left
+    /// as it is. Below the 0.1 struct's it is refused (`ncclInvalidArgument`); below 0.2's for
+    /// a plan with forwards and below 0.4's for a plan that converts (`ncclInvalidUsage`).
     pub size: usize,
+    /// Written by the library: its own `NCCL_RESHARD_VERSION_CODE`.
     pub version: c_uint,
     /// An `ncclReshardTransferKind_t`.
     pub kind: c_int,
     /// The other rank (this rank for a local copy).
     pub peer: c_int,
+    /// The tensor whose data the transfer carries: its index in `ncclReshardPlanCreate`'s
+    /// `tensors`, or `ntensors + k` for the scales of the k-th tensor with scales.
     pub tensor: c_int,
+    /// Dims of the block, the tensor's `ndim`: the number of `globalStart`/`globalCount`
+    /// entries that count (later ones are 0).
     pub ndim: c_int,
+    /// The block's first global index along each dim d < `ndim`, in elements (for scales, in
+    /// blocks of the scale grid).
     pub globalStart: [i64; NCCL_RESHARD_MAX_DIMS],
+    /// The block's extent along each dim d < `ndim`, in elements (for scales, in blocks).
     pub globalCount: [i64; NCCL_RESHARD_MAX_DIMS],
+    /// Byte offset of the first grid point (a convert transfer: the box's first element) in
+    /// the sender's `srcView` of `tensor`.
     pub srcOffset: u64,
+    /// Byte offset of the first grid point (a convert transfer: the box's first element) in
+    /// the receiver's `dstView` of `tensor`.
     pub dstOffset: u64,
+    /// Contiguous bytes copied at each grid point; 0 for a convert transfer.
     pub chunkBytes: u64,
+    /// Axes of the copy grid, 0 (one chunk) to `NCCL_RESHARD_MAX_DIMS`; for a convert transfer,
+    /// the box's dims (= `ndim`). `count`, `srcStride` and `dstStride` hold that many entries.
     pub copyNdim: c_int,
+    /// Grid points along each axis k < `copyNdim`, outermost first (a convert transfer:
+    /// elements along dim k).
     pub count: [i64; NCCL_RESHARD_MAX_DIMS],
+    /// Bytes between neighbouring grid points along axis k in the sender's view (a convert
+    /// transfer: between elements along dim k of `srcView`).
     pub srcStride: [i64; NCCL_RESHARD_MAX_DIMS],
+    /// Bytes between neighbouring grid points along axis k in the receiver's view (a convert
+    /// transfer: between elements along dim k of `dstView`).
     pub dstStride: [i64; NCCL_RESHARD_MAX_DIMS],
+    /// Bytes the transfer moves, `chunkBytes` times the product of `count`; for a convert
+    /// transfer, the bytes it writes (values, then scales).
     pub bytes: u64,
     /// The round (see the execution rule), equal on both ends of a send and its receive.
     pub round: c_int,
@@ -580,16 +718,21 @@ pub struct ncclReshardTransfer_t {
     /// converts; for a convert transfer, the view it writes). Added in 0.4, as the fields
     /// below.
     pub dstView: c_int,
-    /// The element types read and written (`ncclDataType_t`): the tensor's `dtype` on both
-    /// sides for plain data, its `dstDtype` for converted data, and for a convert transfer
-    /// the conversion's source and destination types.
+    /// The element type read (`ncclDataType_t`): the tensor's `dtype` for data that travels
+    /// unconverted, its `dstDtype` for data its sender converted, `ncclUint8` for scales; for
+    /// a convert transfer, the type it converts from.
     pub srcDtype: c_int,
+    /// The element type written (`ncclDataType_t`): `srcDtype` for every transfer but a
+    /// convert transfer, for which it is the type converted to (the tensor's `dstDtype`).
     pub dstDtype: c_int,
     /// Convert transfers of quantized tensors: the view the box's block scales go to
     /// (`ncclReshardViewScales` on a sender, `ncclReshardViewDestination` = the scale view on a
-    /// receiver), the offset of its first block's scale and the byte stride between blocks
-    /// along each dim.
+    /// receiver). Other transfers hold `ncclReshardViewDestination`, to be ignored.
     pub scaleView: c_int,
+    /// Convert transfers of quantized tensors: byte offset of the box's first block's scale in
+    /// `scaleView`; 0 otherwise.
     pub scaleOffset: u64,
+    /// Convert transfers of quantized tensors: bytes between the scales of neighbouring blocks
+    /// along each dim k < `copyNdim` in `scaleView`; ignore it otherwise.
     pub scaleStride: [i64; NCCL_RESHARD_MAX_DIMS],
 }

@@ -1,20 +1,34 @@
 //! Element types: NCCL's `ncclDataType_t` codes, torch's names and byte sizes, in one table.
 
-/// The element type of a tensor. Reshard moves bytes, so only the size matters for planning;
-/// the type is kept so descriptors on both sides can be checked to agree.
+/// The element type of a tensor. Moving a tensor as it is needs only its size; the type decides
+/// what it may convert to on the way (`quant::Conversion`), and descriptors on both sides are
+/// checked to agree on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// Signed 8-bit integer (`torch.int8`, `ncclInt8`).
     Int8,
+    /// Unsigned 8-bit integer (`torch.uint8`, `ncclUint8`).
     Uint8,
+    /// Signed 32-bit integer (`torch.int32`, `ncclInt32`).
     Int32,
+    /// Unsigned 32-bit integer (`torch.uint32`, `ncclUint32`).
     Uint32,
+    /// Signed 64-bit integer (`torch.int64`, `ncclInt64`).
     Int64,
+    /// Unsigned 64-bit integer (`torch.uint64`, `ncclUint64`).
     Uint64,
+    /// IEEE 754 binary16 (`torch.float16`, `ncclFloat16`).
     Float16,
+    /// IEEE 754 binary32 (`torch.float32`, `ncclFloat32`).
     Float32,
+    /// IEEE 754 binary64 (`torch.float64`, `ncclFloat64`).
     Float64,
+    /// bfloat16, the top 16 bits of a binary32 (`torch.bfloat16`, `ncclBfloat16`).
     Bfloat16,
+    /// FP8 E4M3FN: no infinities, largest finite value 448 (`torch.float8_e4m3fn`,
+    /// `ncclFloat8e4m3`).
     Float8E4M3,
+    /// FP8 E5M2: largest finite value 57344 (`torch.float8_e5m2`, `ncclFloat8e5m2`).
     Float8E5M2,
 }
 
@@ -36,6 +50,7 @@ const TABLE: [(DType, i32, &str, u32); 12] = [
 ];
 
 impl DType {
+    /// Every element type, in the order of their `ncclDataType_t` values (0 to 11).
     pub const ALL: [DType; 12] = [
         DType::Int8,
         DType::Uint8,
@@ -73,6 +88,7 @@ impl DType {
         self.row().2
     }
 
+    /// The type whose `ncclDataType_t` value is `code`, or `None` for a value outside 0–11.
     pub fn from_nccl_code(code: i32) -> Option<DType> {
         TABLE.iter().find(|row| row.1 == code).map(|row| row.0)
     }

@@ -5,7 +5,7 @@ use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-/// The most mesh axes a layout may have (DESIGN §2).
+/// The most mesh axes a layout may have (docs/design.md §2).
 pub const MAX_MESH_AXES: usize = 8;
 /// The most ranks a mesh may hold: far beyond any cluster, and small enough that a descriptor
 /// can never make the planner allocate without bound.
@@ -14,8 +14,9 @@ pub const MAX_MESH_RANKS: u64 = 1 << 20;
 /// An N-D array of distinct communicator ranks in row-major order (last axis fastest).
 ///
 /// Immutable and cheap to clone: clones share one rank table, so the thousands of tensors of
-/// a model that sit on one mesh hold it once, and comparing or hashing a mesh costs the same
-/// for 8 ranks as for 8192 (a digest of the table is kept; clones compare by address first).
+/// a model that sit on one mesh hold it once. Hashing a mesh costs the same for 8 ranks as for
+/// 8192 (a digest of the table is kept), and so does comparing clones (by address) or meshes
+/// whose digests differ; two equal meshes built separately compare their tables.
 #[derive(Clone)]
 pub struct Mesh {
     table: Arc<Table>,
@@ -153,10 +154,12 @@ impl Mesh {
         Arc::ptr_eq(&self.table, &other.table)
     }
 
+    /// The number of ranks along each mesh axis (each at least 1).
     pub fn shape(&self) -> &[u64] {
         &self.table.shape
     }
 
+    /// The number of mesh axes (1 to [`MAX_MESH_AXES`]).
     pub fn ndim(&self) -> usize {
         self.table.shape.len()
     }
@@ -166,6 +169,7 @@ impl Mesh {
         &self.table.ranks
     }
 
+    /// The number of ranks in the mesh: the product of its shape.
     pub fn size(&self) -> usize {
         self.table.ranks.len()
     }
@@ -175,6 +179,7 @@ impl Mesh {
         self.table.by_rank.iter().map(|&(r, _)| r)
     }
 
+    /// Whether communicator rank `rank` is in the mesh.
     pub fn contains(&self, rank: u32) -> bool {
         self.index_of(rank).is_some()
     }

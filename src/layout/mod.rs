@@ -1,5 +1,5 @@
 //! Layouts: global shape + mesh + one placement per mesh axis → each rank's local indices,
-//! exactly as PyTorch DTensor computes them (DESIGN §2).
+//! exactly as PyTorch DTensor computes them (docs/design.md §2).
 //!
 //! A rank's local tensor is the Cartesian product of its per-dim index sets. Along a dim, the
 //! set starts as `0..n` and every mesh axis whose placement shards that dim, taken left to
@@ -28,11 +28,18 @@ pub const MAX_SPLIT_PRODUCT: u64 = 1 << 16;
 /// scope).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Placement {
+    /// torch `Replicate()`: every coordinate along the axis holds the same indices; the axis
+    /// cuts no dim.
     Replicate,
+    /// torch `Shard(dim)`: the axis cuts tensor dim `dim` by torch.chunk's rule, so trailing
+    /// shards are short or empty ([`chunk_bounds`]).
     Shard(usize),
     /// torch `_StridedShard(dim, split_factor)`: the FSDP2 + TP right-to-left sharding.
     StridedShard {
+        /// The tensor dim the axis cuts.
         dim: usize,
+        /// How many pieces the dim's current list is chunked into before each piece is cut
+        /// across the axis; at least 1 ([`Layout::validate`] checks).
         split_factor: u64,
     },
 }
@@ -65,21 +72,37 @@ impl Placement {
         }
         let (name, rest) = compact.split_once('(').ok_or_else(bad)?;
         let args = rest.strip_suffix(')').ok_or_else(bad)?;
-        let values: Vec<u64> = args
-            .split(',')
-            .map(|arg| {
-                let value = arg.rsplit_once('=').map_or(arg, |(_, v)| v);
-                value.parse::<u64>().map_err(|_| bad())
-            })
-            .collect::<Result<_>>()?;
+        let keywords: &[&str] = match name {
+            "Shard" | "S" => &["dim"],
+            "StridedShard" | "_StridedShard" | "_S" => &["dim", "split_factor"],
+            _ => return Err(bad()),
+        };
+        // Arguments by position, then by torch's keyword names in any order; each once.
+        let mut values: Vec<Option<u64>> = vec![None; keywords.len()];
+        let (mut positional, mut keyword_seen) = (0, false);
+        for arg in args.split(',') {
+            let (slot, value) = match arg.split_once('=') {
+                Some((key, value)) => {
+                    keyword_seen = true;
+                    (keywords.iter().position(|k| *k == key), value)
+                }
+                None if keyword_seen => (None, arg),
+                None => {
+                    positional += 1;
+                    (Some(positional - 1), arg)
+                }
+            };
+            let slot = slot
+                .filter(|&i| values.get(i) == Some(&None))
+                .ok_or_else(bad)?;
+            values[slot] = Some(value.parse::<u64>().map_err(|_| bad())?);
+        }
         match (name, values.as_slice()) {
-            ("Shard" | "S", &[dim]) => Ok(Placement::Shard(dim as usize)),
-            ("StridedShard" | "_StridedShard" | "_S", &[dim, split_factor]) => {
-                Ok(Placement::StridedShard {
-                    dim: dim as usize,
-                    split_factor,
-                })
-            }
+            ("Shard" | "S", &[Some(dim)]) => Ok(Placement::Shard(dim as usize)),
+            (_, &[Some(dim), Some(split_factor)]) => Ok(Placement::StridedShard {
+                dim: dim as usize,
+                split_factor,
+            }),
             _ => Err(bad()),
         }
     }
@@ -100,7 +123,10 @@ impl fmt::Display for Placement {
 /// One side of a reshard: which ranks hold the tensor and how.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Layout {
+    /// The ranks that hold the tensor on this side.
     pub mesh: Mesh,
+    /// One placement per mesh axis, in axis order; axes that shard the same dim cut it in
+    /// this order, left to right.
     pub placements: Vec<Placement>,
     /// Element strides of every rank's local view (one per tensor dim); `None` means dense
     /// row-major. The same strides apply on every rank of the mesh.
@@ -111,14 +137,20 @@ pub struct Layout {
 /// dim (in axis order) and the indices those ranks hold along it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DimPiece {
+    /// The coordinate on each mesh axis that shards the dim, in axis order (the axes of
+    /// [`Layout::shard_axes`]); empty when no axis shards it.
     pub coords: Vec<u64>,
+    /// The global indices along the dim that the ranks at those coordinates hold (may be
+    /// empty).
     pub indices: IndexRuns,
 }
 
 /// Which side of a reshard: where the tensor is (`src`) or where it goes (`dst`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Side {
+    /// The source: where the tensor is before the reshard ([`TensorSpec::src`]).
     Src,
+    /// The destination: where the tensor goes ([`TensorSpec::dst`]).
     Dst,
 }
 
@@ -129,7 +161,10 @@ pub enum Side {
 /// the C API, the checker and the CLI all call it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankView {
+    /// The global indices the rank holds, one set per tensor dim.
     pub indices: Vec<IndexRuns>,
+    /// The byte geometry of the rank's local buffer; its shape is the size of each set in
+    /// `indices`.
     pub view: LocalView,
 }
 
@@ -168,13 +203,16 @@ impl RankView {
 /// positions into byte offsets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LocalView {
+    /// The local shape, in elements per dim.
     pub shape: Vec<u64>,
     /// Element strides, one per dim.
     pub strides: Vec<u64>,
+    /// Bytes per element.
     pub elem_size: u64,
 }
 
 impl LocalView {
+    /// The number of elements in the view: the product of `shape` (1 for a 0-d view).
     pub fn elements(&self) -> u64 {
         self.shape.iter().product()
     }
@@ -235,6 +273,8 @@ pub fn row_major_strides(shape: &[u64]) -> Vec<u64> {
 }
 
 impl Layout {
+    /// A layout with dense row-major local buffers. Nothing is checked here; see
+    /// [`Layout::validate`].
     pub fn new(mesh: Mesh, placements: Vec<Placement>) -> Layout {
         Layout {
             mesh,
@@ -243,6 +283,9 @@ impl Layout {
         }
     }
 
+    /// This layout with every rank's local view given element `strides`, one per tensor dim
+    /// (a view inside a larger buffer); [`Layout::validate`] checks that elements do not
+    /// alias.
     pub fn with_strides(mut self, strides: Vec<u64>) -> Layout {
         self.strides = Some(strides);
         self
@@ -372,8 +415,9 @@ impl Layout {
 
     /// Checks this layout against a tensor's global `shape` (which [`validate_shape`]
     /// accepted) of `elem_size`-byte elements. Errors begin with `field`, the name the caller
-    /// knows the layout by (`src`, `dst`, the C API's `layout`), then name the field within it
-    /// (`src: placements[1] = …`).
+    /// knows the layout by (`src`, `dst`, the C API's `layout`), then, where one field is at
+    /// fault, name it (`src: placements[1] = …`); limits of the whole layout (its largest view,
+    /// what its placements cut a dim into) are said as such.
     pub fn validate(&self, shape: &[u64], elem_size: u32, field: &str) -> Result<()> {
         self.check(shape, elem_size).map_err(|e| e.context(field))
     }
@@ -510,13 +554,19 @@ pub fn validate_shape(shape: &[u64], elem_size: u32) -> Result<()> {
 /// One tensor of a reshard: its global shape and element type, where it is and where it goes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TensorSpec {
+    /// The global shape, in elements per dim (at most [`MAX_TENSOR_DIMS`] dims).
     pub shape: Vec<u64>,
+    /// The element type on both sides, or the source's when a
+    /// [`Conversion`](crate::quant::Conversion) gives the destination another.
     pub dtype: DType,
+    /// The source layout: where the tensor is.
     pub src: Layout,
+    /// The destination layout: where the tensor goes.
     pub dst: Layout,
 }
 
 impl TensorSpec {
+    /// Bytes per element of `dtype`.
     pub fn elem_size(&self) -> u32 {
         self.dtype.size()
     }
@@ -541,5 +591,39 @@ impl TensorSpec {
         validate_shape(&self.shape, self.elem_size())?;
         self.src.validate(&self.shape, self.elem_size(), "src")?;
         self.dst.validate(&self.shape, self.elem_size(), "dst")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Placement;
+
+    #[test]
+    fn placements_parse_by_position_or_by_torch_keyword() {
+        let strided = |dim, split_factor| Placement::StridedShard { dim, split_factor };
+        for (text, want) in [
+            ("Replicate()", Placement::Replicate),
+            ("S(1)", Placement::Shard(1)),
+            ("Shard(dim=2)", Placement::Shard(2)),
+            ("StridedShard(0, 2)", strided(0, 2)),
+            ("_StridedShard(dim=0, split_factor=2)", strided(0, 2)),
+            ("_StridedShard(split_factor=2, dim=0)", strided(0, 2)),
+            ("_StridedShard(1, split_factor=3)", strided(1, 3)),
+        ] {
+            assert_eq!(Placement::parse(text).unwrap(), want, "{text}");
+        }
+        // Keywords torch does not have, a value given twice, positions after keywords, and
+        // missing or extra arguments are refused, naming the text.
+        for text in [
+            "Shard(foo=0)",
+            "Shard(0, dim=1)",
+            "_StridedShard(split_factor=2, 0)",
+            "_StridedShard(dim=0)",
+            "Shard(0, 1)",
+            "Shard()",
+        ] {
+            let err = Placement::parse(text).expect_err(text);
+            assert!(err.message.contains(text), "{err}");
+        }
     }
 }

@@ -10,16 +10,21 @@
 /// position `pos` of the set it belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Run {
+    /// The first global index of the run.
     pub start: u64,
+    /// One past the last global index.
     pub end: u64,
+    /// The local position of `start`: how many indices of the set come before the run.
     pub pos: u64,
 }
 
 impl Run {
+    /// The number of indices in the run.
     pub fn len(&self) -> u64 {
         self.end - self.start
     }
 
+    /// Whether the run holds no index (never true of a run of an [`IndexRuns`]).
     pub fn is_empty(&self) -> bool {
         self.end == self.start
     }
@@ -94,14 +99,18 @@ impl IndexRuns {
         self.len += end - start;
     }
 
+    /// The number of indices in the set: a rank's local extent along the dim.
     pub fn len(&self) -> u64 {
         self.len
     }
 
+    /// Whether the set holds no index.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// The runs in increasing order: non-empty, disjoint and non-adjacent, so a set has one
+    /// representation.
     pub fn runs(&self) -> &[Run] {
         &self.runs
     }

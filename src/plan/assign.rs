@@ -1,5 +1,5 @@
 //! Which rank sends what to whom: overlaps between source and destination shards (units) and
-//! the deterministic choice of sender among a source shard's replicas (DESIGN §5).
+//! the deterministic choice of sender among a source shard's replicas (docs/design.md §5).
 //!
 //! A *unit* is the overlap between one source shard and one destination shard. Every rank that
 //! sees a unit — a sender enumerating destination shards or a receiver enumerating source
@@ -19,8 +19,11 @@ use crate::layout::{IndexRuns, TensorSpec};
 /// `ncclReshardPlanGetTransfers` exports.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Assignment {
+    /// The tensor's index in the plan.
     pub tensor: u32,
+    /// The rank that sends the data (the receiver itself for a local copy).
     pub from: u32,
+    /// The rank that receives it.
     pub to: u32,
     /// Global indices per dim; the data is their Cartesian product.
     pub region: Vec<IndexRuns>,
@@ -39,6 +42,7 @@ impl Assignment {
         self.region.iter().map(|r| r.first().unwrap_or(0)).collect()
     }
 
+    /// Elements of the region.
     pub fn elements(&self) -> u64 {
         self.region.iter().map(IndexRuns::len).product()
     }

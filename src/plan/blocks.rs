@@ -18,11 +18,17 @@ use crate::layout::{next_index, IndexRuns, RankView};
 /// `ncclReshardTransfer_t`'s `globalStart`/`globalCount` and `blockBytes` describe its block.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Block {
+    /// The tensor's index in the plan.
     pub tensor: u32,
+    /// The rank whose view the data is read from.
     pub from: u32,
+    /// The rank whose view it is written to.
     pub to: u32,
+    /// The box's first global index per dim.
     pub start: Vec<u64>,
+    /// The box's elements per dim.
     pub count: Vec<u64>,
+    /// The box as bytes: from the sender's view to the receiver's.
     pub copy: StridedCopy,
     /// The round the unit fixed for this data (relays), or `None`: see [`Assignment::round`].
     pub round: Option<u32>,

@@ -2,7 +2,7 @@
 
 use crate::error::{Error, Result};
 
-/// How messages are formed (DESIGN §3).
+/// How messages are formed (docs/design.md §3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Mode {
     /// Every message is sent from the source view and lands in the destination view as it is
@@ -65,6 +65,7 @@ pub const MAX_ROUNDS: u32 = 1024;
 pub const DEFAULT_SPLIT_MIN_BYTES: u64 = 1 << 20;
 
 impl Mode {
+    /// The mode named `text` (`groupable`, `staged` or `auto`, as case files spell it).
     pub fn parse(text: &str) -> Result<Mode> {
         match text {
             "groupable" => Ok(Mode::Groupable),
@@ -76,6 +77,7 @@ impl Mode {
         }
     }
 
+    /// The mode's name, as [`Mode::parse`] reads it.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Groupable => "groupable",
@@ -88,6 +90,7 @@ impl Mode {
 /// Where ranks sit, for preferring same-node (NVLink) senders. Unknown means uniform.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Topology {
+    /// No rank is preferred for being near another.
     #[default]
     Unknown,
     /// Rank `r` is on node `r / ranks_per_node`.
@@ -97,6 +100,7 @@ pub enum Topology {
 }
 
 impl Topology {
+    /// The node of `rank`, when the topology says.
     pub fn node(&self, rank: u32) -> Option<u32> {
         match self {
             Topology::Unknown => None,
@@ -109,7 +113,9 @@ impl Topology {
 /// Everything besides the tensors that shapes a plan. Every rank must pass the same config.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Config {
+    /// How messages are formed, and whether the plan may run inside a caller's NCCL group.
     pub mode: Mode,
+    /// Where ranks sit: which senders are on a receiver's node.
     pub topology: Topology,
     /// A replicated overlap is split across several senders, and a pair's data or a relayed
     /// overlap across rounds, only into parts of at least this many bytes.
@@ -141,6 +147,7 @@ impl Default for Config {
 }
 
 impl Config {
+    /// `Err` (`InvalidArgument`, naming the field) for a config no plan can use.
     pub fn validate(&self) -> Result<()> {
         if self.topology == Topology::RanksPerNode(0) {
             return Err(Error::invalid_argument(

@@ -6,32 +6,12 @@
 //! the rotation hash a byte per step, which the planner's choices depend on.
 
 use super::config::{Config, Mode, Topology};
-use super::fxhash::FxHashMap;
 use crate::layout::{Layout, Placement, TensorSpec};
 use crate::quant::{Conversion, ScaleFormat, Scheme};
 
-/// FNV-1a (a word per step) over a canonical encoding of the inputs: equal on all ranks iff they passed the same
-/// descriptors and config (the rank itself is not part of it).
-pub fn fingerprint(tensors: &[TensorSpec], config: &Config) -> u64 {
-    let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
-    let mut layouts: Vec<&Layout> = Vec::new();
-    let layout_ids: Vec<[u32; 2]> = tensors
-        .iter()
-        .map(|t| {
-            [&t.src, &t.dst].map(|layout| {
-                let next = layouts.len() as u32;
-                *ids.entry(layout).or_insert_with(|| {
-                    layouts.push(layout);
-                    next
-                })
-            })
-        })
-        .collect();
-    of_interned(tensors, &layout_ids, &layouts, config)
-}
-
-/// [`fingerprint`] of tensors whose layouts are interned: `layout_ids` per tensor (source,
-/// destination) index `layouts`. A model repeats a few layouts over thousands of tensors:
+/// FNV-1a (a word per step) over a canonical encoding of the inputs: equal on all ranks iff
+/// they passed the same descriptors and config (the rank itself is not part of it). Tensors'
+/// layouts are interned: `layout_ids` per tensor (source, destination) index `layouts`. A model repeats a few layouts over thousands of tensors:
 /// each distinct one is digested once.
 pub(crate) fn of_interned(
     tensors: &[TensorSpec],

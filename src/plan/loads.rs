@@ -1,6 +1,6 @@
 //! Bytes each rank moves, estimated from the tensors alone (every rank computes the same):
 //! what sizes the rounds, and what tells the assignment which senders are overloaded and
-//! should have part of their data forwarded between receiving nodes (DESIGN §5).
+//! should have part of their data forwarded between receiving nodes (docs/design.md §5).
 //!
 //! A destination rank receives its shard of each tensor; a source rank sends its share of what
 //! every destination replica needs (the tensor's bytes × destination replicas, spread over the

@@ -30,15 +30,12 @@ mod steps;
 pub use assign::Assignment;
 pub use blocks::Block;
 pub use config::{
-    Config, Mode, Topology, AUTO_DIRECT_PART_FRACTION, AUTO_MAX_ROUNDS, AUTO_MESSAGES_PER_RANK,
-    AUTO_STAGE_MAX_AVG_BYTES, AUTO_STAGE_MAX_MESSAGES, AUTO_STAGE_MIN_MESSAGES,
-    DEFAULT_SPLIT_MIN_BYTES, GROUPABLE_MAX_MESSAGES_PER_RANK, GROUPABLE_MAX_PIECES_PER_PAIR,
-    MAX_ROUNDS, ROUND_TARGET_BYTES,
+    Config, Mode, Topology, AUTO_MESSAGES_PER_RANK, GROUPABLE_MAX_MESSAGES_PER_RANK, MAX_ROUNDS,
 };
-pub use fingerprint::fingerprint;
-pub use messages::STAGING_ALIGN;
 pub use planner::Planner;
 pub use program::{ExecMode, Message, RankProgram, Round, RoundSpan};
-pub use quantize::{region, region_of, WorkRegion};
 pub use rounds::Transfer;
 pub use steps::{Buffer, ConvertDim, CopyDim, Loc, StridedConvert, StridedCopy};
+
+pub(crate) use config::DEFAULT_SPLIT_MIN_BYTES;
+pub(crate) use quantize::{region_of, WorkRegion};

@@ -105,6 +105,7 @@ impl Planner {
         self.core.tensors()
     }
 
+    /// The plan's config.
     pub fn config(&self) -> &Config {
         self.core.config()
     }

@@ -1,4 +1,4 @@
-//! `RankProgram`: the one IR between the planner and the executors (DESIGN §4).
+//! `RankProgram`: the one IR between the planner and the executors (docs/design.md §4).
 //!
 //! Pure data. Every address is a byte offset relative to one of the rank's buffers: a tensor's
 //! source view, a tensor's destination view, or the rank's staging arena. An executor runs the
@@ -15,8 +15,11 @@ use super::steps::{Loc, StridedConvert, StridedCopy};
 /// One point-to-point message: `bytes` contiguous bytes at `loc`, to or from `peer`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Message {
+    /// The other end: the receiver of a send, the sender of a receive.
     pub peer: u32,
+    /// Where the bytes are read from (a send) or land (a receive).
     pub loc: Loc,
+    /// The message's size; equal on both ends.
     pub bytes: u64,
 }
 
@@ -25,10 +28,15 @@ pub struct Message {
 /// takes part in, and a message's round is the same on both its ends.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct RoundSpan {
+    /// The round's number in the plan (the same on both ends of each of its messages).
     pub round: u32,
+    /// End of the round's packs in `RankProgram::packs`.
     pub packs_end: usize,
+    /// End of its sends in `RankProgram::sends`.
     pub sends_end: usize,
+    /// End of its receives in `RankProgram::recvs`.
     pub recvs_end: usize,
+    /// End of its unpacks in `RankProgram::unpacks`.
     pub unpacks_end: usize,
     /// How many of the round's unpacks (the last ones of its range) are *late*: nothing a
     /// later round sends or packs reads what they write, and what they read of the staging
@@ -41,9 +49,13 @@ pub struct RoundSpan {
 /// The parts of one round (see [`RankProgram::rounds`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Round<'a> {
+    /// The round's number in the plan.
     pub round: u32,
+    /// Copies into staging before the round's sends (a relay's read its destination view).
     pub packs: &'a [StridedCopy],
+    /// The round's sends, grouped by peer in posting order.
     pub sends: &'a [Message],
+    /// The round's receives, grouped by peer in posting order.
     pub recvs: &'a [Message],
     /// Every unpack of the round: the early ones, then [`Round::late`] late ones.
     pub unpacks: &'a [StridedCopy],
@@ -78,10 +90,11 @@ pub enum ExecMode {
 /// program from the same descriptors, and the sends of one rank to another equal, in order
 /// and size, that rank's receives from it.
 ///
-/// An executor runs, in order: `converts_before`, the local copies, each round (packs, sends
-/// and receives, unpacks), `converts_after`.
+/// Every transport runs it by the one walk of `exec::schedule`: `converts_before`, the local
+/// copies, each round (packs, sends and receives, unpacks), `converts_after`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RankProgram {
+    /// The rank that runs it.
     pub rank: u32,
     /// Equal on all ranks iff they planned from the same descriptors and config.
     pub fingerprint: u64,
@@ -107,11 +120,13 @@ pub struct RankProgram {
     /// Conversions of data this rank received in its source dtype, from the workspace into
     /// its destination views (and their scales), after the last round.
     pub converts_after: Vec<StridedConvert>,
-    /// Bytes of conversion workspace ([`Buffer::Work`]) the program addresses.
+    /// Bytes of conversion workspace ([`Buffer::Work`](crate::plan::Buffer::Work)) the program
+    /// addresses.
     pub work_bytes: u64,
 }
 
 impl RankProgram {
+    /// Whether every receive lands in place (no unpack, conversion after, or second round).
     pub fn mode(&self) -> ExecMode {
         if self.unpacks.is_empty()
             && self.converts_after.is_empty()
@@ -185,18 +200,21 @@ impl RankProgram {
     }
 
     // Totals saturate: one rank's traffic over 2^64 bytes is absurd but must not wrap.
+    /// Bytes the rank sends, over every round.
     pub fn bytes_sent(&self) -> u64 {
         self.sends
             .iter()
             .fold(0, |acc, m| acc.saturating_add(m.bytes))
     }
 
+    /// Bytes the rank receives, over every round.
     pub fn bytes_received(&self) -> u64 {
         self.recvs
             .iter()
             .fold(0, |acc, m| acc.saturating_add(m.bytes))
     }
 
+    /// Bytes the rank copies from its source views to its destination views itself.
     pub fn bytes_copied_locally(&self) -> u64 {
         self.local_copies
             .iter()

@@ -25,16 +25,22 @@ pub enum Buffer {
 /// A byte address: `offset` bytes into a buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Loc {
+    /// Which buffer.
     pub buffer: Buffer,
+    /// The tensor whose view it is (a view buffer), or what the buffer's kind says.
     pub tensor: u32,
+    /// Bytes from the buffer's start.
     pub offset: u64,
 }
 
 /// One axis of a strided copy: `count` steps of `src_stride` / `dst_stride` bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CopyDim {
+    /// Steps along the axis.
     pub count: u64,
+    /// Bytes between steps on the source side.
     pub src_stride: u64,
+    /// Bytes between steps on the destination side.
     pub dst_stride: u64,
 }
 
@@ -48,9 +54,13 @@ pub struct CopyDim {
 /// and the program's local copies, packs and unpacks, which executors run as they are.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct StridedCopy {
+    /// Where the first byte is read.
     pub src: Loc,
+    /// Where the first byte is written.
     pub dst: Loc,
+    /// Contiguous bytes per grid point.
     pub chunk_bytes: u64,
+    /// The grid, outermost axis first (empty: one chunk).
     pub dims: Vec<CopyDim>,
 }
 
@@ -172,11 +182,12 @@ impl StridedCopy {
         true
     }
 
-    /// One past the highest source / destination byte touched, relative to the buffers.
+    /// One past the highest source byte touched, relative to its buffer.
     pub fn src_end(&self) -> u64 {
         self.src.offset.saturating_add(self.reach(|d| d.src_stride))
     }
 
+    /// One past the highest destination byte touched, relative to its buffer.
     pub fn dst_end(&self) -> u64 {
         self.dst.offset.saturating_add(self.reach(|d| d.dst_stride))
     }
@@ -256,10 +267,15 @@ fn slice_into(
 /// scales are `scale_stride` bytes apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConvertDim {
+    /// Elements along the dim.
     pub count: u64,
+    /// Bytes between elements on the source side.
     pub src_stride: u64,
+    /// Bytes between elements on the destination side.
     pub dst_stride: u64,
+    /// Elements per quantization block along the dim.
     pub block: u64,
+    /// Bytes between the scales of neighbouring blocks along the dim.
     pub scale_stride: u64,
 }
 
@@ -278,12 +294,17 @@ pub struct StridedConvert {
     /// The tensor, and the global index of the box's first element, for messages and the
     /// exported transfers.
     pub tensor: u32,
+    /// The global index of the box's first element, per dim.
     pub start: Vec<u64>,
+    /// Where the box's first element is read (in the source dtype).
     pub src: Loc,
+    /// Where its first element is written (in the destination dtype).
     pub dst: Loc,
     /// Where the scales go (scaled conversions only).
     pub scale: Option<Loc>,
+    /// The box, outermost dim first.
     pub dims: Vec<ConvertDim>,
+    /// The dtypes and the scale encoding.
     pub arithmetic: Arithmetic,
 }
 

@@ -28,7 +28,12 @@ pub enum Scheme {
     /// One scale per `rows × cols` block of the last two dims (per matrix of a stacked
     /// tensor: leading dims have blocks of 1; a 1-D tensor uses `cols` only). DeepSeek-V3's
     /// FP8 checkpoints use 128 × 128; MX-style scaling 1 × 32.
-    Block { rows: u64, cols: u64 },
+    Block {
+        /// Block extent along the second-to-last dim, in elements (at least 1).
+        rows: u64,
+        /// Block extent along the last dim, in elements (at least 1).
+        cols: u64,
+    },
 }
 
 /// How a scale is stored.
@@ -50,6 +55,8 @@ impl ScaleFormat {
         }
     }
 
+    /// The name case files and the CLI use (`float32`, `e8m0`), which
+    /// [`ScaleFormat::from_name`] accepts.
     pub fn name(self) -> &'static str {
         match self {
             ScaleFormat::Float32 => "float32",
@@ -57,6 +64,8 @@ impl ScaleFormat {
         }
     }
 
+    /// Parses `float32` (or `float`, `fp32`) and `e8m0` (or `float8_e8m0fnu`, `ue8m0`), with
+    /// or without the `torch.` prefix; `None` for anything else.
     pub fn from_name(name: &str) -> Option<ScaleFormat> {
         match name.strip_prefix("torch.").unwrap_or(name) {
             "float32" | "float" | "fp32" => Some(ScaleFormat::Float32),
@@ -78,6 +87,7 @@ pub const AMAX_FLOOR: f32 = 1e-4;
 pub struct Conversion {
     /// The destination's element type.
     pub dtype: DType,
+    /// How values are scaled; [`Scheme::None`] is a plain cast.
     pub scheme: Scheme,
     /// How scales are stored (scaled schemes only).
     pub scale_format: ScaleFormat,
@@ -262,9 +272,14 @@ impl Conversion {
 
 /// How an interface spells the fields a conversion's errors name.
 pub struct FieldNames {
+    /// The destination dtype's field.
     pub dst_dtype: &'static str,
+    /// The scheme's field.
     pub scheme: &'static str,
+    /// The block size's field (or fields).
     pub block: &'static str,
+    /// The scale layout's field, which also prefixes the errors of the scale layout's own
+    /// validation.
     pub scale_layout: &'static str,
 }
 
@@ -312,7 +327,9 @@ pub fn scheme_name(scheme: Scheme) -> &'static str {
 /// How scales are encoded: format and inversion.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ScaleEncoding {
+    /// How each scale is stored: 4 bytes of FP32 or one E8M0 byte.
     pub format: ScaleFormat,
+    /// Whether `1 / scale` is stored instead of the scale ([`Conversion::scale_inverse`]).
     pub inverse: bool,
 }
 
@@ -330,8 +347,12 @@ pub struct BlockScale {
 /// kernel's implement exactly these functions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Arithmetic {
+    /// The source element type: float32, bfloat16 or float16 ([`Conversion::validate`]
+    /// refuses others; [`Arithmetic::load`] panics on them).
     pub src: DType,
+    /// The destination element type: bfloat16, float16 or an FP8 type.
     pub dst: DType,
+    /// How scales are encoded; `None` for a plain cast, which writes no scales.
     pub scale: Option<ScaleEncoding>,
 }
 

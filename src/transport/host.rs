@@ -18,7 +18,9 @@ use std::sync::{Barrier, Mutex};
 /// when the rank is not on that side). Programs address these buffers by tensor index.
 #[derive(Clone, Debug, Default)]
 pub struct RankBuffers {
+    /// Per tensor, the bytes of its source view (empty off the source mesh).
     pub src: Vec<Vec<u8>>,
+    /// Per tensor, then per scale tensor, the bytes of its destination view.
     pub dst: Vec<Vec<u8>>,
 }
 

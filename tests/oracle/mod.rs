@@ -1,5 +1,5 @@
 //! A brute-force model of PyTorch DTensor's sharding rules, written independently of
-//! `ncclreshard::layout` and `ncclreshard::plan` (DESIGN §7, STYLE rule 8).
+//! `ncclreshard::layout` and `ncclreshard::plan` (docs/design.md §7, STYLE rule 8).
 //!
 //! It reads only the plain fields of the crate's data types (`Mesh::shape`, `Mesh::ranks`,
 //! `Layout::placements`, `Layout::strides`) and works on expanded index lists, one `Vec<u64>`

@@ -1,4 +1,4 @@
-//! The refit simulator (DESIGN §6): hand-computable cases for the flow model, the engine
+//! The refit simulator (docs/design.md §6): hand-computable cases for the flow model, the engine
 //! costs, the fabric, memory and jitter, the gather + broadcast baseline, NCCL M2N and the
 //! floors; the calibration against the public measurements (`ncclreshard calibrate`); and
 //! DeepSeek-V3 from the real programs.
@@ -1039,7 +1039,7 @@ fn calibration_rows_are_within_25_percent_except_the_one_explained() {
 }
 
 // ---------------------------------------------------------------------------------------
-// DeepSeek-V3 calibration (reference/FACTS.md)
+// DeepSeek-V3 calibration (docs/facts.md)
 
 fn deepseek_v3() -> ncclreshard_tools::models::Refit {
     let config = ModelConfig::preset("deepseek-v3").unwrap();
@@ -1065,7 +1065,7 @@ fn deepseek_v3_baseline_and_bound_match_public_measurements() {
     let tensors = deepseek_v3_refit();
     let cluster = Cluster::dgx_h100();
     let baseline = gather_broadcast(&tensors, &cluster);
-    // Measured 14.21–15.52 s (FACTS.md); the model must land within ±30 % of that range.
+    // Measured 14.21–15.52 s (docs/facts.md); the model must land within ±30 % of that range.
     assert!(
         (14.21 * 0.7..=15.52 * 1.3).contains(&baseline.time_s),
         "gather + broadcast {:.2} s",
@@ -1081,7 +1081,7 @@ fn deepseek_v3_baseline_and_bound_match_public_measurements() {
             .clone()
     };
     // The physical floor: every inference node must ingest ≈ 337 GB over its 400 GB/s
-    // (FACTS.md: 0.84–0.88 s); forwarding between inference nodes is allowed.
+    // (docs/facts.md: 0.84–0.88 s); forwarding between inference nodes is allowed.
     let ingress = by_kind(BoundKind::DomainIngress);
     assert!((0.84..=0.88).contains(&ingress.time_s), "{ingress}");
     assert!(ingress.subject >= 32, "an inference node: {ingress}");
@@ -1089,7 +1089,7 @@ fn deepseek_v3_baseline_and_bound_match_public_measurements() {
     // A direct plan sends each expert from its training node once per inference replica (8
     // times), and each stage's dense weights leave the stage's two nodes once per inference
     // node. Megatron's uneven split of 61 layers over 16 stages puts 4 MoE layers on most
-    // stages (FACTS.md's 0.82 s is the 3.6-layer average), so direct plans are bound at
+    // stages (docs/facts.md's 0.82 s is the 3.6-layer average), so direct plans are bound at
     // ≈ 0.92 s.
     let direct = by_kind(BoundKind::DirectEgress);
     assert!((0.90..=0.94).contains(&direct.time_s), "{direct}");

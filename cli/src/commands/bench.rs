@@ -70,7 +70,7 @@ Usage: ncclreshard bench --plan --model M --train SPEC --infer SPEC [OPTIONS]
          source rank assembles each tensor from one copy of every shard, then every
          destination rank receives the whole tensor and slices its view out), same buffers,
          both results compared byte for byte. Times, bytes moved between ranks, ratios.
---copy   Host pack/unpack throughput: the executor's block copy (exec::host::copy_block) on
+--copy   Host pack/unpack throughput: the executor's block copy (transport::host::copy_block) on
          --mib MiB in --row-byte rows with a --pad-byte gap between source rows (pack), the
          reverse (unpack) and one contiguous block, vs copy_from_slice of the same bytes.
          Best of --repeat runs (default 5); GB/s = bytes copied per second.
@@ -506,7 +506,7 @@ fn bench_copy(parsed: &Parsed) -> Result<u8, Failure> {
     });
     if !(packed_right && unpacked_right) {
         return Err(Failure::Input(
-            "copy_block produced wrong bytes (a bug in exec::host::copy_block)".into(),
+            "copy_block produced wrong bytes (a bug in transport::host::copy_block)".into(),
         ));
     }
     let gbs = |t: Duration| bytes as f64 / t.as_secs_f64().max(1e-12) / 1e9;

@@ -1,4 +1,4 @@
-//! Model inventories and the parallel layouts of an RL weight refit (DESIGN §6).
+//! Model inventories and the parallel layouts of an RL weight refit (docs/design.md §6).
 //!
 //! Three steps, all pure data:
 //!

@@ -49,7 +49,7 @@ impl Measurement {
 }
 
 const NEMO_RL_BLOG: &str =
-    "NVIDIA technical blog on NeMo RL weight refit with NCCL reshard (reference/FACTS.md)";
+    "NVIDIA technical blog on NeMo RL weight refit with NCCL reshard (docs/facts.md)";
 const M2N_README: &str = "NVIDIA/nccl-extensions nccl_m2n/README.md, reshard_model_bench Reference Performance (--validate --no-dedup, Latency Max)";
 
 /// The public measurements, in `ncclreshard calibrate` order.

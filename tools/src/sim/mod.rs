@@ -1,4 +1,4 @@
-//! The refit simulator (DESIGN §6): what a reshard would cost on a cluster we cannot run here.
+//! The refit simulator (docs/design.md §6): what a reshard would cost on a cluster we cannot run here.
 //! Its numbers are simulations; [`calibrate`] compares it with every public measurement it
 //! can reproduce.
 //!
