@@ -9,8 +9,10 @@ use crate::host_run;
 use crate::out;
 use crate::work;
 use crate::Failure;
+use ncclreshard::exec::{rank_program, StagingLimit};
 use ncclreshard::plan::{Buffer, CopyDim, Loc, StridedCopy};
 use ncclreshard::transport::host::copy_block;
+use ncclreshard::transport::nccl::NcclTransport;
 use serde::Serialize;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -57,12 +59,13 @@ Usage: ncclreshard bench --plan --model M --train SPEC --infer SPEC [OPTIONS]
        ncclreshard bench --exec --model M --train SPEC --infer SPEC [--scale N] [OPTIONS]
        ncclreshard bench --copy [--mib N] [--row BYTES] [--pad BYTES]
 
---plan   Planner time of a full-size model refit: Planner::new + rank_program for one rank
-         (the first training rank; also the first inference rank), for every rank (wall time
-         on all CPUs, and the CPU time summed over ranks), the slowest rank (and the 8
-         slowest planned again one at a time, best of 3: ranks planned side by side wait for
-         each other and for other processes), and the peak resident memory (VmHWM) of
-         planning every rank's program on all CPUs, keeping none.
+--plan   Planner time of a full-size model refit: Planner::new + rank_program (a rank's
+         program as plan creation makes it) for one rank (the first training rank; also the
+         first inference rank), for every rank (wall time on all CPUs, and the CPU time
+         summed over ranks), the slowest rank (and the 8 slowest planned again one at a
+         time, best of 3: ranks planned side by side wait for each other and for other
+         processes), and the peak resident memory (VmHWM) of planning every rank's program
+         on all CPUs, keeping none.
          JSON keys: plan_ms_one_rank, plan_ms_all_ranks, plan_ms_slowest_rank,
          plan_ms_slowest_rank_alone, messages_max_per_rank, peak_rss_mb, ...
 --exec   On the refit with widths divided by --scale (default 32): the host executor's
@@ -166,13 +169,12 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
     let new = started.elapsed();
     let one = |rank: u32| -> Result<Duration, Failure> {
         let started = Instant::now();
-        planner
-            .rank_program(rank)
+        rank_program(&planner, rank, StagingLimit::new(0), NcclTransport::LIMITS)
             .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))?;
         Ok(started.elapsed())
     };
     let (one_rank, first_infer) = (refit.train_ranks.start, refit.infer_ranks.start);
-    // Planner::rank_program keeps no cache between calls: each is a cold start.
+    // rank_program keeps no cache between calls: each is a cold start.
     let one_rank_time = one(one_rank)?;
     let first_infer_time = one(first_infer)?;
 
@@ -181,7 +183,7 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
     let (summaries, all) = work::track("planning ranks", ranks.len(), |done| {
         work::map(&ranks, done, |&rank| {
             let started = Instant::now();
-            let program = planner.rank_program(rank);
+            let program = rank_program(&planner, rank, StagingLimit::new(0), NcclTransport::LIMITS);
             let took = started.elapsed();
             program.map(|p| {
                 (

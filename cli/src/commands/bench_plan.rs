@@ -5,6 +5,8 @@ use super::{usage, Command};
 use crate::args::{flag, value, Parsed};
 use crate::out;
 use crate::Failure;
+use ncclreshard::exec::{rank_program, StagingLimit};
+use ncclreshard::transport::nccl::NcclTransport;
 use ncclreshard::{Config, DType, Layout, Mesh, Mode, Placement, Planner, TensorSpec, Topology};
 use serde::Serialize;
 use std::time::Instant;
@@ -157,8 +159,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
     let planner = Planner::new(specs, config.clone()).map_err(|e| Failure::Input(e.to_string()))?;
     let plan_ms_new = ms(started);
     let started = Instant::now();
-    planner
-        .rank_program(rank)
+    rank_program(&planner, rank, StagingLimit::new(0), NcclTransport::LIMITS)
         .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))?;
     let plan_ms_one_rank = plan_ms_new + ms(started);
 
@@ -168,8 +169,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
     let started = Instant::now();
     for &r in &ranks {
         let one = Instant::now();
-        let program = planner
-            .rank_program(r)
+        let program = rank_program(&planner, r, StagingLimit::new(0), NcclTransport::LIMITS)
             .map_err(|e| Failure::Input(format!("rank {r}: {e}")))?;
         let took = ms(one);
         if took > slowest {
