@@ -33,7 +33,7 @@ pub struct Config {
     pub on_error: OnError,
     /// `NCCL_RESHARD_EMU_DEADLOCK_SECONDS` (default 20).
     pub deadlock: Duration,
-    /// `NCCL_RESHARD_EMU_NCCL_VERSION` (default 22803).
+    /// `NCCL_RESHARD_EMU_NCCL_VERSION` (default 22907: 2.29.7, which has revoke, shrink and grow).
     pub nccl_version: i32,
     /// How long a non-blocking communicator's init or group stays `ncclInProgress`.
     pub nonblocking_delay: Duration,
@@ -78,7 +78,7 @@ pub fn config() -> &'static Config {
             pageable_delay: Duration::from_millis(var("NCCL_RESHARD_EMU_PAGEABLE_DELAY_MS", 50)),
             on_error,
             deadlock: Duration::from_secs_f64(var("NCCL_RESHARD_EMU_DEADLOCK_SECONDS", 20.0)),
-            nccl_version: var("NCCL_RESHARD_EMU_NCCL_VERSION", 22803),
+            nccl_version: var("NCCL_RESHARD_EMU_NCCL_VERSION", 22907),
             nonblocking_delay: Duration::from_millis(20),
         }
     })

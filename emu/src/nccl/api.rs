@@ -96,23 +96,52 @@ fn init_rank(
     let c = comm::join(id.internal, nranks, rank, device, blocking)?;
     // SAFETY: checked non-NULL by the callers.
     unsafe { *comm_out = c.handle as NcclComm };
+    complete_init(c, "ncclCommInitRank", || {})
+}
+
+/// Completes a joined communicator's init as NCCL does: at the open group's end, now
+/// (blocking), or on a helper thread (non-blocking, `ncclInProgress`). `then` runs once the
+/// clique is complete.
+fn complete_init(
+    c: std::sync::Arc<comm::Comm>,
+    what: &'static str,
+    then: impl FnOnce() + Send + 'static,
+) -> NResult<i32> {
     if group::depth() > 0 {
         group::defer_init(c);
+        then();
         return Ok(SUCCESS);
     }
-    if blocking {
+    if c.blocking {
         comm::finish_init(&c);
+        then();
         return Ok(SUCCESS);
     }
     let delay = config().nonblocking_delay;
     std::thread::spawn(move || {
-        diag::boundary("non-blocking ncclCommInitRank", || {
+        diag::boundary(what, || {
             c.clique.wait_complete(&c);
             std::thread::sleep(delay);
+            then();
             c.set_async(SUCCESS);
         })
     });
     Ok(IN_PROGRESS)
+}
+
+/// A function NCCL added in version `since` (`ncclGetVersion` form): calling it while the
+/// emulated NCCL is older is a call of a symbol that would not exist.
+fn requires(name: &str, since: i32) -> NResult<()> {
+    let version = config().nccl_version;
+    if version < since {
+        diag::fatal(format_args!(
+            "{name} does not exist in NCCL {version} (NCCL_RESHARD_EMU_NCCL_VERSION): it came with NCCL {}.{}.{}; a caller must check for the symbol or the version first",
+            since / 10000,
+            since / 100 % 100,
+            since % 100
+        ));
+    }
+    Ok(())
 }
 
 #[no_mangle]
@@ -179,6 +208,19 @@ fn comm_of(handle: NcclComm) -> NResult<std::sync::Arc<comm::Comm>> {
 pub unsafe extern "C" fn ncclCommFinalize(comm: NcclComm) -> c_int {
     call("ncclCommFinalize", || {
         let c = comm_of(comm)?;
+        if lock(&c.status).revoked {
+            let message = format!(
+                "ncclCommFinalize on {}: the communicator was revoked; NCCL does not support finalizing it (destroy or shrink it)",
+                c.describe()
+            );
+            return Err(diag::strict(
+                message.clone(),
+                super::NcclError {
+                    result: INVALID_USAGE,
+                    message,
+                },
+            ));
+        }
         c.ensure_ready()?;
         lock(&c.status).finalized = true;
         if c.blocking {
@@ -221,6 +263,283 @@ pub unsafe extern "C" fn ncclCommAbort(comm: NcclComm) -> c_int {
         lock(&c.outstanding).clear();
         comm::registry().remove(c.handle);
         Ok(SUCCESS)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommRevoke(comm: NcclComm, revoke_flags: c_int) -> c_int {
+    call("ncclCommRevoke", || {
+        requires("ncclCommRevoke", 22807)?;
+        let c = comm_of(comm)?;
+        if revoke_flags != 0 {
+            return fail(
+                INVALID_ARGUMENT,
+                format!("revokeFlags is {revoke_flags}; it must be NCCL_REVOKE_DEFAULT (0)"),
+            );
+        }
+        {
+            let mut st = lock(&c.status);
+            if st.aborted {
+                return fail(INVALID_USAGE, "communicator was aborted");
+            }
+            st.revoked = true;
+        }
+        // In-flight operations stop; the communicator is quiescent once they have.
+        super::ops::abandon(&c);
+        if c.blocking {
+            c.set_async(SUCCESS);
+            return Ok(SUCCESS);
+        }
+        c.set_async(IN_PROGRESS);
+        let delay = config().nonblocking_delay;
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            c.set_async(SUCCESS);
+        });
+        Ok(IN_PROGRESS)
+    })
+}
+
+/// `ncclConfig_t`'s blocking flag for a communicator made from `parent` (NULL: the parent's).
+unsafe fn child_blocking(parent: Option<&comm::Comm>, config: *const c_void) -> NResult<bool> {
+    match (parent, config.is_null()) {
+        (Some(p), true) => Ok(p.blocking),
+        _ => config_blocking(config),
+    }
+}
+
+/// A parent that must be idle (`NCCL_SHRINK_DEFAULT`, grow): NCCL may deadlock otherwise.
+fn require_idle(c: &comm::Comm, what: &str) -> NResult<()> {
+    if !c.has_outstanding() {
+        return Ok(());
+    }
+    let message = format!(
+        "{what} on {}: the communicator has operations that have not completed; NCCL requires none (it may deadlock){}",
+        c.describe(),
+        if what == "ncclCommShrink" {
+            "; shrink with NCCL_SHRINK_ABORT after a failure"
+        } else {
+            ""
+        }
+    );
+    Err(diag::strict(
+        message.clone(),
+        super::NcclError {
+            result: INVALID_USAGE,
+            message,
+        },
+    ))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommShrink(
+    comm: NcclComm,
+    exclude_ranks: *mut c_int,
+    exclude_count: c_int,
+    newcomm: *mut NcclComm,
+    config: *mut c_void,
+    shrink_flags: c_int,
+) -> c_int {
+    call("ncclCommShrink", || {
+        requires("ncclCommShrink", 22703)?;
+        let c = comm_of(comm)?;
+        let newcomm = out(newcomm, "newcomm")?;
+        if !(0..=1).contains(&shrink_flags) {
+            return fail(
+                INVALID_ARGUMENT,
+                format!("shrinkFlags is {shrink_flags}; use NCCL_SHRINK_DEFAULT (0) or NCCL_SHRINK_ABORT (1)"),
+            );
+        }
+        let count = usize::try_from(exclude_count).map_err(|_| super::NcclError {
+            result: INVALID_ARGUMENT,
+            message: format!("excludeRanksCount is {exclude_count}"),
+        })?;
+        let mut list: Vec<i32> = if count == 0 {
+            Vec::new()
+        } else {
+            std::slice::from_raw_parts(out(exclude_ranks, "excludeRanksList")?, count).to_vec()
+        };
+        list.sort_unstable();
+        if let Some(&r) = list.iter().find(|&&r| r < 0 || r >= c.nranks) {
+            return fail(
+                INVALID_ARGUMENT,
+                format!("excluded rank {r} is not a rank of {}", c.describe()),
+            );
+        }
+        if list.windows(2).any(|w| w[0] == w[1]) {
+            return fail(INVALID_ARGUMENT, "excludeRanksList names a rank twice");
+        }
+        if list.binary_search(&c.rank).is_ok() {
+            return fail(
+                INVALID_ARGUMENT,
+                format!(
+                    "rank {} is in excludeRanksList: only the ranks of the new communicator call ncclCommShrink",
+                    c.rank
+                ),
+            );
+        }
+        if lock(&c.status).aborted {
+            return fail(INVALID_USAGE, "communicator was aborted");
+        }
+        if shrink_flags == 0 {
+            require_idle(&c, "ncclCommShrink")?;
+        } else {
+            super::ops::abandon(&c);
+        }
+        let blocking = child_blocking(Some(&c), config)?;
+        let seq = {
+            let mut n = lock(&c.shrinks);
+            *n += 1;
+            *n
+        };
+        {
+            let mut shrinks = lock(&c.clique.shrinks);
+            match shrinks.get(&seq) {
+                Some((theirs, first)) if *theirs != list => diag::fatal(format_args!(
+                    "ncclCommShrink #{seq} of the communicator's clique: rank {} excludes {list:?} but rank {first} excluded {theirs:?}; every surviving rank must pass the same exclusion list",
+                    c.rank
+                )),
+                Some(_) => {}
+                None => {
+                    shrinks.insert(seq, (list.clone(), c.rank));
+                }
+            }
+        }
+        let id = comm::derived_id(&c.clique.id, seq, &list);
+        let rank = c.rank - list.iter().filter(|&&r| r < c.rank).count() as i32;
+        let nranks = c.nranks - list.len() as i32;
+        let child = comm::join(id, nranks, rank, c.device, blocking)?;
+        *newcomm = child.handle as NcclComm;
+        complete_init(child, "non-blocking ncclCommShrink", || {})
+    })
+}
+
+/// Grow identifiers not consumed yet: id → the parent's size.
+fn grow_parents() -> &'static std::sync::Mutex<std::collections::HashMap<[u8; UNIQUE_ID_BYTES], i32>>
+{
+    static G: std::sync::OnceLock<
+        std::sync::Mutex<std::collections::HashMap<[u8; UNIQUE_ID_BYTES], i32>>,
+    > = std::sync::OnceLock::new();
+    G.get_or_init(Default::default)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGetUniqueId(
+    comm: NcclComm,
+    unique_id: *mut NcclUniqueId,
+) -> c_int {
+    call("ncclCommGetUniqueId", || {
+        requires("ncclCommGetUniqueId", 22902)?;
+        let c = comm_of(comm)?;
+        let unique_id = out(unique_id, "uniqueId")?;
+        require_idle(&c, "ncclCommGetUniqueId")?;
+        let mut pending = lock(&c.clique.grow_id);
+        if pending.is_some() {
+            return fail(
+                INVALID_USAGE,
+                "a grow identifier of this communicator has not been consumed yet (one grow at a time)",
+            );
+        }
+        let id = comm::new_unique_id();
+        *pending = Some(id);
+        c.clique.grow_ready.notify_all();
+        lock(grow_parents()).insert(id, c.nranks);
+        *unique_id = NcclUniqueId { internal: id };
+        Ok(SUCCESS)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGrow(
+    comm: NcclComm,
+    nranks: c_int,
+    unique_id: *const NcclUniqueId,
+    rank: c_int,
+    newcomm: *mut NcclComm,
+    config: *mut c_void,
+) -> c_int {
+    call("ncclCommGrow", || {
+        requires("ncclCommGrow", 22902)?;
+        let newcomm = out(newcomm, "newcomm")?;
+        if comm.is_null() {
+            // A new rank: the coordinator's identifier and a rank from the parent's size on.
+            if unique_id.is_null() {
+                return fail(
+                    INVALID_ARGUMENT,
+                    "a new rank (comm NULL) needs the uniqueId the coordinator got from ncclCommGetUniqueId",
+                );
+            }
+            let id = (*unique_id).internal;
+            let Some(parent) = lock(grow_parents()).get(&id).copied() else {
+                return fail(
+                    INVALID_ARGUMENT,
+                    "uniqueId is not an unconsumed grow identifier from ncclCommGetUniqueId",
+                );
+            };
+            if rank < parent || rank >= nranks {
+                return fail(
+                    INVALID_ARGUMENT,
+                    format!(
+                        "rank {rank}: new ranks take ranks {parent} to {} (after the parent's)",
+                        nranks - 1
+                    ),
+                );
+            }
+            let blocking = child_blocking(None, config)?;
+            let child = comm::join(id, nranks, rank, comm::calling_device(), blocking)?;
+            *newcomm = child.handle as NcclComm;
+            return complete_init(child, "non-blocking ncclCommGrow", || {});
+        }
+        let c = comm_of(comm)?;
+        if rank != -1 {
+            return fail(
+                INVALID_ARGUMENT,
+                format!("rank is {rank}: existing ranks pass -1 (they keep their rank)"),
+            );
+        }
+        if nranks <= c.nranks {
+            return fail(
+                INVALID_ARGUMENT,
+                format!(
+                    "nRanks is {nranks}: a grown communicator has more ranks than its parent's {}",
+                    c.nranks
+                ),
+            );
+        }
+        require_idle(&c, "ncclCommGrow")?;
+        // The coordinator names the identifier; the others learn it from the clique (NCCL
+        // coordinates internally): they wait for it.
+        let id = {
+            let mut pending = lock(&c.clique.grow_id);
+            if !unique_id.is_null() && *pending != Some((*unique_id).internal) {
+                return fail(
+                    INVALID_ARGUMENT,
+                    "uniqueId is not the grow identifier ncclCommGetUniqueId made for this communicator",
+                );
+            }
+            let entry = crate::watchdog::blocked_init(&c);
+            while pending.is_none() {
+                pending = c
+                    .clique
+                    .grow_ready
+                    .wait(pending)
+                    .unwrap_or_else(|p| p.into_inner());
+            }
+            drop(entry);
+            pending.expect("set")
+        };
+        let blocking = child_blocking(Some(&c), config)?;
+        let child = comm::join(id, nranks, c.rank, c.device, blocking)?;
+        *newcomm = child.handle as NcclComm;
+        // The identifier is consumed once every rank has joined.
+        let clique = c.clique.clone();
+        complete_init(child, "non-blocking ncclCommGrow", move || {
+            let mut pending = lock(&clique.grow_id);
+            if *pending == Some(id) {
+                *pending = None;
+            }
+            lock(grow_parents()).remove(&id);
+        })
     })
 }
 

@@ -6,9 +6,11 @@ use super::{fail, NResult, INVALID_ARGUMENT, INVALID_USAGE, IN_PROGRESS, SUCCESS
 use crate::completion::Completion;
 use crate::context::Context;
 use crate::handles::{self, lock, Registry};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::ThreadId;
+use std::time::Duration;
 
 pub const UNIQUE_ID_BYTES: usize = 128;
 
@@ -22,6 +24,13 @@ pub struct Clique {
     pub pairs: Mutex<HashMap<(i32, i32), super::ops::Pair>>,
     /// Collectives by sequence number.
     pub collectives: Mutex<HashMap<u64, super::ops::CollectiveSlot>>,
+    /// The exclusion list each shrink of this clique was called with (by the shrink's number
+    /// on the calling rank), and the first rank that passed it: every survivor must pass the
+    /// same one.
+    pub shrinks: Mutex<HashMap<u64, (Vec<i32>, i32)>>,
+    /// The grow identifier `ncclCommGetUniqueId` made and no grow has consumed yet.
+    pub grow_id: Mutex<Option<[u8; UNIQUE_ID_BYTES]>>,
+    pub grow_ready: Condvar,
 }
 
 impl Clique {
@@ -60,6 +69,21 @@ pub struct Status {
     pub async_error: i32,
     pub finalized: bool,
     pub aborted: bool,
+    /// `ncclCommRevoke` was called: only destroy, abort and shrink are allowed now.
+    pub revoked: bool,
+}
+
+/// Faults injected into one rank's communicator (`ncclreshardEmu*` controls in `faults.rs`).
+#[derive(Default)]
+pub struct CommFaults {
+    /// The rank's process has stopped once this many of its operations were issued: its later
+    /// operations never become active (a crash in the middle of a group).
+    pub stop_after: Option<u64>,
+    /// Each operation becomes active only this long after its stream reaches it (a slow rank).
+    pub delay: Duration,
+    /// Peers whose link to this rank is broken: transfers with them never complete and set
+    /// the communicator's asynchronous error to ncclRemoteError.
+    pub broken: HashSet<i32>,
 }
 
 /// One rank's communicator.
@@ -81,6 +105,11 @@ pub struct Comm {
     pub collective_seq: Mutex<u64>,
     /// Completions of issued operations (ncclCommDestroy/Finalize wait for them).
     pub outstanding: Mutex<Vec<Arc<Completion>>>,
+    /// Operations issued so far (for `CommFaults::stop_after`).
+    pub issued: AtomicU64,
+    /// Shrinks this rank has called on the communicator so far.
+    pub shrinks: Mutex<u64>,
+    pub faults: Mutex<CommFaults>,
 }
 
 impl Comm {
@@ -111,6 +140,11 @@ impl Comm {
             "comm {:#x} (rank {} of {}, device {})",
             self.handle, self.rank, self.nranks, self.device
         )
+    }
+
+    /// Whether an operation issued on this communicator has not completed.
+    pub fn has_outstanding(&self) -> bool {
+        lock(&self.outstanding).iter().any(|c| !c.is_done())
     }
 
     /// Waits for every operation issued on this communicator.
@@ -161,6 +195,25 @@ pub fn new_unique_id() -> [u8; UNIQUE_ID_BYTES] {
     id
 }
 
+/// A clique id made from another (a shrink of a clique, by its number and exclusion list):
+/// the same on every rank that derives it from the same inputs, and unlike any other id.
+pub fn derived_id(parent: &[u8; UNIQUE_ID_BYTES], seq: u64, list: &[i32]) -> [u8; UNIQUE_ID_BYTES] {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |x: u64| {
+        h ^= x;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    };
+    parent.iter().for_each(|&b| eat(u64::from(b)));
+    eat(seq);
+    list.iter().for_each(|&r| eat(r as u64));
+    let mut id = [0u8; UNIQUE_ID_BYTES];
+    id[..8].copy_from_slice(b"EMUNCCL\0");
+    id[8..16].copy_from_slice(&h.to_le_bytes());
+    id[16..24].copy_from_slice(b"shrunk\0\0");
+    id[24..32].copy_from_slice(&seq.to_le_bytes());
+    id
+}
+
 /// Adds rank `rank` on `device` to the clique of `id` (created by its first rank), without
 /// waiting for the others. The communicator is in progress until the clique is complete.
 pub fn join(
@@ -200,6 +253,9 @@ pub fn join(
                 joined: Condvar::new(),
                 pairs: Mutex::new(HashMap::new()),
                 collectives: Mutex::new(HashMap::new()),
+                shrinks: Mutex::new(HashMap::new()),
+                grow_id: Mutex::new(None),
+                grow_ready: Condvar::new(),
             })
         })
         .clone();
@@ -224,12 +280,16 @@ pub fn join(
             async_error: IN_PROGRESS,
             finalized: false,
             aborted: false,
+            revoked: false,
         }),
         owner: Mutex::new(None),
         send_seq: Mutex::new(HashMap::new()),
         recv_seq: Mutex::new(HashMap::new()),
         collective_seq: Mutex::new(0),
         outstanding: Mutex::new(Vec::new()),
+        issued: AtomicU64::new(0),
+        shrinks: Mutex::new(0),
+        faults: Mutex::new(CommFaults::default()),
     });
     {
         let mut members = lock(&clique.members);

@@ -66,6 +66,20 @@ fn claim(comm: &Comm, api: &str) {
 
 /// Posts an operation: collected when a group is open, else issued at once.
 pub fn post(comm: &Arc<Comm>, kind: OpKind, stream: usize) -> NResult<i32> {
+    if lock(&comm.status).revoked {
+        let message = format!(
+            "{} on {}: the communicator was revoked (ncclCommRevoke); NCCL returns ncclInvalidUsage for new operations on it and allows only ncclCommDestroy, ncclCommAbort, ncclCommSplit and ncclCommShrink",
+            kind.name(),
+            comm.describe()
+        );
+        return Err(diag::strict(
+            message.clone(),
+            super::NcclError {
+                result: INVALID_USAGE,
+                message,
+            },
+        ));
+    }
     comm.ensure_ready()?;
     claim(comm, kind.name());
     let posted = Posted {
@@ -151,6 +165,18 @@ fn stream_of(p: &Posted) -> NResult<Arc<Stream>> {
 /// capture when the stream is being captured). With a non-blocking communicator involved the
 /// issue happens on a helper thread and the call returns ncclInProgress.
 fn launch(posted: Vec<Posted>, inits: Vec<Arc<Comm>>) -> NResult<i32> {
+    // Revoked (by another thread) after its operations were posted in this group and before
+    // the group's end: NCCL refuses to launch them.
+    if let Some(p) = posted.iter().find(|p| lock(&p.comm.status).revoked) {
+        return fail(
+            INVALID_USAGE,
+            format!(
+                "{} on {}: the communicator was revoked before the group was issued",
+                p.kind.name(),
+                p.comm.describe()
+            ),
+        );
+    }
     let mut streams: Vec<(Arc<Stream>, Vec<Posted>)> = Vec::new();
     for p in posted {
         let s = stream_of(&p)?;

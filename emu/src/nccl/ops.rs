@@ -127,6 +127,8 @@ pub struct Op {
     pub seq: u64,
     /// Issue number across the process (reports).
     pub order: u64,
+    /// Issue number on its communicator, from 0 (for injected stops).
+    pub index: u64,
     pub stream: String,
     pub active: AtomicBool,
     pub done: Arc<Completion>,
@@ -220,6 +222,7 @@ pub fn issue(p: &Posted, stream: &Stream) -> Arc<Op> {
         kind: p.kind.clone(),
         seq,
         order: ORDER.fetch_add(1, Ordering::Relaxed),
+        index: comm.issued.fetch_add(1, Ordering::Relaxed),
         stream: stream.name(),
         active: AtomicBool::new(false),
         done: Arc::new(Completion::new()),
@@ -260,7 +263,42 @@ pub fn issue_template(t: &Template, stream: &Stream) -> Arc<StreamOp> {
     })
 }
 
+/// Whether the link between the op's rank and its peer is broken (on either side).
+fn link_broken(op: &Op) -> bool {
+    let Some(peer) = op.kind.peer() else {
+        return false;
+    };
+    lock(&op.comm.faults).broken.contains(&peer)
+        || op
+            .comm
+            .clique
+            .member(peer)
+            .is_some_and(|p| lock(&p.faults).broken.contains(&op.comm.rank))
+}
+
 fn activate(op: &Arc<Op>) {
+    // Abandoned (revoked or aborted) before its stream reached it: nothing to match.
+    if op.done.is_done() {
+        return;
+    }
+    let (stopped, delay) = {
+        let f = lock(&op.comm.faults);
+        (f.stop_after.is_some_and(|n| op.index >= n), f.delay)
+    };
+    // A stopped rank's operation never becomes active, as if its process were gone; a slow
+    // rank's becomes active late.
+    if stopped {
+        return;
+    }
+    if !delay.is_zero() {
+        std::thread::sleep(delay);
+    }
+    if link_broken(op) {
+        // NCCL: an operation that hit a network error "will usually not progress and never
+        // complete"; the communicator reports the error asynchronously.
+        op.comm.set_async(super::REMOTE_ERROR);
+        return;
+    }
     op.active.store(true, Ordering::Release);
     crate::completion::progress();
     match op.kind {
@@ -495,8 +533,9 @@ fn run_collective(ops: &[Arc<Op>]) {
     }
 }
 
-/// Abandons a communicator's unmatched operations (ncclCommAbort): they complete without
-/// moving data.
+/// Abandons a communicator's unfinished operations (ncclCommAbort, ncclCommRevoke,
+/// NCCL_SHRINK_ABORT): they complete without moving data, so the streams waiting for them go
+/// on; their peers' operations stay pending.
 pub fn abandon(comm: &Comm) {
     let mut pairs = lock(&comm.clique.pairs);
     for pair in pairs.values_mut() {
@@ -516,6 +555,14 @@ pub fn abandon(comm: &Comm) {
     for slot in slots.values_mut() {
         if let Some(op) = slot.parts[comm.rank as usize].take() {
             op.done.complete();
+        }
+    }
+    drop(slots);
+    // Operations not matchable yet (a stopped or broken one, a collective its stream has not
+    // reached) end too.
+    for done in lock(&comm.outstanding).iter() {
+        if !done.is_done() {
+            done.complete();
         }
     }
 }
