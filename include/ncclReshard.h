@@ -28,6 +28,10 @@
  *  default, or refuses a field that has none. */
 #define NCCL_RESHARD_UNDEF_INT (-2147483647 - 1)
 
+/** A mesh position whose rank is gone (ncclReshardLayout_t.ranks): its shard is held only by
+ *  replicas elsewhere in the mesh, if any. */
+#define NCCL_RESHARD_RANK_NONE (-1)
+
 /** Initialisers: start every struct from one, so that size, version and magic are set and
  *  tunables are left to the library's defaults. */
 #define NCCL_RESHARD_LAYOUT_INITIALIZER { \
@@ -76,7 +80,10 @@
   0,                            /* splitMinBytes: the library's default (1 MiB)            */ \
   0,                            /* maxStagingBytes: NCCL_RESHARD_STAGING_BYTES, else 8 GiB */ \
   NCCL_RESHARD_UNDEF_INT,       /* rounds: chosen from the tensors                         */ \
-  NCCL_RESHARD_UNDEF_INT        /* relay: on                                               */ \
+  NCCL_RESHARD_UNDEF_INT,       /* relay: on                                               */ \
+  NCCL_RESHARD_UNDEF_INT,       /* timeoutMs: NCCL_RESHARD_TIMEOUT_MS, else no deadline    */ \
+  NULL,                         /* failedRanks: none                                       */ \
+  0                             /* failedRankCount                                         */ \
 }
 #define NCCL_RESHARD_PLAN_INFO_INITIALIZER { \
   sizeof(ncclReshardPlanInfo_t),  /* size                                */ \
@@ -340,7 +347,9 @@ typedef struct {
   int64_t meshShape[NCCL_RESHARD_MAX_DIMS];
   /**
    * NULL, or one communicator rank per mesh position (the product of `meshShape` entries,
-   * row-major, last axis fastest): non-negative, no duplicates, any order.
+   * row-major, last axis fastest): non-negative, no duplicates, any order, or
+   * `NCCL_RESHARD_RANK_NONE` for a position whose rank is gone (its shard is then held only
+   * by replicas elsewhere, if any). Holes since 0.5.
    */
   const int *ranks;
   /**
@@ -586,6 +595,28 @@ typedef struct {
    * replica from a source rank. `NCCL_RESHARD_UNDEF_INT`: 1. Since 0.2.
    */
   int relay;
+  /**
+   * The deadline of each call of the plan, in milliseconds: a call whose work has not
+   * completed by then (counted from when its stream reaches it) revokes the communicator so
+   * that nothing waits longer, and reports the failure through `ncclReshardCommGetStatus`
+   * and `ncclReshardCommWait` (docs/resilience.md). 0: no deadline; negative values are
+   * refused; `NCCL_RESHARD_UNDEF_INT`: `NCCL_RESHARD_TIMEOUT_MS`, else no deadline. Not
+   * part of the plan's fingerprint. Since 0.5.
+   */
+  int timeoutMs;
+  /**
+   * NULL, or `failedRankCount` ranks (of the communicator the descriptors number ranks in)
+   * that are gone: the plan is then the survivors' plan, with ranks renumbered as
+   * `ncclCommShrink` renumbers them (each survivor's rank less the failed ranks below it),
+   * failed destination ranks receiving nothing and failed sources' data taken from a
+   * surviving replica; `rank` is this rank's rank among the survivors. Every survivor must
+   * pass the same list. Read during `ncclReshardPlanCreate`. Since 0.5.
+   */
+  const int *failedRanks;
+  /**
+   * Entries in `failedRanks` (non-negative); ignored when `failedRanks` is NULL. Since 0.5.
+   */
+  int failedRankCount;
 } ncclReshardConfig_t;
 
 /**
@@ -973,6 +1004,95 @@ ncclResult_t ncclReshardMulti(const void *const *sendbuffs,
                               ncclReshardPlan_t plan,
                               ncclComm_t comm,
                               cudaStream_t stream);
+
+/**
+ * The outcome of this rank's calls with a deadline (`config.timeoutMs`,
+ * `NCCL_RESHARD_TIMEOUT_MS`) on `comm`: `*status` receives `ncclSuccess` once none is running
+ * and none failed, `ncclInProgress` while one is still running (within its deadline), or the
+ * failure, `ncclRemoteError`: a call missed its deadline (a peer died, stalled or never
+ * called) or NCCL reported an asynchronous error, and the library revoked `comm` so that every
+ * operation pending on it ended; `ncclReshardGetLastError()` then says which call, what had
+ * not completed (a round and its peers), and what to do next (shrink `comm` with
+ * `ncclReshardCommShrink`, create the survivors' plan with `config.failedRanks`, call again).
+ * The failure stays until `comm` is shrunk through `ncclReshardCommShrink`. Calls without a
+ * deadline are not counted.
+ *
+ * Thread-safe; host-only, never waits. Errors: `ncclInvalidArgument` (NULL).
+ */
+ncclResult_t ncclReshardCommGetStatus(ncclComm_t comm, ncclResult_t *status);
+
+/**
+ * Waits until none of this rank's calls with a deadline on `comm` is running, and returns
+ * their outcome as `ncclReshardCommGetStatus` gives it: `ncclSuccess`, or the failure
+ * (`ncclRemoteError`, detail in `ncclReshardGetLastError()`). A call ends by its deadline
+ * (counted from when its stream reaches it) plus the watchdog's few milliseconds and the
+ * revoke, so this wait is bounded once every stream has reached the calls. Does not wait for
+ * streams otherwise: synchronize them as usual.
+ *
+ * Thread-safe; host-only. Errors: `ncclInvalidArgument` (NULL), `ncclRemoteError`.
+ */
+ncclResult_t ncclReshardCommWait(ncclComm_t comm);
+
+/**
+ * Revokes `comm` now, for an application that learned otherwise that a rank is gone: every
+ * operation pending on it ends (`ncclCommRevoke`), this rank's running calls with a deadline
+ * fail, and nothing more may be posted on it (calls of any plan on it are refused with
+ * `ncclInvalidUsage`): shrink it with `ncclReshardCommShrink`. With an NCCL older than 2.28.7
+ * (no `ncclCommRevoke`), `comm` is aborted (`ncclCommAbort`) instead: it is gone, do not
+ * destroy it.
+ *
+ * Thread-safe (may run beside a call on `comm` in another thread); host-only. Errors:
+ * `ncclInvalidArgument` (NULL), `ncclSystemError` (no NCCL).
+ */
+ncclResult_t ncclReshardCommRevoke(ncclComm_t comm);
+
+/**
+ * `ncclCommShrink` of the NCCL the library uses (2.27.3 or newer): the survivors (and only
+ * they) call it with the same `excludeRanksList` (the failed ranks, of `comm`) and get
+ * `*newcomm`, on which each keeps its order (its rank less the excluded ranks below it).
+ * `config` may be NULL (the parent's configuration). `shrinkFlags` is `NCCL_SHRINK_DEFAULT`
+ * (0: `comm` must have nothing pending) or `NCCL_SHRINK_ABORT` (1: after a failure); a `comm`
+ * the library revoked is always shrunk with `NCCL_SHRINK_ABORT`. Returns once the new
+ * communicator is ready (also for a non-blocking one), after which the library forgets `comm`'s
+ * failure; destroy `comm` with `ncclCommDestroy`. The survivors' plan is created with
+ * `config.failedRanks` (the same list).
+ *
+ * Host-only. Errors: `ncclInvalidArgument` (NULL, a count below 0), `ncclInvalidUsage` (the
+ * NCCL has no `ncclCommShrink`, naming the version needed; `comm` was aborted), and NCCL's
+ * own codes, with nothing written.
+ */
+ncclResult_t ncclReshardCommShrink(ncclComm_t comm,
+                                   const int *excludeRanksList,
+                                   int excludeRanksCount,
+                                   ncclComm_t *newcomm,
+                                   ncclConfig_t *config,
+                                   int shrinkFlags);
+
+/**
+ * `ncclCommGetUniqueId` of the NCCL the library uses (2.29.2 or newer): the coordinator of a
+ * grow (one existing rank) gets the identifier it hands to the new ranks.
+ *
+ * Host-only. Errors: `ncclInvalidArgument` (NULL), `ncclInvalidUsage` (the NCCL has no
+ * `ncclCommGrow`, naming the version needed), NCCL's own codes.
+ */
+ncclResult_t ncclReshardCommGetUniqueId(ncclComm_t comm, ncclUniqueId *uniqueId);
+
+/**
+ * `ncclCommGrow` of the NCCL the library uses (2.29.2 or newer): existing ranks pass their
+ * `comm`, `rank` -1 and (the coordinator only, else NULL) `uniqueId`; new ranks pass `comm`
+ * NULL, the coordinator's `uniqueId` and their rank (from the parent's size to `nRanks` - 1).
+ * Returns once `*newcomm` is ready; destroy the parent afterwards. A plan for the grown
+ * communicator names the new ranks in its layouts (they come after the old ones).
+ *
+ * Host-only. Errors: `ncclInvalidArgument` (NULL `newcomm`), `ncclInvalidUsage` (the NCCL
+ * has no `ncclCommGrow`, naming the version needed), NCCL's own codes.
+ */
+ncclResult_t ncclReshardCommGrow(ncclComm_t comm,
+                                 int nRanks,
+                                 const ncclUniqueId *uniqueId,
+                                 int rank,
+                                 ncclComm_t *newcomm,
+                                 ncclConfig_t *config);
 
 /**
  * Fills `*info` with what the plan does on its rank. Set `info->size` first (use

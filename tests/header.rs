@@ -7,8 +7,8 @@
 
 use ncclreshard::ffi::{
     InitializerField, CONFIG_INITIALIZER, LAYOUT_INITIALIZER, NCCL_RESHARD_CONFIG_MAGIC,
-    NCCL_RESHARD_UNDEF_INT, PLAN_INFO_INITIALIZER, QUANT_INITIALIZER, TENSOR_INITIALIZER,
-    TRANSFER_INITIALIZER,
+    NCCL_RESHARD_RANK_NONE, NCCL_RESHARD_UNDEF_INT, PLAN_INFO_INITIALIZER, QUANT_INITIALIZER,
+    TENSOR_INITIALIZER, TRANSFER_INITIALIZER,
 };
 use std::path::Path;
 
@@ -89,10 +89,15 @@ fn trailer() -> String {
  *  default, or refuses a field that has none. */
 #define NCCL_RESHARD_UNDEF_INT ({} - 1)
 
+/** A mesh position whose rank is gone (ncclReshardLayout_t.ranks): its shard is held only by
+ *  replicas elsewhere in the mesh, if any. */
+#define NCCL_RESHARD_RANK_NONE ({})
+
 /** Initialisers: start every struct from one, so that size, version and magic are set and
  *  tunables are left to the library's defaults. */
 "#,
-        NCCL_RESHARD_UNDEF_INT + 1
+        NCCL_RESHARD_UNDEF_INT + 1,
+        NCCL_RESHARD_RANK_NONE
     );
     for (name, _, fields) in INITIALIZERS {
         text.push_str(&initializer(name, fields));

@@ -216,6 +216,9 @@ fn config_initializer() -> ncclReshardConfig_t {
         maxStagingBytes: 0,
         rounds: NCCL_RESHARD_UNDEF_INT,
         relay: NCCL_RESHARD_UNDEF_INT,
+        timeoutMs: NCCL_RESHARD_UNDEF_INT,
+        failedRanks: std::ptr::null(),
+        failedRankCount: 0,
     }
 }
 

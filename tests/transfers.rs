@@ -122,6 +122,9 @@ impl Descriptors {
             maxStagingBytes: 0,
             rounds: config.rounds as c_int,
             relay: c_int::from(config.relay),
+            timeoutMs: NCCL_RESHARD_UNDEF_INT,
+            failedRanks: std::ptr::null(),
+            failedRankCount: 0,
         };
         Descriptors {
             _ranks: ranks,

@@ -112,6 +112,9 @@ class Config_t(ctypes.Structure):
         ("maxStagingBytes", ctypes.c_size_t),
         ("rounds", ctypes.c_int),
         ("relay", ctypes.c_int),
+        ("timeoutMs", ctypes.c_int),
+        ("failedRanks", ctypes.POINTER(ctypes.c_int)),
+        ("failedRankCount", ctypes.c_int),
     ]
 
 

@@ -317,6 +317,9 @@ class Config:
         c.maxStagingBytes = 0
         c.rounds = self.rounds if self.rounds is not None else _lib.UNDEF_INT
         c.relay = int(self.relay) if self.relay is not None else _lib.UNDEF_INT
+        # The deadline and the failed ranks are per plan (Plan(timeout_ms=..., failed_ranks=...)).
+        c.timeoutMs = _lib.UNDEF_INT
+        c.failedRankCount = 0
         return c, keep
 
 

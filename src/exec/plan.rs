@@ -220,6 +220,36 @@ impl Plan {
         })
     }
 
+    /// [`Plan::new`] for the survivors of a failure: `failed` (ascending) are the ranks that
+    /// are gone, in the numbering of `tensors` and `config`; the plan is for the communicator
+    /// `ncclCommShrink` makes without them, on which `rank` is this survivor's rank (its old
+    /// one less the failed ranks below it). Every survivor passes the same list. A tensor part
+    /// a surviving destination needs that no survivor holds is refused alike on every rank.
+    pub fn survivors(
+        tensors: Vec<PlanTensor>,
+        failed: &[u32],
+        rank: u32,
+        config: Config,
+        staging: StagingLimit,
+        limits: &dyn Limits,
+    ) -> Result<Plan> {
+        let specs: Vec<TensorSpec> = tensors.iter().map(|t| t.spec.clone()).collect();
+        let conversions: Vec<Option<Conversion>> =
+            tensors.iter().map(|t| t.conversion.clone()).collect();
+        let (specs, conversions, config) =
+            crate::plan::survivors(&specs, &conversions, &config, failed)?;
+        let tensors = tensors
+            .into_iter()
+            .zip(specs.into_iter().zip(conversions))
+            .map(|(t, (spec, conversion))| PlanTensor {
+                spec,
+                conversion,
+                ..t
+            })
+            .collect();
+        Plan::new(tensors, rank, config, staging, limits)
+    }
+
     /// The rank this plan is for (its rank in the communicator that runs it).
     pub fn rank(&self) -> u32 {
         self.rank

@@ -33,7 +33,7 @@ pub(crate) fn last_error_ptr() -> *const c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())
 }
 
-fn code(kind: ErrorKind) -> ncclResult_t {
+pub(crate) fn code(kind: ErrorKind) -> ncclResult_t {
     match kind {
         ErrorKind::InvalidArgument => NCCL_INVALID_ARGUMENT,
         ErrorKind::InvalidUsage => NCCL_INVALID_USAGE,

@@ -120,7 +120,8 @@ type BuiltMesh = (Vec<u64>, Option<u32>, Vec<c_int>, Mesh);
 const RECENT_MESHES: usize = 4;
 
 impl Meshes {
-    /// The mesh of `shape` over `ranks` (whose entries are non-negative): `Mesh::new` or
+    /// The mesh of `shape` over `ranks` (whose entries are non-negative or
+    /// `NCCL_RESHARD_RANK_NONE`): `Mesh::new` or
     /// `Mesh::contiguous` the first time, the same mesh after.
     pub(crate) fn get(&mut self, shape: Vec<u64>, ranks: MeshRanks) -> Result<Mesh> {
         let (first, table): (Option<u32>, &[c_int]) = match ranks {
@@ -143,9 +144,19 @@ impl Meshes {
                     None => {
                         let mesh = match first {
                             Some(first) => Mesh::contiguous(shape.clone(), first),
-                            None => {
-                                Mesh::new(shape.clone(), table.iter().map(|&r| r as u32).collect())
-                            }
+                            None => Mesh::new(
+                                shape.clone(),
+                                table
+                                    .iter()
+                                    .map(|&r| {
+                                        if r == NCCL_RESHARD_RANK_NONE {
+                                            Mesh::HOLE
+                                        } else {
+                                            r as u32
+                                        }
+                                    })
+                                    .collect(),
+                            ),
                         }?;
                         candidates.push(self.built.len());
                         self.built.push((shape, first, table.to_vec(), mesh));
@@ -215,8 +226,14 @@ pub(crate) unsafe fn layout(
         }
         // SAFETY: the caller's rank table has one entry per mesh position.
         let table = unsafe { array(c.ranks, n as usize, format_args!("{field}->ranks")) }?;
-        if let Some(i) = table.iter().position(|&r| r < 0) {
-            rank(table[i], format_args!("{field}->ranks[{i}]"))?;
+        if let Some(i) = table
+            .iter()
+            .position(|&r| r < 0 && r != NCCL_RESHARD_RANK_NONE)
+        {
+            return Err(Error::invalid_argument(format!(
+                "{field}->ranks[{i}] is {}; ranks are non-negative, or NCCL_RESHARD_RANK_NONE (-1) for a position whose rank is gone",
+                table[i]
+            )));
         }
         meshes.get(shape, MeshRanks::Table(table))
     }
@@ -481,15 +498,26 @@ pub(crate) unsafe fn tensors(
     Ok(out)
 }
 
-/// Converts the optional config (NULL → defaults); also returns `maxStagingBytes` (0 = the
-/// executor's default), which bounds execution, not the plan.
+/// What a config says besides the planner's `Config`.
+#[derive(Default)]
+pub(crate) struct CallConfig {
+    /// `maxStagingBytes` (0: `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB).
+    pub max_staging_bytes: u64,
+    /// `timeoutMs` (`None`: unset, `NCCL_RESHARD_TIMEOUT_MS` decides; 0: no deadline).
+    pub timeout_ms: Option<u64>,
+    /// `failedRanks`, ascending (the survivors' plan when not empty).
+    pub failed_ranks: Vec<u32>,
+}
+
+/// Converts the optional config (NULL → defaults): the planner's config and what bounds or
+/// guards the plan's execution.
 ///
 /// # Safety
 /// `config` must be NULL or point to a config whose `nodeOfRank` is NULL or holds
-/// `nodeOfRankCount` entries.
-pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Config, u64)> {
+/// `nodeOfRankCount` entries, and whose `failedRanks` is NULL or holds `failedRankCount`.
+pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Config, CallConfig)> {
     if config.is_null() {
-        return Ok((Config::default(), 0));
+        return Ok((Config::default(), CallConfig::default()));
     }
     // Fields an older header's struct lacks are unset.
     let defaults = ncclReshardConfig_t {
@@ -504,6 +532,9 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
         maxStagingBytes: 0,
         rounds: NCCL_RESHARD_UNDEF_INT,
         relay: NCCL_RESHARD_UNDEF_INT,
+        timeoutMs: NCCL_RESHARD_UNDEF_INT,
+        failedRanks: std::ptr::null(),
+        failedRankCount: 0,
     };
     // SAFETY: forwarded contract.
     let c = unsafe { read_versioned(config, CONFIG_MIN_SIZE, defaults, "config") }?;
@@ -577,6 +608,36 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
             )))
         }
     };
+    let timeout_ms = match c.timeoutMs {
+        NCCL_RESHARD_UNDEF_INT => None,
+        ms => Some(u64::try_from(ms).map_err(|_| {
+            Error::invalid_argument(format!(
+                "config.timeoutMs is {ms}; use 0 (no deadline) or a positive number of milliseconds"
+            ))
+        })?),
+    };
+    let failed_ranks = if c.failedRanks.is_null() {
+        Vec::new()
+    } else {
+        let n = usize::try_from(c.failedRankCount).map_err(|_| {
+            Error::invalid_argument(format!("config.failedRankCount is {}", c.failedRankCount))
+        })?;
+        // SAFETY: failedRanks holds failedRankCount entries.
+        let table = unsafe { array(c.failedRanks, n, "config.failedRanks") }?;
+        let mut ranks = table
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| rank(v, format_args!("config.failedRanks[{i}]")))
+            .collect::<Result<Vec<u32>>>()?;
+        ranks.sort_unstable();
+        if let Some(w) = ranks.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::invalid_argument(format!(
+                "config.failedRanks names rank {} twice",
+                w[0]
+            )));
+        }
+        ranks
+    };
     Ok((
         Config {
             mode,
@@ -586,7 +647,11 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
             rounds,
             relay,
         },
-        c.maxStagingBytes as u64,
+        CallConfig {
+            max_staging_bytes: c.maxStagingBytes as u64,
+            timeout_ms,
+            failed_ranks,
+        },
     ))
 }
 
@@ -635,7 +700,7 @@ mod tests {
         let ok = tensor(&good, &good);
         assert_eq!(
             error(&[ok, tensor(&good, &bad_rank)]),
-            "tensors[1].dst->ranks[1] is -3; ranks are non-negative"
+            "tensors[1].dst->ranks[1] is -3; ranks are non-negative, or NCCL_RESHARD_RANK_NONE (-1) for a position whose rank is gone"
         );
         assert!(error(&[tensor(&bad_kind, &good)])
             .starts_with("tensors[0].src->placements[0].kind is 7; use ncclReshardReplicate"));

@@ -46,6 +46,9 @@ const fn parse_version(text: &str) -> c_int {
     value
 }
 
+/// `ncclInProgress`.
+const NCCL_IN_PROGRESS: ncclResult_t = 7;
+
 /// An opaque reshard plan: created once per rank by `ncclReshardPlanCreate`, immutable after,
 /// destroyed by `ncclReshardPlanDestroy`. The core's plan and the NCCL transport that runs it.
 pub struct ncclReshardPlan {
@@ -94,10 +97,21 @@ pub unsafe extern "C" fn ncclReshardPlanCreate(
         })?;
         // SAFETY: the caller passes ntensors valid descriptors and a NULL or valid config.
         let tensors = unsafe { decode::tensors(tensors, ntensors) }?;
-        let (config, max_staging_bytes) = unsafe { decode::config(config) }?;
-        let staging = StagingLimit::new(max_staging_bytes);
-        let core = Plan::new(tensors, rank, config, staging, NcclTransport::LIMITS)?;
-        let nccl = NcclTransport::for_plan(&core);
+        let (config, call) = unsafe { decode::config(config) }?;
+        let staging = StagingLimit::new(call.max_staging_bytes);
+        let core = if call.failed_ranks.is_empty() {
+            Plan::new(tensors, rank, config, staging, NcclTransport::LIMITS)?
+        } else {
+            Plan::survivors(
+                tensors,
+                &call.failed_ranks,
+                rank,
+                config,
+                staging,
+                NcclTransport::LIMITS,
+            )?
+        };
+        let nccl = NcclTransport::for_plan(&core).with_deadline(call.timeout_ms);
         let handle = Box::into_raw(Box::new(ncclReshardPlan { plan: core, nccl }));
         // SAFETY: plan is non-NULL and writable per the contract.
         unsafe { plan.write(handle) };
@@ -205,6 +219,193 @@ pub unsafe extern "C" fn ncclReshardMulti(
         let recv = pointers(recvbuffs.cast(), plan.ndestinations(), "recvbuffs")?;
         let buffers = plan.views().per_tensor(send, recv)?;
         handle.nccl.execute(&buffers, comm, stream)
+    })
+}
+
+/// The outcome of this rank's calls with a deadline (`config.timeoutMs`,
+/// `NCCL_RESHARD_TIMEOUT_MS`) on `comm`: `*status` receives `ncclSuccess` once none is running
+/// and none failed, `ncclInProgress` while one is still running (within its deadline), or the
+/// failure, `ncclRemoteError`: a call missed its deadline (a peer died, stalled or never
+/// called) or NCCL reported an asynchronous error, and the library revoked `comm` so that every
+/// operation pending on it ended; `ncclReshardGetLastError()` then says which call, what had
+/// not completed (a round and its peers), and what to do next (shrink `comm` with
+/// `ncclReshardCommShrink`, create the survivors' plan with `config.failedRanks`, call again).
+/// The failure stays until `comm` is shrunk through `ncclReshardCommShrink`. Calls without a
+/// deadline are not counted.
+///
+/// Thread-safe; host-only, never waits. Errors: `ncclInvalidArgument` (NULL).
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardCommGetStatus(
+    comm: ncclComm_t,
+    status: *mut ncclResult_t,
+) -> ncclResult_t {
+    boundary("ncclReshardCommGetStatus", || {
+        if comm.is_null() {
+            return Err(Error::invalid_argument("comm is NULL"));
+        }
+        if status.is_null() {
+            return Err(Error::invalid_argument("status is NULL"));
+        }
+        let outcome = match crate::transport::nccl::comm_status(comm) {
+            Ok(true) => ncclResult_t::from(0),
+            Ok(false) => NCCL_IN_PROGRESS,
+            Err(e) => {
+                let code = boundary::code(e.kind);
+                boundary::set_last_error(&e.message);
+                code
+            }
+        };
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { status.write(outcome) };
+        Ok(())
+    })
+}
+
+/// Waits until none of this rank's calls with a deadline on `comm` is running, and returns
+/// their outcome as `ncclReshardCommGetStatus` gives it: `ncclSuccess`, or the failure
+/// (`ncclRemoteError`, detail in `ncclReshardGetLastError()`). A call ends by its deadline
+/// (counted from when its stream reaches it) plus the watchdog's few milliseconds and the
+/// revoke, so this wait is bounded once every stream has reached the calls. Does not wait for
+/// streams otherwise: synchronize them as usual.
+///
+/// Thread-safe; host-only. Errors: `ncclInvalidArgument` (NULL), `ncclRemoteError`.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardCommWait(comm: ncclComm_t) -> ncclResult_t {
+    boundary("ncclReshardCommWait", || {
+        if comm.is_null() {
+            return Err(Error::invalid_argument("comm is NULL"));
+        }
+        crate::transport::nccl::comm_wait(comm)
+    })
+}
+
+/// Revokes `comm` now, for an application that learned otherwise that a rank is gone: every
+/// operation pending on it ends (`ncclCommRevoke`), this rank's running calls with a deadline
+/// fail, and nothing more may be posted on it (calls of any plan on it are refused with
+/// `ncclInvalidUsage`): shrink it with `ncclReshardCommShrink`. With an NCCL older than 2.28.7
+/// (no `ncclCommRevoke`), `comm` is aborted (`ncclCommAbort`) instead: it is gone, do not
+/// destroy it.
+///
+/// Thread-safe (may run beside a call on `comm` in another thread); host-only. Errors:
+/// `ncclInvalidArgument` (NULL), `ncclSystemError` (no NCCL).
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardCommRevoke(comm: ncclComm_t) -> ncclResult_t {
+    boundary("ncclReshardCommRevoke", || unsafe {
+        crate::transport::nccl::comm_revoke(comm)
+    })
+}
+
+/// `ncclCommShrink` of the NCCL the library uses (2.27.3 or newer): the survivors (and only
+/// they) call it with the same `excludeRanksList` (the failed ranks, of `comm`) and get
+/// `*newcomm`, on which each keeps its order (its rank less the excluded ranks below it).
+/// `config` may be NULL (the parent's configuration). `shrinkFlags` is `NCCL_SHRINK_DEFAULT`
+/// (0: `comm` must have nothing pending) or `NCCL_SHRINK_ABORT` (1: after a failure); a `comm`
+/// the library revoked is always shrunk with `NCCL_SHRINK_ABORT`. Returns once the new
+/// communicator is ready (also for a non-blocking one), after which the library forgets `comm`'s
+/// failure; destroy `comm` with `ncclCommDestroy`. The survivors' plan is created with
+/// `config.failedRanks` (the same list).
+///
+/// Host-only. Errors: `ncclInvalidArgument` (NULL, a count below 0), `ncclInvalidUsage` (the
+/// NCCL has no `ncclCommShrink`, naming the version needed; `comm` was aborted), and NCCL's
+/// own codes, with nothing written.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardCommShrink(
+    comm: ncclComm_t,
+    excludeRanksList: *const c_int,
+    excludeRanksCount: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ncclConfig_t,
+    shrinkFlags: c_int,
+) -> ncclResult_t {
+    boundary("ncclReshardCommShrink", || {
+        if newcomm.is_null() {
+            return Err(Error::invalid_argument("newcomm is NULL"));
+        }
+        let count = decode::count(excludeRanksCount, i32::MAX as usize, "excludeRanksCount")?;
+        let list: &[c_int] = if count == 0 {
+            &[]
+        } else {
+            // SAFETY: the list holds excludeRanksCount ranks (the API contract).
+            unsafe { array(excludeRanksList, count, "excludeRanksList") }?
+        };
+        if !(0..=1).contains(&shrinkFlags) {
+            return Err(Error::invalid_argument(format!(
+                "shrinkFlags is {shrinkFlags}; use NCCL_SHRINK_DEFAULT (0) or NCCL_SHRINK_ABORT (1)"
+            )));
+        }
+        // SAFETY: forwarded contract.
+        let made =
+            unsafe { crate::transport::nccl::comm_shrink(comm, list, config, shrinkFlags == 1) }?;
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { newcomm.write(made) };
+        Ok(())
+    })
+}
+
+/// `ncclCommGetUniqueId` of the NCCL the library uses (2.29.2 or newer): the coordinator of a
+/// grow (one existing rank) gets the identifier it hands to the new ranks.
+///
+/// Host-only. Errors: `ncclInvalidArgument` (NULL), `ncclInvalidUsage` (the NCCL has no
+/// `ncclCommGrow`, naming the version needed), NCCL's own codes.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardCommGetUniqueId(
+    comm: ncclComm_t,
+    uniqueId: *mut ncclUniqueId,
+) -> ncclResult_t {
+    boundary("ncclReshardCommGetUniqueId", || {
+        if uniqueId.is_null() {
+            return Err(Error::invalid_argument("uniqueId is NULL"));
+        }
+        // SAFETY: forwarded contract.
+        let id = unsafe { crate::transport::nccl::comm_get_unique_id(comm) }?;
+        let mut out = ncclUniqueId { internal: [0; 128] };
+        for (o, &b) in out.internal.iter_mut().zip(&id) {
+            *o = b as c_char;
+        }
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { uniqueId.write(out) };
+        Ok(())
+    })
+}
+
+/// `ncclCommGrow` of the NCCL the library uses (2.29.2 or newer): existing ranks pass their
+/// `comm`, `rank` -1 and (the coordinator only, else NULL) `uniqueId`; new ranks pass `comm`
+/// NULL, the coordinator's `uniqueId` and their rank (from the parent's size to `nRanks` - 1).
+/// Returns once `*newcomm` is ready; destroy the parent afterwards. A plan for the grown
+/// communicator names the new ranks in its layouts (they come after the old ones).
+///
+/// Host-only. Errors: `ncclInvalidArgument` (NULL `newcomm`), `ncclInvalidUsage` (the NCCL
+/// has no `ncclCommGrow`, naming the version needed), NCCL's own codes.
+#[no_mangle]
+pub unsafe extern "C" fn ncclReshardCommGrow(
+    comm: ncclComm_t,
+    nRanks: c_int,
+    uniqueId: *const ncclUniqueId,
+    rank: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ncclConfig_t,
+) -> ncclResult_t {
+    boundary("ncclReshardCommGrow", || {
+        if newcomm.is_null() {
+            return Err(Error::invalid_argument("newcomm is NULL"));
+        }
+        let id = if uniqueId.is_null() {
+            None
+        } else {
+            // SAFETY: a non-NULL uniqueId points to one identifier.
+            let id = unsafe { &*uniqueId };
+            let mut bytes = [0u8; 128];
+            for (b, &c) in bytes.iter_mut().zip(&id.internal) {
+                *b = c as u8;
+            }
+            Some(bytes)
+        };
+        // SAFETY: forwarded contract.
+        let made =
+            unsafe { crate::transport::nccl::comm_grow(comm, nRanks, id.as_ref(), rank, config) }?;
+        // SAFETY: non-NULL and writable per the contract.
+        unsafe { newcomm.write(made) };
+        Ok(())
     })
 }
 

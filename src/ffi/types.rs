@@ -23,6 +23,15 @@ pub type ncclDataType_t = c_int;
 pub type ncclComm_t = *mut c_void;
 /// A CUDA stream (`cudaStream_t` from cuda_runtime_api.h).
 pub type cudaStream_t = *mut c_void;
+/// NCCL's communicator configuration (`ncclConfig_t` from nccl.h), passed to NCCL as it is.
+pub type ncclConfig_t = c_void;
+/// NCCL's unique identifier (`ncclUniqueId` from nccl.h).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ncclUniqueId {
+    /// The identifier's bytes.
+    pub internal: [c_char; 128],
+}
 
 /// Most tensor dims and most mesh axes a descriptor can carry.
 pub const NCCL_RESHARD_MAX_DIMS: usize = 8;
@@ -34,6 +43,11 @@ pub const NCCL_RESHARD_CONFIG_MAGIC: c_uint = 0x5245_5348;
 /// default, or refuses a field that has none. Written into the header by tests/header.rs.
 /// cbindgen:ignore
 pub const NCCL_RESHARD_UNDEF_INT: c_int = c_int::MIN;
+
+/// A mesh position whose rank is gone (`ncclReshardLayout_t.ranks`): a survivors' layout.
+/// Written into the header, parenthesised, by tests/header.rs.
+/// cbindgen:ignore
+pub const NCCL_RESHARD_RANK_NONE: c_int = -1;
 
 /// One field of a struct's `NCCL_RESHARD_*_INITIALIZER`: its name, its C initial value and a
 /// comment. tests/header.rs writes each macro from its table, one field per line, and fails
@@ -155,6 +169,13 @@ pub const CONFIG_INITIALIZER: &[InitializerField] = &[
         "rounds: chosen from the tensors",
     ),
     field("relay", "NCCL_RESHARD_UNDEF_INT", "relay: on"),
+    field(
+        "timeoutMs",
+        "NCCL_RESHARD_UNDEF_INT",
+        "timeoutMs: NCCL_RESHARD_TIMEOUT_MS, else no deadline",
+    ),
+    field("failedRanks", "NULL", "failedRanks: none"),
+    field("failedRankCount", "0", "failedRankCount"),
 ];
 
 /// `NCCL_RESHARD_PLAN_INFO_INITIALIZER` (an output: only `size` matters).
@@ -398,7 +419,9 @@ pub struct ncclReshardLayout_t {
     /// in all; later entries are ignored.
     pub meshShape: [i64; NCCL_RESHARD_MAX_DIMS],
     /// NULL, or one communicator rank per mesh position (the product of `meshShape` entries,
-    /// row-major, last axis fastest): non-negative, no duplicates, any order.
+    /// row-major, last axis fastest): non-negative, no duplicates, any order, or
+    /// `NCCL_RESHARD_RANK_NONE` for a position whose rank is gone (its shard is then held only
+    /// by replicas elsewhere, if any). Holes since 0.5.
     pub ranks: *const c_int,
     /// With `ranks` NULL, the mesh's first rank (non-negative): position i holds rank
     /// `firstRank + i`. Ignored when `ranks` is set.
@@ -533,6 +556,22 @@ pub struct ncclReshardConfig_t {
     /// node need across the network once and forwards it within the node, 0 sends it to each
     /// replica from a source rank. `NCCL_RESHARD_UNDEF_INT`: 1. Since 0.2.
     pub relay: c_int,
+    /// The deadline of each call of the plan, in milliseconds: a call whose work has not
+    /// completed by then (counted from when its stream reaches it) revokes the communicator so
+    /// that nothing waits longer, and reports the failure through `ncclReshardCommGetStatus`
+    /// and `ncclReshardCommWait` (docs/resilience.md). 0: no deadline; negative values are
+    /// refused; `NCCL_RESHARD_UNDEF_INT`: `NCCL_RESHARD_TIMEOUT_MS`, else no deadline. Not
+    /// part of the plan's fingerprint. Since 0.5.
+    pub timeoutMs: c_int,
+    /// NULL, or `failedRankCount` ranks (of the communicator the descriptors number ranks in)
+    /// that are gone: the plan is then the survivors' plan, with ranks renumbered as
+    /// `ncclCommShrink` renumbers them (each survivor's rank less the failed ranks below it),
+    /// failed destination ranks receiving nothing and failed sources' data taken from a
+    /// surviving replica; `rank` is this rank's rank among the survivors. Every survivor must
+    /// pass the same list. Read during `ncclReshardPlanCreate`. Since 0.5.
+    pub failedRanks: *const c_int,
+    /// Entries in `failedRanks` (non-negative); ignored when `failedRanks` is NULL. Since 0.5.
+    pub failedRankCount: c_int,
 }
 
 /// What a plan does on its rank (`ncclReshardPlanGetInfo`).

@@ -16,6 +16,8 @@ pub(crate) struct Device {
     pool: OnceLock<MemoryPool>,
     /// Side streams not in use by a call (see [`SideStream`]).
     sides: Mutex<Vec<SideStream>>,
+    /// Events not in use (a call with a deadline marks its stages with them).
+    events: Mutex<Vec<Event>>,
     init: Mutex<()>,
 }
 
@@ -47,6 +49,7 @@ pub(crate) fn device(ordinal: i32) -> Result<Arc<Device>> {
         kernel: OnceLock::new(),
         pool: OnceLock::new(),
         sides: Mutex::new(Vec::new()),
+        events: Mutex::new(Vec::new()),
         init: Mutex::new(()),
     });
     devices.insert(ordinal, device.clone());
@@ -151,6 +154,27 @@ impl Device {
         if let Ok(mut sides) = self.sides.lock() {
             if sides.len() < SIDE_STREAMS_KEPT {
                 sides.push(side);
+            }
+        }
+    }
+
+    /// An event of this device (context current), reused once given back: one whose last
+    /// recorded point has passed.
+    pub fn event(&self) -> Result<Event> {
+        let reused = self.events.lock().ok().and_then(|mut events| events.pop());
+        match reused {
+            Some(event) => Ok(event),
+            None => Event::new(),
+        }
+    }
+
+    /// Keeps events for later calls (at most a few hundred; the rest are destroyed).
+    pub fn give_back_events(&self, done: impl IntoIterator<Item = Event>) {
+        if let Ok(mut events) = self.events.lock() {
+            for event in done {
+                if events.len() < 256 {
+                    events.push(event);
+                }
             }
         }
     }

@@ -11,7 +11,9 @@ pub const MAX_MESH_AXES: usize = 8;
 /// can never make the planner allocate without bound.
 pub const MAX_MESH_RANKS: u64 = 1 << 20;
 
-/// An N-D array of distinct communicator ranks in row-major order (last axis fastest).
+/// An N-D array of distinct communicator ranks in row-major order (last axis fastest). A
+/// position may be a hole ([`Mesh::HOLE`]): its rank is gone (a survivors' plan), so the shard
+/// it would hold is held only by its replicas elsewhere in the mesh, if any.
 ///
 /// Immutable and cheap to clone: clones share one rank table, so the thousands of tensors of
 /// a model that sit on one mesh hold it once. Hashing a mesh costs the same for 8 ranks as for
@@ -25,7 +27,8 @@ pub struct Mesh {
 struct Table {
     shape: Vec<u64>,
     ranks: Vec<u32>,
-    /// `(rank, row-major index)` sorted by rank, for coordinate lookups in O(log n).
+    /// `(rank, row-major index)` sorted by rank, for coordinate lookups in O(log n); holes are
+    /// not in it.
     by_rank: Vec<(u32, u32)>,
     /// A hash of `shape` and `ranks`: equal meshes have equal digests.
     digest: u64,
@@ -72,7 +75,12 @@ fn table_digest(shape: &[u64], ranks: &[u32]) -> u64 {
 }
 
 impl Mesh {
-    /// A mesh over an explicit rank table (any order, any ranks, no duplicates).
+    /// The rank table's entry for a position whose rank is gone (`-1` in the C API, `null` in
+    /// case files).
+    pub const HOLE: u32 = u32::MAX;
+
+    /// A mesh over an explicit rank table (any order, any ranks, no duplicates; holes,
+    /// [`Mesh::HOLE`], allowed anywhere).
     pub fn new(shape: Vec<u64>, ranks: Vec<u32>) -> Result<Mesh> {
         if shape.is_empty() || shape.len() > MAX_MESH_AXES {
             return Err(Error::invalid_argument(format!(
@@ -106,6 +114,7 @@ impl Mesh {
         let mut by_rank: Vec<(u32, u32)> = ranks
             .iter()
             .enumerate()
+            .filter(|&(_, &r)| r != Mesh::HOLE)
             .map(|(i, &r)| (r, i as u32))
             .collect();
         by_rank.sort_unstable();
@@ -164,9 +173,23 @@ impl Mesh {
         self.table.shape.len()
     }
 
-    /// Ranks in row-major order.
+    /// The rank table in row-major order, holes ([`Mesh::HOLE`]) included.
     pub fn ranks(&self) -> &[u32] {
         &self.table.ranks
+    }
+
+    /// The ranks that are there (not holes), in row-major order.
+    pub fn live_ranks(&self) -> impl Iterator<Item = u32> + '_ {
+        self.table
+            .ranks
+            .iter()
+            .copied()
+            .filter(|&r| r != Mesh::HOLE)
+    }
+
+    /// Whether some position is a hole.
+    pub fn has_holes(&self) -> bool {
+        self.table.by_rank.len() < self.table.ranks.len()
     }
 
     /// The number of ranks in the mesh: the product of its shape.
@@ -174,7 +197,7 @@ impl Mesh {
         self.table.ranks.len()
     }
 
-    /// Ranks sorted ascending.
+    /// Ranks sorted ascending (holes left out).
     pub fn sorted_ranks(&self) -> impl Iterator<Item = u32> + '_ {
         self.table.by_rank.iter().map(|&(r, _)| r)
     }
@@ -210,7 +233,7 @@ impl Mesh {
         coord
     }
 
-    /// The rank at a coordinate.
+    /// The rank at a coordinate ([`Mesh::HOLE`] where it is gone).
     pub fn rank_at(&self, coord: &[u64]) -> u32 {
         let index = coord
             .iter()

@@ -370,7 +370,8 @@ impl Layout {
     }
 
     /// The ranks holding the shard whose coordinates on the sharding axes are given per dim
-    /// (`coords[d]` lists the coordinates on `shard_axes(d)`), in row-major mesh order.
+    /// (`coords[d]` lists the coordinates on `shard_axes(d)`), in row-major mesh order; holes
+    /// hold nothing (none at all when every replica is gone).
     pub fn replicas(&self, coords: &[&[u64]]) -> Vec<u32> {
         let mut base = vec![0u64; self.mesh.ndim()];
         for (dim, dim_coords) in coords.iter().enumerate() {
@@ -382,7 +383,10 @@ impl Layout {
         let mut out = Vec::new();
         let mut coord = base;
         loop {
-            out.push(self.mesh.rank_at(&coord));
+            let rank = self.mesh.rank_at(&coord);
+            if rank != Mesh::HOLE {
+                out.push(rank);
+            }
             // Odometer over the replicate axes, last axis fastest (row-major order).
             let mut k = free.len();
             loop {

@@ -160,6 +160,8 @@ impl CorePlanner {
                     layout.validate(shape, elem_size, field).map_err(context)?;
                 }
             }
+            // Holes (gone ranks) must leave a surviving source for what survivors need.
+            super::survivors::check_held(t, i)?;
             let class = class_first.len() as u32;
             class_first.push(i as u32);
             class_of.insert(key, class);
@@ -167,8 +169,8 @@ impl CorePlanner {
         }
         drop((class_of, valid_shapes, valid_layouts));
         if let Topology::NodeTable(table) = &config.topology {
-            let ranks = meshes.iter().flat_map(|m| m.ranks());
-            if let Some(&rank) = ranks.max() {
+            let ranks = meshes.iter().flat_map(|m| m.live_ranks());
+            if let Some(rank) = ranks.max() {
                 if rank as usize >= table.len() {
                     return Err(Error::invalid_argument(format!(
                         "config: the node table has {} entries but the tensors use rank {rank}; give every rank's node",
@@ -662,10 +664,7 @@ fn spread_entry<B: Moved>(blocks: &[B], i: usize) -> rounds::Spread<'_> {
 
 /// Every rank of `meshes`, ascending.
 fn distinct_ranks(meshes: &[Mesh]) -> Vec<u32> {
-    let mut ranks: Vec<u32> = meshes
-        .iter()
-        .flat_map(|m| m.ranks().iter().copied())
-        .collect();
+    let mut ranks: Vec<u32> = meshes.iter().flat_map(Mesh::live_ranks).collect();
     ranks.sort_unstable();
     ranks.dedup();
     ranks

@@ -93,7 +93,7 @@ impl Loads {
         let mut loads = Loads::default();
         let mut network_sends: FxHashMap<u32, u128> = FxHashMap::default();
         for (layout, (sends, network, receives)) in layouts.iter().zip(&per_layout) {
-            for &rank in layout.mesh.ranks() {
+            for rank in layout.mesh.live_ranks() {
                 if *sends > 0 {
                     *loads.sends.entry(rank).or_default() += sends;
                     *network_sends.entry(rank).or_default() += network;

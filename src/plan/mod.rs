@@ -9,6 +9,8 @@
 //! - `quantize.rs`: tensors that arrive in another dtype, planned as inner tensors of a core of
 //!   their own, with conversion steps before and after the rounds;
 //! - `overlap.rs`: late unpacks, which may run beside the next round;
+//! - `survivors.rs`: the descriptors of the survivors of a failure (holes, renumbering) and
+//!   the refusal when no survivor holds data a survivor needs;
 //! - `steps.rs`: the steps a program is made of ([`StridedCopy`], [`StridedConvert`]) and the
 //!   locations they address; `config.rs`, `fingerprint.rs`, `loads.rs`: what plans depend on.
 
@@ -26,6 +28,7 @@ mod program;
 mod quantize;
 mod rounds;
 mod steps;
+mod survivors;
 
 pub use assign::Assignment;
 pub use blocks::Block;
@@ -36,6 +39,7 @@ pub use planner::Planner;
 pub use program::{ExecMode, Message, RankProgram, Round, RoundSpan};
 pub use rounds::Transfer;
 pub use steps::{Buffer, ConvertDim, CopyDim, Loc, StridedConvert, StridedCopy};
+pub use survivors::survivors;
 
 pub(crate) use config::DEFAULT_SPLIT_MIN_BYTES;
 pub(crate) use quantize::{region_of, WorkRegion};

@@ -301,7 +301,7 @@ impl Conversions {
             .iter()
             .flatten()
             .filter_map(|p| p.scale.as_ref())
-            .flat_map(|s| s.layout.mesh.ranks().iter().copied())
+            .flat_map(|s| s.layout.mesh.live_ranks())
     }
 
     /// The scale tensors: (tensor, shape, layout, element size), in tensor order.
@@ -328,10 +328,8 @@ impl Conversions {
             let mut ranks: Vec<u32> = spec
                 .dst
                 .mesh
-                .ranks()
-                .iter()
-                .chain(scale.layout.mesh.ranks())
-                .copied()
+                .live_ranks()
+                .chain(scale.layout.mesh.live_ranks())
                 .collect();
             ranks.sort_unstable();
             ranks.dedup();
@@ -598,10 +596,15 @@ impl Conversions {
                     .collect()
             })
             .collect();
-        let sender_of = |coords: &[&[u64]], to: u32| -> u32 {
+        let sender_of = |coords: &[&[u64]], to: u32| -> Result<u32> {
             let replicas = spec.src.replicas(coords);
             if replicas.contains(&to) {
-                return to;
+                return Ok(to);
+            }
+            if replicas.is_empty() {
+                return Err(Error::invalid_usage(format!(
+                    "tensors[{t}]: rank {to} holds scales of blocks whose source shard (coordinates {coords:?}) no surviving rank holds; give the scales the destination's layout, or keep a replica of every source shard"
+                )));
             }
             let near: Vec<u32> = match topology.node(to) {
                 Some(node) => replicas
@@ -615,7 +618,7 @@ impl Conversions {
             let h = mix(std::iter::once(u64::from(t))
                 .chain(coords.iter().flat_map(|c| c.iter().copied()))
                 .chain([u64::MAX, u64::from(to)]));
-            candidates[(h % candidates.len() as u64) as usize]
+            Ok(candidates[(h % candidates.len() as u64) as usize])
         };
         let grid_view = |blocks: Vec<IndexRuns>| RankView::dense(blocks, u64::from(scale.size));
         let mut emit = |from: u32, to: u32, area: Vec<IndexRuns>, grid: &RankView| -> Result<()> {
@@ -681,7 +684,7 @@ impl Conversions {
                         let region: Vec<IndexRuns> =
                             (0..n).map(|d| overlaps[d][choice[d]].1.clone()).collect();
                         for to in scale.layout.replicas(&scale_coords) {
-                            if sender_of(&coords, to) == rank {
+                            if sender_of(&coords, to)? == rank {
                                 emit(rank, to, region.clone(), &grid)?;
                             }
                         }
@@ -709,7 +712,7 @@ impl Conversions {
                 let mut choice = vec![0usize; n];
                 loop {
                     let coords: Vec<&[u64]> = (0..n).map(|d| overlaps[d][choice[d]].0).collect();
-                    let from = sender_of(&coords, rank);
+                    let from = sender_of(&coords, rank)?;
                     if from != rank {
                         let region: Vec<IndexRuns> =
                             (0..n).map(|d| overlaps[d][choice[d]].1.clone()).collect();

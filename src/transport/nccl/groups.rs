@@ -1,6 +1,7 @@
 //! What travels over NCCL: each round's sends and receives as one NCCL group on the caller's
 //! communicator and stream, and before them the plans' fingerprints, one per peer.
 
+use super::deadline::Guard;
 use super::library::{Nccl, NcclComm, NCCL_UINT8};
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
@@ -20,16 +21,74 @@ pub(super) struct Groups<'a> {
     pub comm: NcclComm,
     pub stream: sys::CUstream,
     pub rank: u32,
+    /// The rank's rounds (for messages).
+    pub rounds: usize,
+    /// The call's deadline, if it has one: nothing is posted once the communicator is revoked,
+    /// and every group is marked on the stream as a stage of the call.
+    pub guard: Option<&'a Guard>,
+}
+
+impl Groups<'_> {
+    /// Posts one group: `post` its operations between `ncclGroupStart` and `ncclGroupEnd`, as
+    /// `stage` of a call with a deadline (refused once its communicator is revoked, marked on
+    /// the stream once issued).
+    fn group(&self, stage: &str, post: impl FnOnce() -> Result<()>) -> Result<()> {
+        let (nccl, comm) = (self.nccl, self.comm);
+        if let Some(guard) = self.guard {
+            guard.posting(stage);
+        }
+        let posted = {
+            let _lock = self.guard.map(Guard::post_lock);
+            if self.guard.is_some_and(Guard::revoked) {
+                return Err(self.guard.map(Guard::revoked_error).expect("guarded"));
+            }
+            // SAFETY: group calls have no preconditions; the Start is matched by the End below.
+            nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
+            post()
+        };
+        // SAFETY: closes the group opened above, also after an error so NCCL's state stays
+        // sane; a nonblocking communicator is waited for before anything else is enqueued
+        // (unless the deadline's watchdog revokes it meanwhile). Not under the post lock: the
+        // end may wait for peers, which the revoke is there to end.
+        let ended =
+            nccl.check_issued_unless(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm, &|| {
+                self.guard.is_some_and(Guard::revoked)
+            });
+        let result = posted.and(ended);
+        match self.guard {
+            Some(guard) if guard.revoked() => Err(guard.revoked_error()),
+            Some(guard) => result.and_then(|()| guard.mark(self.stream, stage.to_string())),
+            None => result,
+        }
+    }
+}
+
+/// The distinct peers of a round's messages, ascending.
+fn peers_of(round: &Round<'_>) -> Vec<u32> {
+    let mut peers: Vec<u32> = round
+        .sends
+        .iter()
+        .chain(round.recvs)
+        .map(|m| m.peer)
+        .collect();
+    peers.sort_unstable();
+    peers.dedup();
+    peers
 }
 
 impl Exchange for Groups<'_> {
-    fn exchange(&mut self, _: usize, round: &Round<'_>, memory: &CallMemory<'_>) -> Result<()> {
+    fn exchange(&mut self, k: usize, round: &Round<'_>, memory: &CallMemory<'_>) -> Result<()> {
         if round.sends.is_empty() && round.recvs.is_empty() {
             return Ok(());
         }
         let (nccl, comm, stream, rank) = (self.nccl, self.comm, self.stream, self.rank);
-        // SAFETY: group calls have no preconditions; every Start is matched by an End below.
-        nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
+        let stage = format!(
+            "round {} (the rank's {} of {}) with peers {:?}",
+            round.round,
+            k + 1,
+            self.rounds,
+            peers_of(round)
+        );
         let post = |m: &Message, send: bool| -> Result<()> {
             let ptr = memory.address(m.loc) as *mut c_void;
             debug::log(Level::Trace, || {
@@ -55,15 +114,13 @@ impl Exchange for Groups<'_> {
             };
             nccl.check_posted(result, if send { "ncclSend" } else { "ncclRecv" }, comm)
         };
-        let posted = round
-            .sends
-            .iter()
-            .try_for_each(|m| post(m, true))
-            .and_then(|()| round.recvs.iter().try_for_each(|m| post(m, false)));
-        // SAFETY: closes the group opened above, also after an error so NCCL's state stays
-        // sane; a nonblocking communicator is waited for before anything else is enqueued.
-        let ended = nccl.check_issued(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm);
-        posted.and(ended)
+        self.group(&stage, || {
+            round
+                .sends
+                .iter()
+                .try_for_each(|m| post(m, true))
+                .and_then(|()| round.recvs.iter().try_for_each(|m| post(m, false)))
+        })
     }
 }
 
@@ -79,29 +136,27 @@ impl Groups<'_> {
     /// its slot.
     pub fn exchange_fingerprints(&self, peers: &[u32], buffers: &Fingerprints<'_>) -> Result<()> {
         let (nccl, comm, stream) = (self.nccl, self.comm, self.stream);
-        // SAFETY: group calls have no preconditions; the Start is matched by the End below.
-        nccl.check(unsafe { (nccl.group_start)() }, "ncclGroupStart", comm)?;
-        let posted = peers.iter().enumerate().try_for_each(|(i, &peer)| {
-            let slot = (buffers.theirs.ptr + 8 * i as u64) as *mut c_void;
-            let mine = buffers.mine.ptr as *mut c_void;
-            // SAFETY: both buffers are the plan's, 8 bytes per slot, alive as long as the plan
-            // (the caller must not destroy it before the stream passes this call).
-            unsafe {
-                nccl.check_posted(
-                    (nccl.send)(mine, 8, NCCL_UINT8, peer as i32, comm, stream.cast()),
-                    "ncclSend (fingerprint)",
-                    comm,
-                )?;
-                nccl.check_posted(
-                    (nccl.recv)(slot, 8, NCCL_UINT8, peer as i32, comm, stream.cast()),
-                    "ncclRecv (fingerprint)",
-                    comm,
-                )
-            }
-        });
-        // SAFETY: closes the group opened above.
-        let ended = nccl.check_issued(unsafe { (nccl.group_end)() }, "ncclGroupEnd", comm);
-        posted.and(ended)
+        let stage = format!("the fingerprint exchange with peers {peers:?}");
+        self.group(&stage, || {
+            peers.iter().enumerate().try_for_each(|(i, &peer)| {
+                let slot = (buffers.theirs.ptr + 8 * i as u64) as *mut c_void;
+                let mine = buffers.mine.ptr as *mut c_void;
+                // SAFETY: both buffers are the plan's, 8 bytes per slot, alive as long as the plan
+                // (the caller must not destroy it before the stream passes this call).
+                unsafe {
+                    nccl.check_posted(
+                        (nccl.send)(mine, 8, NCCL_UINT8, peer as i32, comm, stream.cast()),
+                        "ncclSend (fingerprint)",
+                        comm,
+                    )?;
+                    nccl.check_posted(
+                        (nccl.recv)(slot, 8, NCCL_UINT8, peer as i32, comm, stream.cast()),
+                        "ncclRecv (fingerprint)",
+                        comm,
+                    )
+                }
+            })
+        })
     }
 
     /// `NCCL_RESHARD_CHECK=1`: waits for the fingerprints just exchanged (at most

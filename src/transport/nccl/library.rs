@@ -33,6 +33,8 @@ pub(crate) type CudaStream = *mut c_void;
 pub(crate) const NCCL_UINT8: c_int = 1;
 /// `ncclInvalidUsage`.
 const NCCL_INVALID_USAGE: NcclResult = 5;
+/// `ncclRemoteError`: a peer died or the network failed (what a missed deadline reports).
+pub(crate) const NCCL_REMOTE_ERROR: NcclResult = 6;
 /// `ncclInProgress`: a nonblocking communicator is still issuing the operation.
 const NCCL_IN_PROGRESS: NcclResult = 7;
 
@@ -47,6 +49,36 @@ type ErrorStringFn = unsafe extern "C" fn(NcclResult) -> *const c_char;
 type LastErrorFn = unsafe extern "C" fn(NcclComm) -> *const c_char;
 type VersionFn = unsafe extern "C" fn(*mut c_int) -> NcclResult;
 type AsyncErrorFn = unsafe extern "C" fn(NcclComm, *mut NcclResult) -> NcclResult;
+type CommFn = unsafe extern "C" fn(NcclComm) -> NcclResult;
+type RevokeFn = unsafe extern "C" fn(NcclComm, c_int) -> NcclResult;
+pub(crate) type ShrinkFn = unsafe extern "C" fn(
+    NcclComm,
+    *mut c_int,
+    c_int,
+    *mut NcclComm,
+    *mut c_void,
+    c_int,
+) -> NcclResult;
+pub(crate) type UniqueIdFn = unsafe extern "C" fn(NcclComm, *mut UniqueId) -> NcclResult;
+pub(crate) type GrowFn = unsafe extern "C" fn(
+    NcclComm,
+    c_int,
+    *const UniqueId,
+    c_int,
+    *mut NcclComm,
+    *mut c_void,
+) -> NcclResult;
+
+/// `ncclUniqueId`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct UniqueId(pub [u8; 128]);
+
+/// NCCL's fault-tolerance functions and the release that added each (`ncclGetVersion` codes):
+/// an NCCL older than that is not asked for them, whatever it exports.
+pub(crate) const REVOKE_SINCE: i32 = 22807;
+pub(crate) const SHRINK_SINCE: i32 = 22703;
+pub(crate) const GROW_SINCE: i32 = 22902;
 
 /// The NCCL functions the executor calls.
 pub(crate) struct Nccl {
@@ -61,6 +93,12 @@ pub(crate) struct Nccl {
     pub get_last_error: LastErrorFn,
     pub get_version: VersionFn,
     pub comm_get_async_error: AsyncErrorFn,
+    pub comm_abort: CommFn,
+    /// What this NCCL has of the fault-tolerance API (`None` where it is older).
+    pub comm_revoke: Option<RevokeFn>,
+    pub comm_shrink: Option<ShrinkFn>,
+    pub comm_get_unique_id: Option<UniqueIdFn>,
+    pub comm_grow: Option<GrowFn>,
     /// Where the symbols came from, for messages.
     pub origin: String,
     /// The file that defines them (`ncclReshardGetNcclLibrary`).
@@ -102,7 +140,26 @@ fn load_from(handle: *mut c_void, origin: String) -> Result<Nccl> {
     let path = defining_object(send as *mut c_void)
         .map(|m| m.path)
         .unwrap_or_else(|| origin.clone());
+    let get_version = resolve!("ncclGetVersion", VersionFn);
+    let mut version = 0;
+    // SAFETY: writes one int.
+    unsafe { get_version(&mut version) };
+    macro_rules! optional {
+        ($name:literal, $ty:ty, $since:expr) => {
+            symbol(handle, $name)
+                .filter(|_| version >= $since)
+                .map(|ptr| {
+                    // SAFETY: as in `resolve!`.
+                    unsafe { std::mem::transmute::<*mut c_void, $ty>(ptr) }
+                })
+        };
+    }
     Ok(Nccl {
+        comm_abort: resolve!("ncclCommAbort", CommFn),
+        comm_revoke: optional!("ncclCommRevoke", RevokeFn, REVOKE_SINCE),
+        comm_shrink: optional!("ncclCommShrink", ShrinkFn, SHRINK_SINCE),
+        comm_get_unique_id: optional!("ncclCommGetUniqueId", UniqueIdFn, GROW_SINCE),
+        comm_grow: optional!("ncclCommGrow", GrowFn, GROW_SINCE),
         send,
         recv: resolve!("ncclRecv", RecvFn),
         group_start: resolve!("ncclGroupStart", GroupFn),
@@ -112,7 +169,7 @@ fn load_from(handle: *mut c_void, origin: String) -> Result<Nccl> {
         comm_user_rank: resolve!("ncclCommUserRank", CommIntFn),
         get_error_string: resolve!("ncclGetErrorString", ErrorStringFn),
         get_last_error: resolve!("ncclGetLastError", LastErrorFn),
-        get_version: resolve!("ncclGetVersion", VersionFn),
+        get_version,
         comm_get_async_error: resolve!("ncclCommGetAsyncError", AsyncErrorFn),
         origin,
         path: CString::new(path).unwrap_or_default(),
@@ -367,6 +424,26 @@ impl Nccl {
         })
     }
 
+    /// A fault-tolerance function, or an error naming the NCCL release it needs.
+    pub fn require<F: Copy>(&self, f: Option<F>, name: &str, since: i32) -> Result<F> {
+        f.ok_or_else(|| {
+            Error::invalid_usage(format!(
+                "{name} needs NCCL {}.{}.{} or newer, but the process's NCCL is {} ({}); load a newer NCCL (NCCL_RESHARD_NCCL_LIBRARY)",
+                since / 10000,
+                since / 100 % 100,
+                since % 100,
+                self.version_text(),
+                self.origin
+            ))
+        })
+    }
+
+    /// The version as `2.28.9`.
+    pub fn version_text(&self) -> String {
+        let v = self.version();
+        format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100)
+    }
+
     /// NCCL's version code (e.g. 22703).
     pub fn version(&self) -> i32 {
         let mut v = 0;
@@ -382,10 +459,27 @@ impl Nccl {
     /// call on that communicator and before anything else is enqueued on its stream (the
     /// operation's kernel is not on the stream until then).
     pub fn check_issued(&self, result: NcclResult, what: &str, comm: NcclComm) -> Result<()> {
+        self.check_issued_unless(result, what, comm, &|| false)
+    }
+
+    /// [`Nccl::check_issued`] that stops waiting once `stop` says so (a call with a deadline
+    /// whose communicator was revoked).
+    pub fn check_issued_unless(
+        &self,
+        result: NcclResult,
+        what: &str,
+        comm: NcclComm,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<()> {
         if result != NCCL_IN_PROGRESS {
             return self.check(result, what, comm);
         }
         loop {
+            if stop() {
+                return Err(Error::invalid_usage(format!(
+                    "{what}: the communicator was revoked while NCCL was issuing the group"
+                )));
+            }
             let mut state = NCCL_IN_PROGRESS;
             // SAFETY: writes one result for the caller's communicator.
             let queried = unsafe { (self.comm_get_async_error)(comm, &mut state) };

@@ -10,6 +10,7 @@
 //! decides from plan-wide facts, so every rank refuses alike. Later calls only pass pointers as
 //! kernel arguments, so they can be captured into a CUDA graph.
 
+mod deadline;
 mod groups;
 pub(crate) mod library;
 
@@ -24,6 +25,7 @@ use groups::{Fingerprints, Groups};
 use library::{Nccl, NcclComm};
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Runs one rank's program on GPUs with NCCL. Created with the plan (no CUDA calls); the first
 /// call initialises it on the call's device. Shareable across threads: calls on different
@@ -39,6 +41,8 @@ pub struct NcclTransport {
     /// `NCCL_RESHARD_CHECK=1` when the plan was created: each call waits for the peers'
     /// fingerprints and compares them before moving data.
     verify: bool,
+    /// How long each call may take (`deadline.rs`); `None`: as long as NCCL takes.
+    deadline: Option<Duration>,
 }
 
 /// Indices of the fingerprint buffers in the program's device constants.
@@ -64,7 +68,21 @@ impl NcclTransport {
             peers,
             groupable,
             verify: std::env::var("NCCL_RESHARD_CHECK").is_ok_and(|v| v.trim() == "1"),
+            deadline: deadline::resolve(None),
         }
+    }
+
+    /// Gives every call a deadline of `timeout_ms` milliseconds (0: none); `None` keeps
+    /// `NCCL_RESHARD_TIMEOUT_MS` (read when the transport is created; unset or 0: none). See
+    /// [`NcclTransport::execute`] and docs/resilience.md.
+    pub fn with_deadline(mut self, timeout_ms: Option<u64>) -> Self {
+        self.deadline = deadline::resolve(timeout_ms);
+        self
+    }
+
+    /// The deadline of each call, if it has one.
+    pub fn deadline(&self) -> Option<Duration> {
+        self.deadline
     }
 
     /// The transport of `plan`'s program, with its views' offsets in the single-buffer call.
@@ -113,7 +131,11 @@ impl NcclTransport {
         } else {
             None
         };
-        let ordinal = self.device_ordinal(buffers, comm, nccl)?;
+        let (ordinal, identity) = self.device_ordinal(buffers, comm, nccl)?;
+        if let Some(identity) = identity {
+            // Whatever this call's deadline: a communicator the library revoked takes nothing.
+            deadline::refuse_revoked(comm, identity)?;
+        }
         let state = self.gpu.on_device(ordinal)?;
         let device = &*state.device;
         let _current = device.context.push()?;
@@ -126,16 +148,36 @@ impl NcclTransport {
         if let Some(nccl) = nccl {
             self.refuse(nccl, capturing)?;
         }
+        // A deadline watches the call from here, before its first NCCL operation.
+        let guard = match (nccl, self.deadline, identity) {
+            (Some(nccl), Some(timeout), Some(identity)) => Some(deadline::Guard::begin(
+                nccl,
+                comm,
+                p.rank,
+                identity,
+                timeout,
+                state.device.clone(),
+            )?),
+            _ => None,
+        };
         // What the call takes, then the first NCCL operation: the fingerprints.
         let groups = nccl.map(|nccl| Groups {
             nccl,
             comm,
             stream: cu_stream,
             rank: p.rank,
+            rounds: p.rounds_iter().count(),
+            guard: guard.as_ref(),
         });
         let mut call = DeviceCall::begin(
             device, &self.gpu, tables, buffers, cu_stream, capturing, groups,
         )?;
+        if let Some(guard) = &guard {
+            if let Err(e) = guard.mark_start(cu_stream) {
+                let _ = call.finish();
+                return Err(e);
+            }
+        }
         debug::log(Level::Info, || {
             format!(
                 "rank {}: {} round(s), {} local copy/pack blocks, {} sends ({} bytes), {} receives ({} bytes), {} unpack blocks, stream {stream:p}{}",
@@ -156,10 +198,15 @@ impl NcclTransport {
                 return Err(e);
             }
         }
-        // The walk, then what the call took goes back (the walk's error first).
+        // The walk, then what the call took goes back (the walk's error first), then the
+        // deadline watches the rest from the stream.
         let walked = schedule::run(p, &mut call);
         let finished = call.finish();
-        walked.and(finished)
+        let left = match guard {
+            Some(guard) => guard.leave(cu_stream),
+            None => Ok(()),
+        };
+        walked.and(finished).and(left)
     }
 
     /// Refuses, before any NCCL operation of this call, what the caller's NCCL group or a graph
@@ -172,6 +219,22 @@ impl NcclTransport {
                     "rank {rank}: this plan was not created in groupable mode, so it must not be called inside ncclGroupStart/ncclGroupEnd (its packs, unpacks or rounds need its NCCL operations issued at once); call it outside the group, or create the plan with mode ncclReshardModeGroupable"
                 )
             })?;
+        }
+        if let Some(timeout) = self.deadline {
+            if capturing {
+                return Err(Error::invalid_usage(format!(
+                    "rank {rank}: this call has a deadline ({} ms, config.timeoutMs or NCCL_RESHARD_TIMEOUT_MS), which watches each call's work from the host; a CUDA graph replays captured work without a call to watch: capture a plan without a deadline (config.timeoutMs = 0)",
+                    timeout.as_millis()
+                )));
+            }
+            if self.groupable {
+                nccl.refuse_open_group(|| {
+                    format!(
+                        "rank {rank}: this call has a deadline ({} ms), which watches the call's NCCL operations; inside the caller's NCCL group they are issued only at its end, after the call: call outside the group, or without a deadline (config.timeoutMs = 0)",
+                        timeout.as_millis()
+                    )
+                })?;
+            }
         }
         if self.verify {
             if capturing {
@@ -212,15 +275,17 @@ impl NcclTransport {
         buffers: &CallBuffers<'_>,
         comm: NcclComm,
         nccl: Option<&Nccl>,
-    ) -> Result<i32> {
+    ) -> Result<(i32, Option<deadline::Identity>)> {
         let p = &*self.gpu.program;
         let first = |list: &[usize]| list.iter().copied().find(|&x| x != 0).unwrap_or(0);
         let (send, recv) = match buffers {
             CallBuffers::Single { send, recv } => (*send, *recv),
             CallBuffers::PerTensor { send, recv } => (first(send), first(recv)),
         };
-        let mut device = None;
+        let (mut device, mut identity) = (None, None);
         if let Some(nccl) = nccl {
+            // A communicator the library aborted is gone: not even asked about.
+            deadline::refuse_aborted(comm)?;
             let mut rank = -1;
             let mut count = -1;
             let mut dev = -1;
@@ -254,6 +319,7 @@ impl NcclTransport {
                 )));
             }
             device = Some(dev);
+            identity = Some((rank, count, dev));
         }
         for (ptr, name) in [(send, "sendbuff"), (recv, "recvbuff")] {
             if ptr == 0 {
@@ -270,11 +336,12 @@ impl NcclTransport {
                 Some(_) => {}
             }
         }
-        device.ok_or_else(|| {
+        let device = device.ok_or_else(|| {
             Error::invalid_argument(
                 "no buffer and no communicator: nothing tells which device to use",
             )
-        })
+        })?;
+        Ok((device, identity))
     }
 }
 
@@ -289,6 +356,137 @@ fn check_stream(stream: sys::CUstream, device: &Device) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// The outcome of this rank's calls with a deadline on `comm`: `Ok(true)` once none is running
+/// and none failed, `Ok(false)` while one is running, the failure (`ncclRemoteError`, saying
+/// what did not complete, with which peers, and what to do next) once one failed.
+pub fn comm_status(comm: *mut c_void) -> Result<bool> {
+    deadline::status(comm)
+}
+
+/// Waits until none of this rank's calls with a deadline on `comm` is running (each ends by
+/// its deadline plus the watchdog's tick and the revoke), then returns as [`comm_status`].
+pub fn comm_wait(comm: *mut c_void) -> Result<()> {
+    deadline::wait(comm)
+}
+
+/// Revokes `comm` now (the application learned a rank is dead): every operation pending on it
+/// ends, its running calls fail, and nothing more may be posted on it (with an NCCL older than
+/// 2.28.7 it is aborted instead, and gone).
+///
+/// # Safety
+/// `comm` is NULL (where allowed) or a communicator of the process's NCCL, alive, and not in use
+/// by another thread in a way NCCL forbids; `config` is NULL or an `ncclConfig_t`.
+pub unsafe fn comm_revoke(comm: *mut c_void) -> Result<()> {
+    if comm.is_null() {
+        return Err(Error::invalid_argument("comm is NULL"));
+    }
+    deadline::revoke_now(library::nccl()?, comm)
+}
+
+/// `ncclCommShrink` of the process's NCCL (which must have it: 2.27.3 or newer), excluding
+/// `exclude` (the same list on every survivor, which alone call it); `abort`:
+/// `NCCL_SHRINK_ABORT` (after a failure; required once the library revoked `comm`), else
+/// `NCCL_SHRINK_DEFAULT`. `config` is NULL (the parent's) or an `ncclConfig_t`. Returns the
+/// new communicator, on which this rank's rank is its old one less the excluded ranks below
+/// it; the library then forgets `comm`.
+///
+/// # Safety
+/// `comm` is NULL (where allowed) or a communicator of the process's NCCL, alive, and not in use
+/// by another thread in a way NCCL forbids; `config` is NULL or an `ncclConfig_t`.
+pub unsafe fn comm_shrink(
+    comm: *mut c_void,
+    exclude: &[i32],
+    config: *mut c_void,
+    abort: bool,
+) -> Result<*mut c_void> {
+    if comm.is_null() {
+        return Err(Error::invalid_argument("comm is NULL"));
+    }
+    deadline::refuse_aborted(comm)?;
+    let nccl = library::nccl()?;
+    let shrink = nccl.require(nccl.comm_shrink, "ncclCommShrink", library::SHRINK_SINCE)?;
+    let abort = abort || deadline::revoked(comm).is_some();
+    let mut list = exclude.to_vec();
+    let count = i32::try_from(list.len())
+        .map_err(|_| Error::invalid_argument("too many ranks excluded"))?;
+    let mut newcomm: *mut c_void = std::ptr::null_mut();
+    // SAFETY: the caller's communicator; the list holds `count` ints; NCCL writes `newcomm`.
+    let result = unsafe {
+        shrink(
+            comm,
+            if list.is_empty() {
+                std::ptr::null_mut()
+            } else {
+                list.as_mut_ptr()
+            },
+            count,
+            &mut newcomm,
+            config,
+            i32::from(abort),
+        )
+    };
+    nccl.check_issued(result, "ncclCommShrink", newcomm)?;
+    deadline::forget(comm);
+    Ok(newcomm)
+}
+
+/// `ncclCommGetUniqueId` of the process's NCCL (2.29.2 or newer): the identifier the
+/// coordinator of a grow hands to the new ranks.
+///
+/// # Safety
+/// `comm` is NULL (where allowed) or a communicator of the process's NCCL, alive, and not in use
+/// by another thread in a way NCCL forbids; `config` is NULL or an `ncclConfig_t`.
+pub unsafe fn comm_get_unique_id(comm: *mut c_void) -> Result<[u8; 128]> {
+    if comm.is_null() {
+        return Err(Error::invalid_argument("comm is NULL"));
+    }
+    let nccl = library::nccl()?;
+    let get = nccl.require(
+        nccl.comm_get_unique_id,
+        "ncclCommGetUniqueId",
+        library::GROW_SINCE,
+    )?;
+    let mut id = library::UniqueId([0; 128]);
+    // SAFETY: the caller's communicator; NCCL writes the identifier.
+    nccl.check(unsafe { get(comm, &mut id) }, "ncclCommGetUniqueId", comm)?;
+    Ok(id.0)
+}
+
+/// `ncclCommGrow` of the process's NCCL (2.29.2 or newer): an existing rank passes its `comm`,
+/// `rank` -1 and (the coordinator only) `unique_id`; a new rank passes a NULL `comm`, the
+/// coordinator's `unique_id` and its rank (from the parent's size on). Returns the grown
+/// communicator.
+///
+/// # Safety
+/// `comm` is NULL (where allowed) or a communicator of the process's NCCL, alive, and not in use
+/// by another thread in a way NCCL forbids; `config` is NULL or an `ncclConfig_t`.
+pub unsafe fn comm_grow(
+    comm: *mut c_void,
+    nranks: i32,
+    unique_id: Option<&[u8; 128]>,
+    rank: i32,
+    config: *mut c_void,
+) -> Result<*mut c_void> {
+    let nccl = library::nccl()?;
+    let grow = nccl.require(nccl.comm_grow, "ncclCommGrow", library::GROW_SINCE)?;
+    let id = unique_id.map(|id| library::UniqueId(*id));
+    let mut newcomm: *mut c_void = std::ptr::null_mut();
+    // SAFETY: the caller's communicator (or NULL for a new rank); NCCL writes `newcomm`.
+    let result = unsafe {
+        grow(
+            comm,
+            nranks,
+            id.as_ref()
+                .map_or(std::ptr::null(), |id| id as *const library::UniqueId),
+            rank,
+            &mut newcomm,
+            config,
+        )
+    };
+    nccl.check_issued(result, "ncclCommGrow", newcomm)?;
+    Ok(newcomm)
 }
 
 // Plans are shared across threads; the transport must be too.

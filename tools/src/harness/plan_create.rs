@@ -311,6 +311,8 @@ struct Descriptors {
     ntensors: c_int,
     config: Option<Memory>,
     _node_table: Vec<c_int>,
+    /// The failed ranks the config points to.
+    _failed: Vec<c_int>,
     rank: c_int,
     /// The quant structs tensors point to, boxed so that their addresses stay put while the
     /// vector grows.
@@ -522,7 +524,7 @@ fn decode(input: &mut Decisions) -> Descriptors {
         tensor_values.push(tensor);
     }
     let mut node_table = Vec::new();
-    let config = decode_config(input, &mut node_table);
+    let mut config = decode_config(input, &mut node_table);
     let rank = input.int(|b| i32::from(b % 16));
     // Conversions last, so inputs written before they existed decode as before (an exhausted
     // input reads zeros: no conversion).
@@ -556,8 +558,30 @@ fn decode(input: &mut Decisions) -> Descriptors {
             tensors.put(i * stride, *tensor);
         }
     }
+    // Failed ranks last too (a survivors' plan): a valid table or none, whatever random bytes
+    // the config's appended fields got (a pointer must point somewhere the count covers).
+    let mut failed = Vec::new();
+    if let Some(config) = config.as_mut() {
+        let at = offset_of!(ncclReshardConfig_t, failedRanks);
+        let count_at = offset_of!(ncclReshardConfig_t, failedRankCount);
+        if config.len() >= count_at + size_of::<c_int>() {
+            let (table, count) = if input.rare(32) {
+                let n = usize::from(input.byte() % 4);
+                // Ranks 0-8, now and then -1 (refused) or a repeat (refused).
+                failed = (0..n)
+                    .map(|_| input.int(|b| i32::from(b % 10) - 1))
+                    .collect();
+                (failed.as_ptr(), n as c_int)
+            } else {
+                (ptr::null(), 0)
+            };
+            config.put(at, table);
+            config.put(count_at, count);
+        }
+    }
     Descriptors {
         _quants: quants,
+        _failed: failed,
         layouts,
         _tables: tables,
         _strides: strides,
