@@ -73,8 +73,8 @@ pub extern "C" fn ncclreshardEmuStopRank(comm: *mut std::ffi::c_void, after: c_i
     })
 }
 
-/// Slows the rank of `comm`: each of its operations becomes active `ms` milliseconds after its
-/// stream reaches it (0: no delay). Returns 0, or -1 for an unknown `comm`.
+/// Slows the rank of `comm`: each group of its operations becomes active `ms` milliseconds
+/// after its stream reaches it (0: no delay). Returns 0, or -1 for an unknown `comm`.
 #[no_mangle]
 pub extern "C" fn ncclreshardEmuDelayRank(comm: *mut std::ffi::c_void, ms: c_int) -> c_int {
     with_comm(comm, |c| {

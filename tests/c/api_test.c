@@ -406,6 +406,87 @@ static void test_nccl_library(void) {
   }
 }
 
+/* Survivors' plans, holes and deadlines in the descriptors; the communicator functions'
+ * checks before they reach NCCL. */
+static void test_failures(void) {
+  ncclReshardPlan_t plan = NULL;
+  ncclReshardLayout_t src = src_layout();
+  ncclReshardLayout_t dst = dst_layout();
+  ncclReshardTensor_t t = tensor(&src, &dst);
+  ncclReshardConfig_t config = NCCL_RESHARD_CONFIG_INITIALIZER;
+  config.timeoutMs = -5;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument,
+               "config.timeoutMs is -5");
+  /* Rank 1 (half of the source, no replica) is gone: every survivor refuses alike. */
+  static const int failed[1] = {1};
+  config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
+  config.failedRanks = failed;
+  config.failedRankCount = 1;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidUsage,
+               "no surviving rank holds");
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 1, &config), ncclInvalidUsage,
+               "no surviving rank holds");
+  CHECK(plan == NULL);
+  static const int twice[2] = {1, 1};
+  config.failedRanks = twice;
+  config.failedRankCount = 2;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument,
+               "config.failedRanks names rank 1 twice");
+  /* The receiver (rank 2) is gone: rank 2 is now nobody, ranks 0 and 1 send nothing. */
+  static const int receiver[1] = {2};
+  config.failedRanks = receiver;
+  config.failedRankCount = 1;
+  config.timeoutMs = 1000;
+  OK(ncclReshardPlanCreate(&plan, 1, &t, 0, &config));
+  ncclReshardPlanInfo_t info = NCCL_RESHARD_PLAN_INFO_INITIALIZER;
+  OK(ncclReshardPlanGetInfo(plan, &info));
+  CHECK(info.peers == 0 && info.bytesSent == 0);
+  OK(ncclReshardPlanDestroy(plan));
+  /* A hole in a rank table: RANK_NONE is a gone position, other negatives are refused. */
+  static const int holes[2] = {NCCL_RESHARD_RANK_NONE, 3};
+  ncclReshardLayout_t replicated = dst_layout();
+  replicated.meshShape[0] = 2;
+  replicated.ranks = holes;
+  ncclReshardTensor_t h = tensor(&src, &replicated);
+  plan = NULL;
+  OK(ncclReshardPlanCreate(&plan, 1, &h, 3, NULL));
+  OK(ncclReshardPlanDestroy(plan));
+  static const int bad_ranks[2] = {-2, 3};
+  replicated.ranks = bad_ranks;
+  h = tensor(&src, &replicated);
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &h, 3, NULL), ncclInvalidArgument,
+               "tensors[0].dst->ranks[0] is -2");
+  /* The communicator functions check their arguments before NCCL. */
+  ncclResult_t status = ncclInProgress;
+  EXPECT_ERROR(ncclReshardCommGetStatus(NULL, &status), ncclInvalidArgument, "comm is NULL");
+  CHECK(status == ncclInProgress);
+  int fake = 0;
+  EXPECT_ERROR(ncclReshardCommGetStatus((ncclComm_t)(void*)&fake, NULL), ncclInvalidArgument,
+               "status is NULL");
+  /* No call with a deadline ever ran on it: nothing pending, nothing failed. */
+  OK(ncclReshardCommGetStatus((ncclComm_t)(void*)&fake, &status));
+  CHECK(status == ncclSuccess);
+  OK(ncclReshardCommWait((ncclComm_t)(void*)&fake));
+  EXPECT_ERROR(ncclReshardCommWait(NULL), ncclInvalidArgument, "comm is NULL");
+  EXPECT_ERROR(ncclReshardCommRevoke(NULL), ncclInvalidArgument, "comm is NULL");
+  ncclComm_t newcomm = (ncclComm_t)(void*)&fake;
+  EXPECT_ERROR(ncclReshardCommShrink(NULL, failed, 1, &newcomm, NULL, 1), ncclInvalidArgument,
+               "comm is NULL");
+  EXPECT_ERROR(ncclReshardCommShrink((ncclComm_t)(void*)&fake, failed, 1, NULL, NULL, 1),
+               ncclInvalidArgument, "newcomm is NULL");
+  EXPECT_ERROR(ncclReshardCommShrink((ncclComm_t)(void*)&fake, failed, -1, &newcomm, NULL, 1),
+               ncclInvalidArgument, "excludeRanksCount is -1");
+  EXPECT_ERROR(ncclReshardCommShrink((ncclComm_t)(void*)&fake, failed, 1, &newcomm, NULL, 2),
+               ncclInvalidArgument, "shrinkFlags is 2");
+  CHECK(newcomm == (ncclComm_t)(void*)&fake);
+  ncclUniqueId id;
+  EXPECT_ERROR(ncclReshardCommGetUniqueId((ncclComm_t)(void*)&fake, NULL), ncclInvalidArgument,
+               "uniqueId is NULL");
+  EXPECT_ERROR(ncclReshardCommGetUniqueId(NULL, &id), ncclInvalidArgument, "comm is NULL");
+  EXPECT_ERROR(ncclReshardCommGrow(NULL, 4, &id, 2, NULL, NULL), ncclInvalidArgument,
+               "newcomm is NULL");
+}
+
 static void* other_thread(void* arg) {
   (void)arg;
   /* The last error is per thread: this thread has had no failure. */
@@ -427,6 +508,7 @@ int main(void) {
   test_bad_descriptors();
   test_local_shape();
   test_nccl_library();
+  test_failures();
   test_thread_local_error();
   if (failures) {
     fprintf(stderr, "%d check(s) failed\n", failures);

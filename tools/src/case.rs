@@ -9,9 +9,11 @@
 //! `quant`: `{"scheme": "none" | "per_tensor" | "per_channel" | "block", "block"?: [rows,
 //! cols] (default [128, 128]), "scale_format"?: "float32" | "e8m0", "scale_inverse"?: bool,
 //! "scale_layout"?: <side>}`; a config is
-//! `{"mode"?, "ranks_per_node" | "node_of_rank", "split_min_bytes"?, "rounds"?, "relay"?}`; a
-//! case without a mode
-//! is meant to run under every mode.
+//! `{"mode"?, "ranks_per_node" | "node_of_rank", "split_min_bytes"?, "rounds"?, "relay"?,
+//! "failed_ranks"?}`; a case without a mode is meant to run under every mode. A rank table's
+//! `null` entry is a position whose rank is gone (docs/resilience.md); `failed_ranks` makes the
+//! case the survivors' plan: those ranks become holes and the others are renumbered as
+//! `ncclCommShrink` renumbers them, so the case holds what the survivors plan with.
 //!
 //! The JSON is walked by hand rather than through derived deserializers so that every error,
 //! type mismatches included, names the file, the case and the key path
@@ -43,6 +45,9 @@ pub struct Case {
     pub mode: Option<Mode>,
     /// The config with `mode` set to the case's mode, or to the default when it gives none.
     pub config: Config,
+    /// `config.failed_ranks`, ascending: the tensors and config above are already the
+    /// survivors' (renumbered, with holes).
+    pub failed: Vec<u32>,
 }
 
 impl Case {
@@ -270,13 +275,14 @@ const QUANT_KEYS: [&str; 5] = [
     "scale_layout",
 ];
 const SIDE_KEYS: [&str; 5] = ["mesh", "ranks", "first_rank", "placements", "strides"];
-const CONFIG_KEYS: [&str; 6] = [
+const CONFIG_KEYS: [&str; 7] = [
     "mode",
     "ranks_per_node",
     "node_of_rank",
     "split_min_bytes",
     "rounds",
     "relay",
+    "failed_ranks",
 ];
 
 fn parse_case(value: &Value, default_name: &str) -> Result<Case, String> {
@@ -314,20 +320,41 @@ fn parse_case(value: &Value, default_name: &str) -> Result<Case, String> {
         validate(&tensor)?;
         vec![tensor]
     };
-    let (mode, mut config) = match map.get("config") {
+    let (mode, mut config, failed) = match map.get("config") {
         Some(v) => parse_config(v).map_err(|e| e.to_string())?,
-        None => (None, Config::default()),
+        None => (None, Config::default(), Vec::new()),
     };
     if let Some(mode) = mode {
         config.mode = mode;
     }
     config.validate().map_err(|e| e.to_string())?;
+    let (tensors, config) = if failed.is_empty() {
+        (tensors, config)
+    } else {
+        let specs: Vec<TensorSpec> = tensors.iter().map(|t| t.spec.clone()).collect();
+        let conversions: Vec<Option<Conversion>> =
+            tensors.iter().map(|t| t.conversion.clone()).collect();
+        let (specs, conversions, config) =
+            ncclreshard::plan::survivors(&specs, &conversions, &config, &failed)
+                .map_err(|e| format!("config.failed_ranks: {e}"))?;
+        let tensors = tensors
+            .into_iter()
+            .zip(specs.into_iter().zip(conversions))
+            .map(|(t, (spec, conversion))| Tensor {
+                spec,
+                conversion,
+                ..t
+            })
+            .collect();
+        (tensors, config)
+    };
     Ok(Case {
         name: name.unwrap_or_else(|| default_name.to_string()),
         multi,
         tensors,
         mode,
         config,
+        failed,
     })
 }
 
@@ -488,7 +515,14 @@ fn parse_side(value: &Value, key: &str) -> Parsed<Layout> {
             return fail(&first_key, "give either ranks or first_rank, not both");
         }
         (Some(ranks), None) => {
-            let ranks = list_of(ranks, &ranks_key, u32_of)?;
+            // `null`: a position whose rank is gone.
+            let ranks = list_of(ranks, &ranks_key, |v, k| {
+                if v.is_null() {
+                    Ok(Mesh::HOLE)
+                } else {
+                    u32_of(v, k)
+                }
+            })?;
             Mesh::new(shape, ranks).or_else(|e| fail(&ranks_key, e.message))?
         }
         (None, first) => {
@@ -512,7 +546,7 @@ fn parse_side(value: &Value, key: &str) -> Parsed<Layout> {
     Ok(layout)
 }
 
-fn parse_config(value: &Value) -> Parsed<(Option<Mode>, Config)> {
+fn parse_config(value: &Value) -> Parsed<(Option<Mode>, Config, Vec<u32>)> {
     let map = object(value, "config", &CONFIG_KEYS)?;
     let mode = map
         .get("mode")
@@ -547,7 +581,18 @@ fn parse_config(value: &Value) -> Parsed<(Option<Mode>, Config)> {
             .as_bool()
             .map_or_else(|| fail("config.relay", "expected true or false"), Ok)?;
     }
-    Ok((mode, config))
+    let mut failed = match map.get("failed_ranks") {
+        Some(v) => list_of(v, "config.failed_ranks", u32_of)?,
+        None => Vec::new(),
+    };
+    failed.sort_unstable();
+    if let Some(w) = failed.windows(2).find(|w| w[0] == w[1]) {
+        return fail(
+            "config.failed_ranks",
+            format!("rank {} is listed twice", w[0]),
+        );
+    }
+    Ok((mode, config, failed))
 }
 
 #[cfg(test)]

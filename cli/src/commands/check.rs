@@ -30,11 +30,15 @@ Usage: ncclreshard check [OPTIONS] FILE...
 For each case, every rank's program is planned, all ranks run on the host executor, and every
 destination element (and every byte around strided views) is compared with the expected
 value. A case whose config gives no mode runs once per mode (groupable, staged, auto), each
-counted as a case and named NAME[mode].
+counted as a case and named NAME[mode]. A case with `config.failed_ranks` checks the
+survivors' plan: the failed ranks' positions are holes, the others renumbered as
+ncclCommShrink renumbers them, and every surviving destination byte is checked.
 
 Prints one line per case:
   ok   NAME  ranks=… elements=… bytes_sent=… local_bytes=… messages=… staged_ranks=… ms=…
-  refused NAME: ERROR   (groupable mode past its message cap: a documented limit, not a failure)
+  refused NAME: ERROR   (a documented limit, not a failure: groupable mode past its message cap,
+                        or a survivors' plan (config.failed_ranks, null ranks) whose data no
+                        survivor holds)
   FAIL NAME: ERROR
 then `N passed, M failed` (and `, K refused` when some were).
 
@@ -186,6 +190,10 @@ fn check_one(job: &Job) -> Outcome {
                     "groupable mode needs more than {GROUPABLE_MAX_MESSAGES_PER_RANK} messages"
                 )) =>
         {
+            Outcome::Refused(e.to_string())
+        }
+        // A survivors' plan that no survivor can serve (docs/resilience.md).
+        Ok(Err(e)) if e.message.contains("no surviving rank holds") => {
             Outcome::Refused(e.to_string())
         }
         Ok(Err(e)) => Outcome::Failed(e.to_string()),

@@ -79,7 +79,8 @@ pub struct CommFaults {
     /// The rank's process has stopped once this many of its operations were issued: its later
     /// operations never become active (a crash in the middle of a group).
     pub stop_after: Option<u64>,
-    /// Each operation becomes active only this long after its stream reaches it (a slow rank).
+    /// Each group of the rank's operations becomes active only this long after its stream
+    /// reaches it (a slow rank).
     pub delay: Duration,
     /// Peers whose link to this rank is broken: transfers with them never complete and set
     /// the communicator's asynchronous error to ncclRemoteError.

@@ -182,6 +182,16 @@ pub struct StreamOp {
 
 impl StreamOp {
     pub fn run(&self, _exec: &Exec<'_>) {
+        // A slow rank's group starts late (once per group, as a slow GPU or host would).
+        let delay = self
+            .ops
+            .iter()
+            .map(|op| lock(&op.comm.faults).delay)
+            .max()
+            .unwrap_or_default();
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
         for op in &self.ops {
             activate(op);
         }
@@ -281,17 +291,12 @@ fn activate(op: &Arc<Op>) {
     if op.done.is_done() {
         return;
     }
-    let (stopped, delay) = {
-        let f = lock(&op.comm.faults);
-        (f.stop_after.is_some_and(|n| op.index >= n), f.delay)
-    };
-    // A stopped rank's operation never becomes active, as if its process were gone; a slow
-    // rank's becomes active late.
-    if stopped {
+    // A stopped rank's operation never becomes active, as if its process were gone.
+    if lock(&op.comm.faults)
+        .stop_after
+        .is_some_and(|n| op.index >= n)
+    {
         return;
-    }
-    if !delay.is_zero() {
-        std::thread::sleep(delay);
     }
     if link_broken(op) {
         // NCCL: an operation that hit a network error "will usually not progress and never

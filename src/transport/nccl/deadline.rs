@@ -460,8 +460,8 @@ fn revoke(state: &Arc<CommState>, culprit: Option<(u64, u32)>, why: &str) {
             // ncclGroupEnd on it (it is what ends a wait there).
             let result = unsafe { revoke(comm, 0) };
             let how = match result {
-                0 | 7 => "revoked it (ncclCommRevoke)".to_string(),
-                r => format!("tried to revoke it (ncclCommRevoke returned {r})"),
+                0 | 7 => "revoked the communicator (ncclCommRevoke)".to_string(),
+                r => format!("tried to revoke the communicator (ncclCommRevoke returned {r})"),
             };
             (how, false)
         }
@@ -470,7 +470,7 @@ fn revoke(state: &Arc<CommState>, culprit: Option<(u64, u32)>, why: &str) {
             let result = unsafe { (nccl.comm_abort)(comm) };
             (
                 format!(
-                    "aborted it (ncclCommAbort returned {result}; NCCL {} has no ncclCommRevoke, which came with 2.28.7): the communicator is gone",
+                    "aborted the communicator (ncclCommAbort returned {result}; NCCL {} has no ncclCommRevoke, which came with 2.28.7): it is gone",
                     nccl.version_text()
                 ),
                 true,
@@ -486,7 +486,7 @@ fn revoke(state: &Arc<CommState>, culprit: Option<(u64, u32)>, why: &str) {
         Error {
         kind: ErrorKind::Nccl(NCCL_REMOTE_ERROR),
         message: format!(
-            "ncclReshard call #{number} on rank {rank} {what}; the library {how}, so every operation pending on it ended and work enqueued after the call runs; the destination views of the calls on it hold undefined bytes. Next: {next}; a successful call rewrites every destination byte"
+            "ncclReshard on rank {rank} (call #{number} in flight on its communicator) {what}; the library {how}, so every operation pending on the communicator ended and work enqueued after the call runs; the destination views of the calls on it hold undefined bytes. Next: {next}; a successful call rewrites every destination byte"
         ),
     }
     };
