@@ -101,7 +101,7 @@ fn scenario(seed: u64, index: u64) -> Scenario {
             ),
             // TP4 trainers (no replicas) → DP2 × TP2 inference.
             1 => (
-                layout(mesh(&[4], &[0, 1, 2, 3]), &[s((t % 2) as usize)]),
+                layout(mesh(&[4], &[0, 1, 2, 3]), &[s(t % 2)]),
                 layout(mesh(&[2, 2], &[4, 5, 6, 7]), &[r, s(0)]),
             ),
             // Colocated: DP2 × TP4 trainers on all eight → TP2 × DP4 inference on all eight.
