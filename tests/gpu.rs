@@ -15,11 +15,12 @@ use ncclreshard::exec::buffers::CallBuffers;
 use ncclreshard::plan::{Buffer, RankProgram};
 use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
 use ncclreshard::transport::host::{execute, RankBuffers};
-use ncclreshard::transport::nccl::NcclTransport;
+use ncclreshard::transport::nccl::{self as transport, NcclTransport};
 use ncclreshard::{Config, DType, ErrorKind, Mode, Placement, Planner, TensorSpec, Topology};
 use ncclreshard_tools::check::{check_with_conversions, rank_buffers};
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Plans `rank`'s part (as every rank does on its own), runs it once on the rank's stream and
 /// communicator, checks every destination byte. Returns the elements checked.
@@ -141,6 +142,86 @@ fn one_rank_colocated_layouts_are_byte_exact() {
         "gpu: one-rank colocated layouts: {} cases x 3 modes x (local, NCCL self, NCCL self in 3 rounds) byte-exact, {total} elements checked; {overlapped} plans ran late unpacks on a side stream",
         cases.len()
     );
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL: scripts/gpu-check.sh, scripts/emulated-gpu-tests.sh"]
+fn a_deadline_never_fires_on_a_healthy_call_and_a_revoke_frees_the_stream() {
+    // On one GPU (a one-rank communicator, data through NCCL self messages): the whole cycle of
+    // docs/resilience.md but the peer that dies, which one rank cannot have. An NCCL receive
+    // that no send matches stands for the dead peer's operation.
+    let (tensors, _) = all_to_all(1, 256);
+    let config = Config {
+        mode: Mode::Auto,
+        rounds: 2,
+        split_min_bytes: 1024,
+        local_via_messages: true,
+        ..Default::default()
+    };
+    with_ranks(1, true, |rank| {
+        let plan = plan_of(&tensors, 0, &config).unwrap();
+        let guarded = NcclTransport::for_plan(&plan).with_deadline(Some(2000));
+        let stream = rank.device.stream.cast();
+        // Healthy calls with a deadline: byte-exact, no revoke.
+        for salt in [0, 1] {
+            let data = prepare_salted(&rank.device, &tensors, 0, salt);
+            guarded
+                .execute(&data.buffers(), rank.comm, stream)
+                .unwrap_or_else(|e| panic!("healthy call: {e}"));
+            transport::comm_wait(rank.comm).unwrap_or_else(|e| panic!("false alarm: {e}"));
+            rank.device.sync();
+            data.verify(&rank.device, &tensors, 0);
+            data.free(&rank.device);
+        }
+        // An operation no peer matches blocks the stream until the communicator is revoked.
+        let dangling = rank.device.upload(&[0u8; 64]);
+        // SAFETY: a receive into our own buffer on our communicator and stream.
+        let posted = unsafe {
+            (nccl().recv)(dangling as *mut c_void, 64, 0, 0, rank.comm, stream)
+        };
+        assert_eq!(posted, 0);
+        // SAFETY: a query of our own stream.
+        let busy = unsafe { sys::cuStreamQuery(rank.device.stream) };
+        assert_eq!(busy, sys::CUresult::CUDA_ERROR_NOT_READY, "the receive should wait");
+        let revoked_at = Instant::now();
+        // SAFETY: our communicator.
+        unsafe { transport::comm_revoke(rank.comm) }.unwrap();
+        rank.device.sync();
+        let freed = revoked_at.elapsed();
+        assert!(freed < Duration::from_secs(5), "the stream stayed blocked {freed:?}");
+        let failure = transport::comm_status(rank.comm).expect_err("revoked");
+        assert!(failure.message.contains("ncclReshardCommRevoke"), "{failure}");
+        // Nothing more is posted on it: refused before any NCCL operation.
+        let data = prepare(&rank.device, &tensors, 0);
+        let refused = guarded
+            .execute(&data.buffers(), rank.comm, stream)
+            .expect_err("a revoked communicator");
+        assert_eq!(refused.kind, ErrorKind::InvalidUsage, "{refused}");
+        assert!(refused.message.contains("was revoked"), "{refused}");
+        // Shrunk (excluding nobody here), it serves the plan again.
+        // SAFETY: our communicator, shrunk by every (the one) survivor.
+        let shrunk = unsafe {
+            transport::comm_shrink(rank.comm, &[], std::ptr::null_mut(), true)
+        }
+        .unwrap_or_else(|e| panic!("shrink: {e}"));
+        guarded
+            .execute(&data.buffers(), shrunk, stream)
+            .unwrap_or_else(|e| panic!("after the shrink: {e}"));
+        transport::comm_wait(shrunk).unwrap_or_else(|e| panic!("after the shrink: {e}"));
+        rank.device.sync();
+        data.verify(&rank.device, &tensors, 0);
+        data.free(&rank.device);
+        rank.device.free(dangling);
+        // SAFETY: the new communicator, destroyed once (the harness destroys the old one).
+        unsafe {
+            let destroyed = (nccl().destroy)(shrunk);
+            settle(shrunk, destroyed, "ncclCommDestroy");
+        }
+        println!(
+            "gpu: deadline: healthy calls byte-exact with no revoke; an NCCL receive no peer matches ended by ncclCommRevoke, the stream free after {} ms; the revoked communicator refused, its shrink byte-exact",
+            freed.as_millis()
+        );
+    });
 }
 
 /// Multi-rank cases over `n` ranks (mesh [n] on ranks 0..n unless said otherwise).

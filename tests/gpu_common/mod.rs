@@ -62,6 +62,8 @@ pub type AllReduceFn = unsafe extern "C" fn(
     *mut c_void,
 ) -> c_int;
 
+pub type RecvFn = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int;
+
 /// The NCCL functions the tests call themselves (the library finds the same NCCL).
 pub struct Nccl {
     pub get_unique_id: UniqueIdFn,
@@ -73,6 +75,7 @@ pub struct Nccl {
     pub group_start: GroupFn,
     pub group_end: GroupFn,
     pub all_reduce: AllReduceFn,
+    pub recv: RecvFn,
 }
 
 pub fn nccl() -> &'static Nccl {
@@ -104,6 +107,7 @@ pub fn nccl() -> &'static Nccl {
                 group_start: t::<*mut c_void, GroupFn>(sym("ncclGroupStart")),
                 group_end: t::<*mut c_void, GroupFn>(sym("ncclGroupEnd")),
                 all_reduce: t::<*mut c_void, AllReduceFn>(sym("ncclAllReduce")),
+                recv: t::<*mut c_void, RecvFn>(sym("ncclRecv")),
             }
         }
     })
