@@ -7,7 +7,8 @@
 #    test_header_structs.py compiles against the NVIDIA headers scripts/native-tests.sh puts in
 #    target/native-venv (or NCCL_RESHARD_NATIVE_INCLUDE) and fails without them;
 #  - python/examples/refit_torchrun.py on 8 emulated GPUs when scripts/build-emulator.sh and
-#    scripts/native-tests.sh (NVRTC) have run, as scripts/test.sh does before this.
+#    scripts/native-tests.sh (NVRTC) have run, as scripts/test.sh does before this; then again
+#    with an inference rank dying mid-refit (--kill 5): the survivors must recover byte-exact.
 # The venv is reused while the requirements file is unchanged (torch is about 3 GB).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,6 +39,17 @@ if [ -e "$emu/libnccl.so.2" ] && [ -n "$nvrtc" ]; then
   echo "== python/examples/refit_torchrun.py on 8 emulated GPUs"
   NCCL_RESHARD_NVRTC_LIBRARY="$nvrtc/cuda_nvrtc/lib/libnvrtc.so.12" \
     "$py" python/examples/refit_torchrun.py --emulated "$emu" --ranks 8 --steps 3
+  echo "== the same with inference rank 5 dying before step 1 (deadline, shrink, survivors' plan)"
+  log=$(mktemp)
+  status=0
+  NCCL_RESHARD_NVRTC_LIBRARY="$nvrtc/cuda_nvrtc/lib/libnvrtc.so.12" \
+    "$py" python/examples/refit_torchrun.py --emulated "$emu" --ranks 8 --steps 3 --kill 5 \
+    >"$log" 2>&1 || status=$?
+  # The survivors' deadline reports are long; one is enough to see.
+  grep -m1 ': step 1: ncclReshardCommWait' "$log" || true
+  grep -v ': step 1: ncclReshardCommWait' "$log" || true
+  [ "$status" -eq 0 ] && grep -q 'rank 5 died and the others recovered: every byte OK' "$log"
+  rm -f "$log"
 else
   echo "== the example on emulated GPUs needs scripts/build-emulator.sh and scripts/native-tests.sh first: skipped"
 fi

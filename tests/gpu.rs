@@ -176,21 +176,29 @@ fn a_deadline_never_fires_on_a_healthy_call_and_a_revoke_frees_the_stream() {
         // An operation no peer matches blocks the stream until the communicator is revoked.
         let dangling = rank.device.upload(&[0u8; 64]);
         // SAFETY: a receive into our own buffer on our communicator and stream.
-        let posted = unsafe {
-            (nccl().recv)(dangling as *mut c_void, 64, 0, 0, rank.comm, stream)
-        };
+        let posted = unsafe { (nccl().recv)(dangling as *mut c_void, 64, 0, 0, rank.comm, stream) };
         assert_eq!(posted, 0);
         // SAFETY: a query of our own stream.
         let busy = unsafe { sys::cuStreamQuery(rank.device.stream) };
-        assert_eq!(busy, sys::CUresult::CUDA_ERROR_NOT_READY, "the receive should wait");
+        assert_eq!(
+            busy,
+            sys::CUresult::CUDA_ERROR_NOT_READY,
+            "the receive should wait"
+        );
         let revoked_at = Instant::now();
         // SAFETY: our communicator.
         unsafe { transport::comm_revoke(rank.comm) }.unwrap();
         rank.device.sync();
         let freed = revoked_at.elapsed();
-        assert!(freed < Duration::from_secs(5), "the stream stayed blocked {freed:?}");
+        assert!(
+            freed < Duration::from_secs(5),
+            "the stream stayed blocked {freed:?}"
+        );
         let failure = transport::comm_status(rank.comm).expect_err("revoked");
-        assert!(failure.message.contains("ncclReshardCommRevoke"), "{failure}");
+        assert!(
+            failure.message.contains("ncclReshardCommRevoke"),
+            "{failure}"
+        );
         // Nothing more is posted on it: refused before any NCCL operation.
         let data = prepare(&rank.device, &tensors, 0);
         let refused = guarded
@@ -200,10 +208,8 @@ fn a_deadline_never_fires_on_a_healthy_call_and_a_revoke_frees_the_stream() {
         assert!(refused.message.contains("was revoked"), "{refused}");
         // Shrunk (excluding nobody here), it serves the plan again.
         // SAFETY: our communicator, shrunk by every (the one) survivor.
-        let shrunk = unsafe {
-            transport::comm_shrink(rank.comm, &[], std::ptr::null_mut(), true)
-        }
-        .unwrap_or_else(|e| panic!("shrink: {e}"));
+        let shrunk = unsafe { transport::comm_shrink(rank.comm, &[], std::ptr::null_mut(), true) }
+            .unwrap_or_else(|e| panic!("shrink: {e}"));
         guarded
             .execute(&data.buffers(), shrunk, stream)
             .unwrap_or_else(|e| panic!("after the shrink: {e}"));

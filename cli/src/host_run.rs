@@ -154,9 +154,9 @@ pub fn verify(
             let mut failures = Vec::new();
             let conversion = conversions[t].as_ref();
             let expected = conversion.map(|c| expected_conversion(spec, c, t as u32));
-            let mut holders: Vec<u32> = spec.dst.mesh.ranks().to_vec();
+            let mut holders: Vec<u32> = spec.dst.mesh.live_ranks().collect();
             if let Some(layout) = conversion.and_then(|c| c.scale_layout(spec)) {
-                holders.extend(layout.mesh.ranks());
+                holders.extend(layout.mesh.live_ranks());
                 holders.sort_unstable();
                 holders.dedup();
             }
@@ -232,7 +232,7 @@ struct Route {
 fn route(spec: &TensorSpec) -> Route {
     let elem = u64::from(spec.elem_size());
     let root = spec.src.mesh.sorted_ranks().next().unwrap_or(0);
-    let mut holders: Vec<u32> = spec.src.mesh.ranks().to_vec();
+    let mut holders: Vec<u32> = spec.src.mesh.live_ranks().collect();
     // The root first, so a shard it holds is never fetched from a replica.
     holders.sort_by_key(|&r| (r != root, r));
     let mut seen: HashSet<Vec<IndexRuns>> = HashSet::new();
@@ -251,7 +251,7 @@ fn route(spec: &TensorSpec) -> Route {
         shards.push((holder, view));
     }
     let full = spec.shape.iter().product::<u64>() * elem;
-    let receivers = spec.dst.mesh.ranks().iter().filter(|&&r| r != root).count() as u64;
+    let receivers = spec.dst.mesh.live_ranks().filter(|&r| r != root).count() as u64;
     bytes.broadcast = full * receivers;
     Route {
         root,

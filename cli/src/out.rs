@@ -1,5 +1,6 @@
 //! Writing to stdout without panicking when the reader goes away (`ncclreshard … | head`).
 
+use ncclreshard::Mesh;
 use std::io::Write;
 
 /// Writes `text` to stdout. If stdout is closed or fails, there is no one left to report to:
@@ -24,11 +25,24 @@ pub fn line(text: &str) {
 pub fn ranks(ranks: &[u32]) -> String {
     match (ranks.first(), ranks.last()) {
         (Some(&first), Some(&last))
-            if ranks.len() > 2 && ranks.windows(2).all(|w| w[1] == w[0] + 1) =>
+            if ranks.len() > 2 && ranks.windows(2).all(|w| w[0].checked_add(1) == Some(w[1])) =>
         {
             format!("{first}-{last}")
         }
-        _ => format!("{ranks:?}"),
+        _ => {
+            // Holes (a survivors' layout) as `_`.
+            let shown: Vec<String> = ranks
+                .iter()
+                .map(|&r| {
+                    if r == Mesh::HOLE {
+                        "_".to_string()
+                    } else {
+                        r.to_string()
+                    }
+                })
+                .collect();
+            format!("[{}]", shown.join(", "))
+        }
     }
 }
 

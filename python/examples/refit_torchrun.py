@@ -21,6 +21,14 @@ so device memory comes from the emulated cudart through ctypes and the views are
 checked against the plan on CPU twins first:
 
     python python/examples/refit_torchrun.py --emulated target/emu/lib --ranks 8 --steps 3
+
+Surviving a failure (docs/resilience.md), on the emulator: ``--kill 5 --kill-step 1`` makes
+inference rank 5 die before its call of step 1. Every call has a deadline (``--timeout-ms``);
+after each step the ranks report to the store and rank 0 (a trainer) decides who is gone; the
+survivors shrink the communicator, plan for themselves (``Config(failed_ranks=...)``), redo the
+step and go on; every surviving inference byte is checked at the end:
+
+    python python/examples/refit_torchrun.py --emulated target/emu/lib --ranks 8 --steps 3 --kill 5
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="refits to run")
     parser.add_argument("--emulated", metavar="DIR", help="run on the emulator in DIR (target/emu/lib)")
     parser.add_argument("--ranks", type=int, default=8, help="emulated ranks (threads)")
+    parser.add_argument("--kill", type=int, metavar="RANK", help="an inference rank that dies (emulated)")
+    parser.add_argument("--kill-step", type=int, default=1, help="the step before whose call it dies")
+    parser.add_argument("--timeout-ms", type=int, default=2000, help="each call's deadline with --kill")
     return parser.parse_args()
 
 
@@ -218,10 +229,32 @@ def _fake_rank_shards(rank: int, world: int, train: List[int], dp: int, tp: int)
         dist.destroy_process_group()
 
 
+def membership(store, rank: int, world: int, step: int, failed: List[int], wait_s: float) -> List[int]:
+    """Who is gone after `step`, the same answer on every survivor: each rank reports to the
+    store; rank 0 (the coordinator, a trainer) waits up to `wait_s` for the reports and
+    publishes the ranks that sent none. This is the application's part (an RL stack's
+    controller decides the same way); the library only makes sure nobody waits forever."""
+    import json
+    import time
+
+    store.set(f"step{step}/alive/{rank}", "1")
+    if rank == 0:
+        waiting = [r for r in range(world) if r not in failed]
+        until = time.monotonic() + wait_s
+        while waiting and time.monotonic() < until:
+            waiting = [r for r in waiting if not store.check([f"step{step}/alive/{r}"])]
+            time.sleep(0.01)
+        store.set(f"step{step}/failed", json.dumps(waiting))
+    return json.loads(store.get(f"step{step}/failed"))
+
+
 def run_emulated(lib_dir: str, world: int, steps: int) -> int:
     import threading
+    import time
 
     train, (dp, tp), infer = groups(world)
+    if ARGS.kill is not None and ARGS.kill not in infer:
+        raise SystemExit(f"--kill {ARGS.kill}: pick an inference rank ({infer})")
     # DTensor on the CPU (torch's fake backend, one trainer rank at a time) gives each trainer
     # rank its FSDP2 + TP shards and every rank the layouts.
     shards: Dict[int, Dict[str, torch.Tensor]] = {}
@@ -234,6 +267,8 @@ def run_emulated(lib_dir: str, world: int, steps: int) -> int:
     cuda = Cudart(lib_dir)
     server = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False)
     results: Dict[int, str] = {}
+    survivors_done = threading.Event()
+    finished = threading.Semaphore(0)
 
     def rank_main(rank: int) -> None:
         try:
@@ -258,17 +293,59 @@ def run_emulated(lib_dir: str, world: int, steps: int) -> int:
                     out.append(device[name] + view.storage_offset() * view.element_size())
                 return out
 
-            with nr.Plan(recipe.specs, rank, nr.Config(mode="auto", ranks_per_node=4)) as plan:
-                plan.check_tensors(src_twins, dst_twins, devices=False)
-                src_ptrs, dst_ptrs = pointers(src_twins, "src"), pointers(dst_twins, "dst")
-                for step in range(steps):
-                    for name, t in host.items():
-                        train_step(t, step)
-                        cuda.copy(device[name], t.data_ptr(), t.numel() * t.element_size(), Cudart.H2D, stream)
+            deadline = ARGS.timeout_ms if ARGS.kill is not None else None
+            config = nr.Config(mode="auto", ranks_per_node=4, timeout_ms=deadline)
+            plan = nr.Plan(recipe.specs, rank, config)
+            plan.check_tensors(src_twins, dst_twins, devices=False)
+            src_ptrs, dst_ptrs = pointers(src_twins, "src"), pointers(dst_twins, "dst")
+            failed: List[int] = []
+            recovery = ""
+            for step in range(steps):
+                if rank == ARGS.kill and step == ARGS.kill_step:
+                    # This rank dies: it never calls again. Its process would be gone; here its
+                    # thread lingers until the survivors are done, then drops its state.
+                    survivors_done.wait()
+                    nccl_lib = nr.nccl.cdll()
+                    nccl_lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
+                    nccl_lib.ncclCommAbort(ctypes.c_void_p(comm.handle))
                     cuda.sync(stream)
-                    plan.reshard_pointers(src_ptrs, dst_ptrs, comm, stream)
+                    for ptr in device.values():
+                        cuda.free(ptr)
+                    results[rank] = f"died before step {step}"
+                    return
+                for name, t in host.items():
+                    train_step(t, step)
+                    cuda.copy(device[name], t.data_ptr(), t.numel() * t.element_size(), Cudart.H2D, stream)
                 cuda.sync(stream)
-                info = plan.info
+                started = time.monotonic()
+                plan.reshard_pointers(src_ptrs, dst_ptrs, comm, stream)
+                if deadline is None:
+                    continue
+                try:
+                    nr.comm_wait(comm)  # bounded by the deadline
+                except nr.RemoteError as error:
+                    print(f"rank {rank}: step {step}: {error.message.splitlines()[0]}", flush=True)
+                cuda.sync(stream)  # never blocked: a failed call's work was revoked
+                # Every survivor reports by its deadline: wait that long again for the last.
+                gone = membership(store, rank, world, step, failed, deadline / 1000 + 1)
+                if not gone:
+                    continue
+                # Recover: the survivors' communicator, the survivors' plan, the step again.
+                failed = sorted(failed + gone)
+                shrunk = nr.comm_shrink(comm, [config.survivor_of(r) for r in gone])
+                comm.close()
+                comm = shrunk
+                plan.close()
+                config = nr.Config(mode="auto", ranks_per_node=4, timeout_ms=deadline, failed_ranks=failed)
+                plan = nr.Plan(recipe.specs, config.survivor_of(rank), config)
+                plan.reshard_pointers(src_ptrs, dst_ptrs, comm, stream)
+                nr.comm_wait(comm)
+                cuda.sync(stream)
+                recovery = (f"; ranks {gone} gone at step {step}, recovered as rank {plan.rank} of "
+                            f"{comm.size} in {time.monotonic() - started:.2f} s")
+            cuda.sync(stream)
+            info = plan.info
+            plan.close()
             for name, t in expected.items():
                 got = twins[name]
                 cuda.copy(got.data_ptr(), device[name], got.numel() * got.element_size(), Cudart.D2H, stream)
@@ -278,11 +355,20 @@ def run_emulated(lib_dir: str, world: int, steps: int) -> int:
                 cuda.free(ptr)
             comm.close()
             state = f"MISMATCH in {bad}" if bad else ("every byte OK" if expected else "trainer")
-            results[rank] = (f"{info.bytes_sent} B sent, {info.bytes_received} B received per step; {state}")
+            results[rank] = (f"{info.bytes_sent} B sent, {info.bytes_received} B received per step; "
+                             f"{state}{recovery}")
         except Exception as error:  # reported below; the other ranks may then wait in NCCL
             results[rank] = f"FAILED: {error!r}"
+        finally:
+            finished.release()
+
+    def release_the_dead() -> None:
+        for _ in range(world - (ARGS.kill is not None)):
+            finished.acquire()
+        survivors_done.set()
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    threads.append(threading.Thread(target=release_the_dead))
     for t in threads:
         t.start()
     for t in threads:
@@ -290,11 +376,15 @@ def run_emulated(lib_dir: str, world: int, steps: int) -> int:
     for r in range(world):
         print(f"rank {r}: {steps} refits, {results.get(r, 'no result')}")
     ok = all("FAILED" not in v and "MISMATCH" not in v for v in results.values()) and len(results) == world
-    print(f"refit on {world} emulated GPUs: {'every byte OK' if ok else 'FAILED'}")
+    survived = f", rank {ARGS.kill} died and the others recovered" if ARGS.kill is not None else ""
+    print(f"refit on {world} emulated GPUs{survived}: {'every byte OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
     if ARGS.emulated:
         sys.exit(run_emulated(os.path.abspath(ARGS.emulated), ARGS.ranks, ARGS.steps))
+    if ARGS.kill is not None:
+        sys.exit("--kill runs on the emulator only (--emulated): a real process that dies takes "
+                 "its torchrun job with it; docs/resilience.md shows the same steps for GPUs")
     sys.exit(run_gpus(ARGS.steps))

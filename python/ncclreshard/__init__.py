@@ -6,10 +6,25 @@ another layout over other GPUs, peer to peer over NCCL (libncclreshard's C ABI v
                          src=nr.Layout.from_dtensor(param), dst=nr.Layout([2], 4, [nr.Shard(1)]))
     with nr.Plan([spec], rank) as plan:          # once; no communication
         plan.reshard([param.to_local()], [None], comm)   # every step, on the current stream
+
+With a deadline (``Config(timeout_ms=...)``) a dead or stalled peer makes the call fail instead
+of hang: ``comm_wait`` raises ``RemoteError``; the survivors ``comm_shrink`` the communicator,
+plan with ``Config(failed_ranks=...)`` and call again (docs/resilience.md).
 """
 
-from ._lib import InvalidArgumentError, NcclReshardError, library_path
-from .comm import Communicator, comm_from_pynccl, comm_from_process_group, init_comm
+from ._lib import InvalidArgumentError, NcclReshardError, RemoteError, library_path
+from .comm import (
+    Communicator,
+    comm_from_pynccl,
+    comm_from_process_group,
+    comm_get_unique_id,
+    comm_grow,
+    comm_revoke,
+    comm_shrink,
+    comm_status,
+    comm_wait,
+    init_comm,
+)
 from .layout import Layout, local_runs, local_shape
 from .nccl import NcclLibrary, nccl_library
 from .placements import Placement, Replicate, Shard, StridedShard
@@ -34,6 +49,7 @@ __all__ = [
     "PlanCache",
     "PlanInfo",
     "Quant",
+    "RemoteError",
     "Replicate",
     "Shard",
     "StridedShard",
@@ -41,6 +57,12 @@ __all__ = [
     "Transfer",
     "comm_from_process_group",
     "comm_from_pynccl",
+    "comm_get_unique_id",
+    "comm_grow",
+    "comm_revoke",
+    "comm_shrink",
+    "comm_status",
+    "comm_wait",
     "init_comm",
     "library_path",
     "local_runs",

@@ -17,11 +17,14 @@ from typing import Optional
 MAX_DIMS = 8
 UNDEF_INT = -2147483648
 CONFIG_MAGIC = 0x52455348
+RANK_NONE = -1  # NCCL_RESHARD_RANK_NONE: a mesh position whose rank is gone
 
 # ncclResult_t codes (nccl.h).
 SUCCESS = 0
 INVALID_ARGUMENT = 4
 INVALID_USAGE = 5
+REMOTE_ERROR = 6
+IN_PROGRESS = 7
 _RESULT_NAMES = {
     0: "ncclSuccess",
     1: "ncclUnhandledCudaError",
@@ -48,6 +51,12 @@ class NcclReshardError(RuntimeError):
 
 class InvalidArgumentError(NcclReshardError, ValueError):
     """``ncclInvalidArgument``: a descriptor field, pointer or buffer is wrong."""
+
+
+class RemoteError(NcclReshardError):
+    """``ncclRemoteError``: a call with a deadline missed it (a peer died, stalled or never
+    called) or NCCL reported an asynchronous error; the library revoked the communicator. The
+    message says which call, what had not completed and what to do next (docs/resilience.md)."""
 
 
 class Placement_t(ctypes.Structure):
@@ -188,6 +197,13 @@ _SIGNATURES = {
         ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), _I, ctypes.POINTER(_I),
     ],
     "ncclReshardGetVersion": [ctypes.POINTER(_I)],
+    # Since 0.5 (docs/resilience.md); the ncclConfig_t pointers are passed as NULL.
+    "ncclReshardCommGetStatus": [_P, ctypes.POINTER(_I)],
+    "ncclReshardCommWait": [_P],
+    "ncclReshardCommRevoke": [_P],
+    "ncclReshardCommShrink": [_P, ctypes.POINTER(_I), _I, ctypes.POINTER(_P), _P, _I],
+    "ncclReshardCommGetUniqueId": [_P, ctypes.c_char_p],
+    "ncclReshardCommGrow": [_P, _I, ctypes.c_char_p, _I, ctypes.POINTER(_P), _P],
     "ncclReshardGetNcclLibrary": [ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_I)],
 }
 
@@ -251,8 +267,15 @@ class _Library:
         code = getattr(self.cdll, function)(*args)
         if code != SUCCESS:
             message = (self.cdll.ncclReshardGetLastError() or b"").decode(errors="replace")
-            kind = InvalidArgumentError if code == INVALID_ARGUMENT else NcclReshardError
-            raise kind(function, code, message)
+            raise error(function, code, message)
+
+
+def error(function: str, code: int, message: str) -> NcclReshardError:
+    """The exception for `code`: InvalidArgumentError, RemoteError or NcclReshardError."""
+    kind = {INVALID_ARGUMENT: InvalidArgumentError, REMOTE_ERROR: RemoteError}.get(
+        code, NcclReshardError
+    )
+    return kind(function, code, message)
 
 
 _loaded: Optional[_Library] = None

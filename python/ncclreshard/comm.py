@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from . import nccl
+from . import _lib, nccl
 
 _UNIQUE_ID_BYTES = 128
 
@@ -165,3 +165,107 @@ def init_comm(
     lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, NcclUniqueId, ctypes.c_int]
     _check(lib, lib.ncclCommInitRank(ctypes.byref(handle), world_size, unique, rank), "ncclCommInitRank")
     return Communicator(handle.value or 0, rank, world_size, owned=True)
+
+
+# Failures (docs/resilience.md): the outcome of calls with a deadline, and the communicator
+# operations that recover from a rank that is gone, through the NCCL the library uses.
+
+_STATUS = {_lib.SUCCESS: "ok", _lib.IN_PROGRESS: "running", _lib.REMOTE_ERROR: "failed"}
+
+
+def comm_status(comm: Any) -> str:
+    """The outcome of this rank's calls with a deadline on `comm`, without waiting
+    (``ncclReshardCommGetStatus``): ``"ok"`` (none running, none failed), ``"running"`` (one
+    is still within its deadline) or ``"failed"`` (one missed its deadline or NCCL reported an
+    asynchronous error, and the library revoked `comm`; :func:`comm_wait` raises the detail).
+    Calls without a deadline are not counted."""
+    status = ctypes.c_int()
+    _lib.lib().call("ncclReshardCommGetStatus", comm_handle(comm), ctypes.byref(status))
+    return _STATUS.get(status.value, f"ncclResult_t {status.value}")
+
+
+def comm_wait(comm: Any) -> None:
+    """Waits until none of this rank's calls with a deadline on `comm` is running
+    (``ncclReshardCommWait``; bounded by their deadlines once the streams reached them) and
+    raises :class:`RemoteError` if one failed: its message names the call, the round and peers
+    that had not completed, and the next steps (:func:`comm_shrink`, a plan with
+    ``Config(failed_ranks=...)``, call again). The failure stays until `comm` is shrunk."""
+    _lib.lib().call("ncclReshardCommWait", comm_handle(comm))
+
+
+def comm_revoke(comm: Any) -> None:
+    """Revokes `comm` now (``ncclReshardCommRevoke``), for an application that learned
+    otherwise that a rank is gone: everything pending on it ends, running calls with a deadline
+    fail, further calls on it are refused; then every survivor calls :func:`comm_shrink`. With
+    an NCCL older than 2.28.7 the communicator is aborted instead (do not close it then)."""
+    _lib.lib().call("ncclReshardCommRevoke", comm_handle(comm))
+
+
+def comm_shrink(comm: Any, failed_ranks: Sequence[int], abort: bool = True) -> Communicator:
+    """The survivors' communicator (``ncclReshardCommShrink``, NCCL 2.27.3 or newer): every
+    survivor (and only they) calls it with the same `failed_ranks` (ranks of `comm`); each keeps
+    its order, its rank less the failed ranks below it. `abort` (``NCCL_SHRINK_ABORT``, the
+    default) ends whatever is pending on `comm` first, as after a failure; ``abort=False``
+    needs `comm` idle (a revoked `comm` is always shrunk with abort). Collective over the
+    survivors; returns an owned :class:`Communicator` (close it when done) after which `comm`'s
+    failure is forgotten: close or drop `comm` (``ncclCommDestroy`` for an owned one).
+
+    Raises ValueError for a bad list, NcclReshardError for what NCCL or the library refuses
+    (an NCCL without ``ncclCommShrink`` names the version needed)."""
+    failed = [int(r) for r in failed_ranks]
+    if len(set(failed)) != len(failed) or any(r < 0 for r in failed):
+        raise ValueError(f"failed_ranks {failed} must be distinct non-negative ranks")
+    table = (ctypes.c_int * max(1, len(failed)))(*failed)
+    new = ctypes.c_void_p()
+    _lib.lib().call(
+        "ncclReshardCommShrink", comm_handle(comm), table, len(failed), ctypes.byref(new), None,
+        1 if abort else 0,
+    )
+    size, rank = _count_and_rank(new.value or 0)
+    return Communicator(new.value or 0, rank, size, owned=True)
+
+
+def comm_get_unique_id(comm: Any) -> bytes:
+    """The ``ncclUniqueId`` with which ranks join `comm` in :func:`comm_grow`
+    (``ncclReshardCommGetUniqueId``, NCCL 2.29.2 or newer), made by the coordinator of the
+    grow: pass it to the new ranks out of band (e.g. a ``torch.distributed`` store)."""
+    unique = ctypes.create_string_buffer(_UNIQUE_ID_BYTES)
+    _lib.lib().call("ncclReshardCommGetUniqueId", comm_handle(comm), unique)
+    return unique.raw
+
+
+def comm_grow(
+    comm: Any, world_size: int, unique_id: Optional[bytes] = None, rank: Optional[int] = None
+) -> Communicator:
+    """The communicator grown to `world_size` ranks (``ncclReshardCommGrow``, NCCL 2.29.2 or
+    newer): ranks of `comm` pass it, with `unique_id` on the coordinator only (from
+    :func:`comm_get_unique_id`); new ranks pass `comm` None, the coordinator's `unique_id` and
+    their `rank` (from the old size to ``world_size - 1``). Collective over old and new ranks;
+    returns an owned :class:`Communicator`; close the old one afterwards. Plans for it name
+    the new ranks in their layouts."""
+    if unique_id is not None and len(unique_id) != _UNIQUE_ID_BYTES:
+        raise ValueError(f"unique_id has {len(unique_id)} bytes; an ncclUniqueId has {_UNIQUE_ID_BYTES}")
+    if comm is None and (unique_id is None or rank is None):
+        raise ValueError("a new rank (comm None) passes the coordinator's unique_id and its rank")
+    parent = None if comm is None else comm_handle(comm)
+    new = ctypes.c_void_p()
+    _lib.lib().call(
+        "ncclReshardCommGrow", parent, world_size, unique_id, -1 if rank is None else rank,
+        ctypes.byref(new), None,
+    )
+    size, new_rank = _count_and_rank(new.value or 0)
+    return Communicator(new.value or 0, new_rank, size, owned=True)
+
+
+def comm_handle(comm: Any) -> int:
+    """The ``ncclComm_t`` address of `comm` (a :class:`Communicator`, a ``c_void_p`` or an
+    int); TypeError for anything else or NULL."""
+    handle = getattr(comm, "handle", comm)
+    if isinstance(handle, ctypes.c_void_p):
+        handle = handle.value or 0
+    if isinstance(handle, bool) or not isinstance(handle, int) or handle == 0:
+        raise TypeError(
+            "comm must be an ncclreshard Communicator (comm_from_process_group, "
+            f"comm_from_pynccl, init_comm, comm_shrink) or a non-NULL ncclComm_t address, got {comm!r}"
+        )
+    return handle

@@ -33,11 +33,13 @@ class Layout:
     row-major.
 
     ``ranks`` is the row-major rank table (a flat or nested sequence, or a torch tensor of the
-    mesh's shape), or one int: the first of contiguous ranks.
+    mesh's shape), or one int: the first of contiguous ranks. ``None`` in the table is a
+    position whose rank is gone (``NCCL_RESHARD_RANK_NONE``): its shard is then held only by
+    replicas elsewhere in the mesh, if any.
     """
 
     mesh_shape: Tuple[int, ...]
-    ranks: Tuple[int, ...]
+    ranks: Tuple[Optional[int], ...]
     placements: Tuple[Placement, ...]
     strides: Optional[Tuple[int, ...]]
 
@@ -60,12 +62,16 @@ class Layout:
         else:
             if hasattr(ranks, "flatten") and hasattr(ranks, "tolist"):
                 ranks = ranks.flatten().tolist()  # a torch tensor, as DeviceMesh.mesh
-            table = _ints(_flatten(ranks), "ranks", 0)
+            flat = _flatten(ranks)
+            table = tuple(
+                None if v is None else _ints([v], f"ranks[{i}]", 0)[0] for i, v in enumerate(flat)
+            )
             if len(table) != size:
                 raise ValueError(
                     f"ranks has {len(table)} entries but mesh_shape {list(shape)} holds {size}"
                 )
-            if len(set(table)) != len(table):
+            live = [r for r in table if r is not None]
+            if len(set(live)) != len(live):
                 raise ValueError(f"ranks {list(table)} has a rank twice")
         places = tuple(placements)
         if len(places) != len(shape):
@@ -85,7 +91,14 @@ class Layout:
     def first_rank(self) -> Optional[int]:
         """The first rank when the table is contiguous, else None."""
         first = self.ranks[0]
+        if first is None:
+            return None
         return first if self.ranks == tuple(range(first, first + len(self.ranks))) else None
+
+    @property
+    def live_ranks(self) -> Tuple[int, ...]:
+        """The ranks of the table, holes left out."""
+        return tuple(r for r in self.ranks if r is not None)
 
     def with_strides(self, strides: Optional[Sequence[int]]) -> "Layout":
         """The same layout with local views of these element strides (None: dense)."""
@@ -146,7 +159,9 @@ class Layout:
         c.meshNdim = len(self.mesh_shape)
         for i, n in enumerate(self.mesh_shape):
             c.meshShape[i] = n
-        ranks = (ctypes.c_int * len(self.ranks))(*self.ranks)
+        ranks = (ctypes.c_int * len(self.ranks))(
+            *[_lib.RANK_NONE if r is None else r for r in self.ranks]
+        )
         c.ranks = ctypes.cast(ranks, ctypes.POINTER(ctypes.c_int))
         for i, p in enumerate(self.placements):
             c.placements[i] = _placements.to_c(p, f"{what}.placements[{i}]")

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _lib, dtypes
+from .comm import comm_handle as _comm_handle
 from .layout import Layout, local_shape
 from .spec import MODES, Case, Config, TensorSpec
 
@@ -94,18 +95,6 @@ def _dense(shape: Sequence[int]) -> Tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _comm_handle(comm: Any) -> int:
-    handle = getattr(comm, "handle", comm)
-    if isinstance(handle, ctypes.c_void_p):
-        handle = handle.value or 0
-    if isinstance(handle, bool) or not isinstance(handle, int) or handle == 0:
-        raise TypeError(
-            "comm must be an ncclreshard Communicator (comm_from_process_group, "
-            f"comm_from_pynccl, init_comm) or a non-NULL ncclComm_t address, got {comm!r}"
-        )
-    return handle
-
-
 def _stream_handle(stream: Any, device: Optional[torch.device]) -> Tuple[int, Any]:
     """(cudaStream_t, the torch stream or None)."""
     if stream is None:
@@ -128,9 +117,16 @@ class Plan:
     from several threads on different streams. ``close()`` (or leaving a ``with`` block)
     destroys it: work it enqueued must be complete by then.
 
+    With ``config.failed_ranks`` the plan is the survivors' plan (docs/resilience.md): `rank`
+    is this rank among the survivors (its rank in the communicator :func:`comm_shrink` made),
+    while the specs keep numbering ranks as before the failure; :attr:`original_rank` is this
+    rank in that numbering, the one views are cut for (``recipe.src_views(shards,
+    plan.original_rank)``).
+
     Raises ValueError/TypeError for a bad spec (the library's message names the tensor and
     field, e.g. ``tensors[2].src->placements[1].dim is 3…``), NcclReshardError for plans the
-    limits refuse (staging bound, groupable message cap).
+    limits refuse (staging bound, groupable message cap) and for a survivors' plan no survivor
+    can serve (``ncclInvalidUsage``: "no surviving rank holds …", the same on every survivor).
     """
 
     def __init__(
@@ -147,6 +143,7 @@ class Plan:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
         self.case = case
         self.rank = rank
+        self.original_rank = case.config.original_of(rank)
         self._handle: Optional[int] = None
         self._lock = threading.Lock()
         # The local shapes every call checks its tensors against (None: no view on that side).
@@ -195,10 +192,10 @@ class Plan:
     def _local(
         self, layout: Layout, spec: TensorSpec, index: int, side: str
     ) -> Optional[Tuple[int, ...]]:
-        if self.rank not in layout.ranks:
+        if self.original_rank not in layout.ranks:
             return None
         try:
-            return local_shape(layout, spec.shape, self.rank)
+            return local_shape(layout, spec.shape, self.original_rank)
         except _lib.NcclReshardError as e:
             raise type(e)(e.function, e.code, f"{spec.label(index)}.{side}: {e.message}") from None
 
@@ -313,13 +310,13 @@ class Plan:
                 if expected is None:
                     if given is not None:
                         raise ValueError(
-                            f"{what}: rank {self.rank} is not in this tensor's {side} mesh "
+                            f"{what}: rank {self.original_rank} is not in this tensor's {side} mesh "
                             f"{list(layout.ranks)}; pass None"
                         )
                     continue
                 if given is None:
                     raise ValueError(
-                        f"{what} is None but rank {self.rank} holds a {side} view of shape "
+                        f"{what} is None but rank {self.original_rank} holds a {side} view of shape "
                         f"{list(expected)}"
                     )
                 if not isinstance(given, torch.Tensor):
@@ -329,7 +326,7 @@ class Plan:
                     raise ValueError(f"{what}: dtype is {given.dtype}; the plan says {want}")
                 if tuple(given.shape) != expected:
                     raise ValueError(
-                        f"{what}: shape is {list(given.shape)}; rank {self.rank}'s local shape "
+                        f"{what}: shape is {list(given.shape)}; rank {self.original_rank}'s local shape "
                         f"is {list(expected)}"
                     )
                 self._check_strides(given, layout, what)
@@ -475,7 +472,7 @@ class PlanCache:
     not be destroyed while its work may still run)."""
 
     def __init__(self) -> None:
-        self._plans: Dict[Tuple[str, int], Plan] = {}
+        self._plans: Dict[Tuple[str, Optional[int], int], Plan] = {}
         self._by_fingerprint: Dict[int, Plan] = {}
         self._lock = threading.Lock()
 
@@ -490,7 +487,8 @@ class PlanCache:
             case = tensors if config is None else Case(tensors.tensors, config, tensors.name)
         else:
             case = Case(tuple(tensors), config if config is not None else Config())
-        key = (case.dumps(sort_keys=True), rank)
+        # The deadline is not part of a case; plans with different deadlines are different.
+        key = (case.dumps(sort_keys=True), case.config.timeout_ms, rank)
         with self._lock:
             plan = self._plans.get(key)
             if plan is None or plan.closed:

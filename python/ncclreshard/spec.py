@@ -17,6 +17,10 @@ from .layout import Layout, _ints
 from .placements import _index
 
 MODES = {"groupable": 0, "staged": 1, "auto": 2}
+# The config keys of case files (the deadline is a run-time setting, not part of a case).
+_CASE_KEYS = (
+    "mode", "ranks_per_node", "node_of_rank", "split_min_bytes", "rounds", "relay", "failed_ranks",
+)
 # ncclReshardQuantScheme_t and ncclReshardScaleFormat_t, by their case-file names.
 SCHEMES = {"none": 0, "per_tensor": 1, "per_channel": 2, "block": 3}
 SCALE_FORMATS = {"float32": 0, "e8m0": 1}
@@ -249,6 +253,13 @@ class Config:
     ``rounds``: rounds the data is cut into (staged/auto); ``relay``: forward data several
     replicas on one node need over NVLink (staged/auto, topology known). A case file without a
     mode is run under every mode by ``ncclreshard check``.
+
+    Failures (docs/resilience.md): ``timeout_ms``, the deadline of each call (0: none; ``None``:
+    ``NCCL_RESHARD_TIMEOUT_MS``, else none), after which the call revokes the communicator and
+    :func:`comm_wait` raises :class:`RemoteError`; not part of the fingerprint nor of case files.
+    ``failed_ranks``: ranks of the communicator the layouts number that are gone; the plan is
+    then the survivors' plan for the communicator :func:`comm_shrink` makes, and the plan's
+    ``rank`` is this rank among the survivors. Every survivor passes the same list.
     """
 
     mode: Optional[str] = None
@@ -257,6 +268,8 @@ class Config:
     split_min_bytes: Optional[int] = None
     rounds: Optional[int] = None
     relay: Optional[bool] = None
+    timeout_ms: Optional[int] = None
+    failed_ranks: Optional[Tuple[int, ...]] = field(default=None)
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -275,14 +288,40 @@ class Config:
             _index(self.rounds, "Config.rounds", 0)
         if self.relay is not None and not isinstance(self.relay, bool):
             raise TypeError(f"Config.relay must be a bool, got {type(self.relay).__name__}")
+        if self.timeout_ms is not None:
+            _index(self.timeout_ms, "Config.timeout_ms", 0)
+            if self.timeout_ms > 2**31 - 1:
+                raise ValueError(f"Config.timeout_ms is {self.timeout_ms}; at most 2**31 - 1 ms")
+        if self.failed_ranks is not None:
+            failed = tuple(sorted(_ints(self.failed_ranks, "Config.failed_ranks", 0)))
+            twice = [a for a, b in zip(failed, failed[1:]) if a == b]
+            if twice:
+                raise ValueError(f"Config.failed_ranks names rank {twice[0]} twice")
+            object.__setattr__(self, "failed_ranks", failed or None)
+
+    def survivor_of(self, rank: int) -> Optional[int]:
+        """`rank` (of the communicator the layouts number) among the survivors, as
+        ``ncclCommShrink`` renumbers: the rank less the failed ranks below it; None for a
+        failed rank."""
+        failed = self.failed_ranks or ()
+        return None if rank in failed else rank - sum(1 for f in failed if f < rank)
+
+    def original_of(self, survivor: int) -> int:
+        """The rank the layouts number for rank `survivor` of the survivors (the inverse of
+        :meth:`survivor_of`)."""
+        rank = survivor
+        for f in self.failed_ranks or ():  # sorted: each failed rank at or below moves it up
+            if f <= rank:
+                rank += 1
+        return rank
 
     def to_json(self) -> dict:
         """The case-file config object (only the fields that are set)."""
         out: dict = {}
-        for key in ("mode", "ranks_per_node", "node_of_rank", "split_min_bytes", "rounds", "relay"):
+        for key in _CASE_KEYS:
             value = getattr(self, key)
             if value is not None:
-                out[key] = list(value) if key == "node_of_rank" else value
+                out[key] = list(value) if key in ("node_of_rank", "failed_ranks") else value
         return out
 
     @classmethod
@@ -290,7 +329,7 @@ class Config:
         """A config from a case-file config object; errors name the key."""
         if not isinstance(value, Mapping):
             raise TypeError(f"{what}: expected an object, got {type(value).__name__}")
-        known = {"mode", "ranks_per_node", "node_of_rank", "split_min_bytes", "rounds", "relay"}
+        known = set(_CASE_KEYS)
         unknown = set(value) - known
         if unknown:
             raise ValueError(f"{what}.{sorted(unknown)[0]}: unknown key")
@@ -317,9 +356,12 @@ class Config:
         c.maxStagingBytes = 0
         c.rounds = self.rounds if self.rounds is not None else _lib.UNDEF_INT
         c.relay = int(self.relay) if self.relay is not None else _lib.UNDEF_INT
-        # The deadline and the failed ranks are per plan (Plan(timeout_ms=..., failed_ranks=...)).
-        c.timeoutMs = _lib.UNDEF_INT
-        c.failedRankCount = 0
+        c.timeoutMs = self.timeout_ms if self.timeout_ms is not None else _lib.UNDEF_INT
+        if self.failed_ranks:
+            failed = (ctypes.c_int * len(self.failed_ranks))(*self.failed_ranks)
+            c.failedRanks = ctypes.cast(failed, ctypes.POINTER(ctypes.c_int))
+            c.failedRankCount = len(self.failed_ranks)
+            keep.append(failed)
         return c, keep
 
 

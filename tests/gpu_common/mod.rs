@@ -62,7 +62,8 @@ pub type AllReduceFn = unsafe extern "C" fn(
     *mut c_void,
 ) -> c_int;
 
-pub type RecvFn = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int;
+pub type RecvFn =
+    unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int;
 
 /// The NCCL functions the tests call themselves (the library finds the same NCCL).
 pub struct Nccl {

@@ -5,7 +5,7 @@ use crate::args::{flag, value, Parsed};
 use crate::out;
 use crate::Failure;
 use ncclreshard::layout::Side;
-use ncclreshard::TensorSpec;
+use ncclreshard::{Mesh, TensorSpec};
 use ncclreshard_tools::case::{Case, Tensor};
 use serde::Serialize;
 
@@ -61,6 +61,7 @@ fn shards(spec: &TensorSpec, side: Side) -> Vec<RankShard> {
     let layout = spec.layout(side);
     let mesh = &layout.mesh;
     (0..mesh.size())
+        .filter(|&i| mesh.ranks()[i] != Mesh::HOLE)
         .map(|i| {
             let rank = mesh.ranks()[i];
             let view = spec
