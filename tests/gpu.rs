@@ -230,6 +230,57 @@ fn a_deadline_never_fires_on_a_healthy_call_and_a_revoke_frees_the_stream() {
     });
 }
 
+#[test]
+#[ignore = "needs a GPU"]
+fn deadline_overhead_on_healthy_calls() {
+    // What a deadline costs a call that completes (docs/resilience.md): the same plan called
+    // with and without one, alternately, each call synchronized; medians of wall time per call.
+    // A measurement, not a speed test: it asserts only that every call succeeds.
+    let (tensors, _) = all_to_all(1, 65536);
+    let config = Config {
+        mode: Mode::Auto,
+        rounds: 2,
+        local_via_messages: true,
+        ..Default::default()
+    };
+    with_ranks(1, true, |rank| {
+        let plan = plan_of(&tensors, 0, &config).unwrap();
+        let calls = [
+            NcclTransport::for_plan(&plan).with_deadline(Some(0)),
+            NcclTransport::for_plan(&plan).with_deadline(Some(60_000)),
+        ];
+        let stream = rank.device.stream.cast();
+        let data = prepare(&rank.device, &tensors, 0);
+        let mut times: [Vec<Duration>; 2] = [Vec::new(), Vec::new()];
+        for i in 0..41 {
+            for (k, call) in calls.iter().enumerate() {
+                let started = Instant::now();
+                call.execute(&data.buffers(), rank.comm, stream).unwrap();
+                rank.device.sync();
+                transport::comm_wait(rank.comm).unwrap();
+                if i > 0 {
+                    times[k].push(started.elapsed());
+                }
+            }
+        }
+        data.verify(&rank.device, &tensors, 0);
+        data.free(&rank.device);
+        let [without, with] = times.map(|mut t| {
+            t.sort();
+            t[t.len() / 2]
+        });
+        let extra = with.as_secs_f64() - without.as_secs_f64();
+        println!(
+            "gpu: deadline overhead: {:.1} us per call ({:+.1}%): median {:.1} us without a deadline, {:.1} us with one ({} bytes through NCCL self messages, 2 rounds, 40 calls each)",
+            extra * 1e6,
+            100.0 * extra / without.as_secs_f64(),
+            without.as_secs_f64() * 1e6,
+            with.as_secs_f64() * 1e6,
+            tensors[0].shape.iter().product::<u64>() * 4,
+        );
+    });
+}
+
 /// Multi-rank cases over `n` ranks (mesh [n] on ranks 0..n unless said otherwise).
 fn multi_rank_cases(n: u32) -> Vec<(&'static str, Vec<TensorSpec>, Config)> {
     let ranks: Vec<u32> = (0..n).collect();

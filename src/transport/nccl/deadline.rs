@@ -341,19 +341,48 @@ fn watch() {
     }
 }
 
+/// Retires the calls that are over: those completed (left by their host thread, every mark
+/// passed) or failed. The watchdog does it each tick, and a caller asking for the outcome does
+/// it first, so that an outcome never waits for the next tick.
+fn reap(state: &Arc<CommState>) {
+    let mut over = Vec::new();
+    let mut inner = state.inner();
+    inner.calls.retain(|call| {
+        let mut c = call.inner();
+        if c.state == State::Running
+            && c.left
+            && c.marks.iter().all(|(e, _)| e.is_done().unwrap_or(false))
+        {
+            c.state = State::Completed;
+        }
+        let done = c.state != State::Running;
+        if done {
+            let events = std::mem::take(&mut c.marks).into_iter().map(|(e, _)| e);
+            over.push((call.device.clone(), events.chain(c.start.take()).collect::<Vec<_>>()));
+        }
+        !done
+    });
+    drop(inner);
+    if !over.is_empty() {
+        for (device, events) in over {
+            device.give_back_events(events);
+        }
+        state.changed.notify_all();
+    }
+}
+
 /// One look at a communicator's calls.
 fn check(state: &Arc<CommState>) {
+    reap(state);
     let calls = state.inner().calls.clone();
     if calls.is_empty() {
         return;
     }
     let now = Instant::now();
-    let mut finished = Vec::new();
     let mut failure: Option<(Arc<Call>, String)> = None;
     for call in &calls {
         let mut inner = call.inner();
         if inner.state != State::Running {
-            finished.push(call.clone());
             continue;
         }
         if inner.stream_started.is_none()
@@ -370,9 +399,7 @@ fn check(state: &Arc<CommState>) {
             .iter()
             .position(|(e, _)| !e.is_done().unwrap_or(false));
         if inner.left && pending.is_none() {
-            inner.state = State::Completed;
-            finished.push(call.clone());
-            continue;
+            continue; // completed since the reap: the next one retires it
         }
         let deadline = match inner.stream_started {
             Some(started) => Some(started + call.timeout),
@@ -425,20 +452,7 @@ fn check(state: &Arc<CommState>) {
             }
         }
     }
-    if !finished.is_empty() {
-        let mut inner = state.inner();
-        inner
-            .calls
-            .retain(|c| !finished.iter().any(|f| Arc::ptr_eq(c, f)));
-        drop(inner);
-        for call in finished {
-            let mut inner = call.inner();
-            let events = std::mem::take(&mut inner.marks).into_iter().map(|(e, _)| e);
-            call.device
-                .give_back_events(events.chain(inner.start.take()));
-        }
-        state.changed.notify_all();
-    }
+    reap(state);
 }
 
 /// Ends every call on the communicator: revokes it (once; or aborts it where NCCL has no
@@ -529,6 +543,7 @@ pub fn status(comm: NcclComm) -> Result<bool> {
     let Some(state) = state else {
         return Ok(true);
     };
+    reap(&state);
     let inner = state.inner();
     if let Some(failure) = &inner.failure {
         return Err(failure.clone());
@@ -550,17 +565,17 @@ pub fn wait(comm: NcclComm) -> Result<()> {
     let Some(state) = state else {
         return Ok(());
     };
-    let mut inner = state.inner();
-    while inner.failure.is_none() && running(&inner) {
-        inner = state
-            .changed
-            .wait_timeout(inner, Duration::from_millis(50))
-            .map(|(g, _)| g)
-            .unwrap_or_else(|p| p.into_inner().0);
-    }
-    match &inner.failure {
-        Some(failure) => Err(failure.clone()),
-        None => Ok(()),
+    loop {
+        reap(&state);
+        let inner = state.inner();
+        if let Some(failure) = &inner.failure {
+            return Err(failure.clone());
+        }
+        if !running(&inner) {
+            return Ok(());
+        }
+        // Woken by the watchdog's verdict, or looks again itself a tick later.
+        drop(state.changed.wait_timeout(inner, TICK));
     }
 }
 
