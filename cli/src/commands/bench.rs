@@ -36,6 +36,7 @@ pub const COMMAND: Command = Command {
         value("mode"),
         value("rounds"),
         flag("no-relay"),
+        value("failed"),
         value("mib"),
         value("row"),
         value("pad"),
@@ -82,6 +83,9 @@ Options:
   --model, --train, --infer, --system, --dtype, --experts, --colocated, --mode, --rounds,
   --no-relay, --cluster
                As for `ncclreshard simulate` (the cluster sets the planner's topology)
+  --failed R,..  --plan: the survivors' plan after these ranks failed (docs/resilience.md):
+               layouts renumbered as ncclCommShrink renumbers, sources from surviving
+               replicas; the renumbering is timed too (plan_ms_survivors)
   --scale N    Width divisor for --exec (default 32)
   --mib N      Bytes of --copy in MiB (default 256)
   --row BYTES  Row size of --copy (default 4096)
@@ -106,6 +110,9 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         .into_iter()
         .filter(|m| parsed.flag(m))
         .collect();
+    if parsed.value("failed").is_some() && chosen.as_slice() != ["plan"] {
+        return Err(usage("bench", "--failed is an option of --plan"));
+    }
     match chosen.as_slice() {
         ["plan"] => bench_plan(parsed),
         ["exec"] => bench_exec(parsed),
@@ -133,6 +140,10 @@ struct PlanBench {
     ranks: usize,
     mode: &'static str,
     threads: usize,
+    /// `--failed`: the failed ranks, and the time to renumber the layouts for the survivors
+    /// (part of `plan_ms_new`, which is then the survivors' planner).
+    failed_ranks: Vec<u32>,
+    plan_ms_survivors: f64,
     plan_ms_new: f64,
     /// `Planner::new` + `rank_program(one_rank)`.
     plan_ms_one_rank: f64,
@@ -164,16 +175,55 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
     let refit = args.refit(1)?;
     let config = refit_setup::config_with_options(parsed, "bench", mode, &cluster)?;
 
+    let failed: Vec<u32> = match parsed.numbers("failed").map_err(|e| usage("bench", e))? {
+        None => Vec::new(),
+        Some(ranks) => {
+            let mut ranks = ranks
+                .into_iter()
+                .map(|r| {
+                    u32::try_from(r).map_err(|_| usage("bench", format!("--failed: rank {r}")))
+                })
+                .collect::<Result<Vec<u32>, Failure>>()?;
+            ranks.sort_unstable();
+            ranks.dedup();
+            ranks
+        }
+    };
+    // With --failed: the survivors' plan (renumbered as ncclCommShrink renumbers), timed too.
+    let none = vec![None; refit.tensors.len()];
+    let (survived, survivors) = if failed.is_empty() {
+        (None, Duration::ZERO)
+    } else {
+        let started = Instant::now();
+        let survived = ncclreshard::plan::survivors(&refit.tensors, &none, &config, &failed)
+            .map_err(|e| Failure::Input(format!("--failed: {e}")))?;
+        (Some(survived), started.elapsed())
+    };
+    let (tensors, conversions, config) = match &survived {
+        Some((tensors, conversions, config)) => (&tensors[..], &conversions[..], config.clone()),
+        None => (&refit.tensors[..], &none[..], config),
+    };
     let started = Instant::now();
-    let planner = refit_setup::planner(&refit.tensors, &vec![None; refit.tensors.len()], config)?;
-    let new = started.elapsed();
+    let planner = refit_setup::planner(tensors, conversions, config)?;
+    let new = survivors + started.elapsed();
+    // A rank of the refit among the survivors (the next survivor when it is one of the failed).
+    let survivor = |rank: u32| -> u32 {
+        let mut rank = rank;
+        while failed.contains(&rank) {
+            rank += 1;
+        }
+        rank - failed.iter().filter(|&&f| f < rank).count() as u32
+    };
     let one = |rank: u32| -> Result<Duration, Failure> {
         let started = Instant::now();
         rank_program(&planner, rank, StagingLimit::new(0), NcclTransport::LIMITS)
             .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))?;
         Ok(started.elapsed())
     };
-    let (one_rank, first_infer) = (refit.train_ranks.start, refit.infer_ranks.start);
+    let (one_rank, first_infer) = (
+        survivor(refit.train_ranks.start),
+        survivor(refit.infer_ranks.start),
+    );
     // rank_program keeps no cache between calls: each is a cold start.
     let one_rank_time = one(one_rank)?;
     let first_infer_time = one(first_infer)?;
@@ -225,6 +275,8 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         ranks: ranks.len(),
         mode: mode.name(),
         threads: work::threads(),
+        failed_ranks: failed.clone(),
+        plan_ms_survivors: ms(survivors),
         plan_ms_new: ms(new),
         plan_ms_one_rank: ms(new + one_rank_time),
         one_rank,
@@ -246,8 +298,17 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         return Ok(0);
     }
     let r = &result;
+    let survivors_line = if failed.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "  survivors' plan: ranks {} failed; renumbering {:.2} ms (included below)\n",
+            out::ranks(&failed),
+            r.plan_ms_survivors
+        )
+    };
     out::print(&format!(
-        "bench --plan {}: {}\n  {} tensors, {} ranks, mode {}, topology {} ranks per node\n  Planner::new                    {:>10.2} ms\n  one rank (rank {:<5})           {:>10.2} ms   Planner::new + rank_program\n  first inference rank ({:<5})   {:>10.2} ms\n  slowest rank ({:<5})           {:>10.2} ms\n  slowest rank alone ({:<5})     {:>10.2} ms   the {} slowest, again one at a time\n  all ranks, wall                 {:>10.2} ms   on {} threads\n  all ranks, CPU                  {:>10.2} ms   sum over ranks\n  messages                        {} (at most {} per rank)\n  bytes sent                      {}\n  peak resident memory            {}\n",
+        "bench --plan {}: {}\n  {} tensors, {} ranks, mode {}, topology {} ranks per node\n{survivors_line}  Planner::new                    {:>10.2} ms\n  one rank (rank {:<5})           {:>10.2} ms   Planner::new + rank_program\n  first inference rank ({:<5})   {:>10.2} ms\n  slowest rank ({:<5})           {:>10.2} ms\n  slowest rank alone ({:<5})     {:>10.2} ms   the {} slowest, again one at a time\n  all ranks, wall                 {:>10.2} ms   on {} threads\n  all ranks, CPU                  {:>10.2} ms   sum over ranks\n  messages                        {} (at most {} per rank)\n  bytes sent                      {}\n  peak resident memory            {}\n",
         r.model,
         args.specs_text(&refit),
         out::count(r.tensors as u64),

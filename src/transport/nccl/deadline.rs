@@ -358,7 +358,10 @@ fn reap(state: &Arc<CommState>) {
         let done = c.state != State::Running;
         if done {
             let events = std::mem::take(&mut c.marks).into_iter().map(|(e, _)| e);
-            over.push((call.device.clone(), events.chain(c.start.take()).collect::<Vec<_>>()));
+            over.push((
+                call.device.clone(),
+                events.chain(c.start.take()).collect::<Vec<_>>(),
+            ));
         }
         !done
     });
