@@ -14,7 +14,7 @@
 mod gpu_common;
 
 use gpu_common::*;
-use ncclreshard::exec::{Plan, PlanTensor, StagingLimit};
+use ncclreshard::exec::Plan;
 use ncclreshard::transport::nccl::{self as transport, NcclTransport};
 use ncclreshard::{Config, DType, Layout, Mesh, Mode, Placement, TensorSpec, Topology};
 use std::ffi::c_int;
@@ -188,37 +188,6 @@ fn transport_for(plan: &Plan, deadline_ms: u64) -> NcclTransport {
     NcclTransport::for_plan(plan).with_deadline(Some(deadline_ms))
 }
 
-/// The survivors' plan of old rank `old` (new rank `new`), with the view offsets `prepare`
-/// gives the survivors' tensors.
-fn survivors_plan(s: &Scenario, new: u32) -> ncclreshard::Result<Plan> {
-    let (specs, _, _) = ncclreshard::plan::survivors(
-        &s.tensors,
-        &vec![None; s.tensors.len()],
-        &s.config,
-        &s.victims,
-    )?;
-    let (_, _, src, dst, _) = images(&specs, new, 0);
-    let tensors = s
-        .tensors
-        .iter()
-        .cloned()
-        .zip(src.into_iter().zip(dst))
-        .map(|(spec, (src_offset, dst_offset))| PlanTensor {
-            src_offset,
-            dst_offset,
-            ..PlanTensor::new(spec)
-        })
-        .collect();
-    Plan::survivors(
-        tensors,
-        &s.victims,
-        new,
-        s.config.clone(),
-        StagingLimit::new(0),
-        NcclTransport::LIMITS,
-    )
-}
-
 /// What one rank saw.
 #[derive(Debug, Default)]
 struct Outcome {
@@ -333,7 +302,7 @@ fn run(s: &Scenario) -> &'static str {
                             )
                         }
                         .unwrap_or_else(|e| panic!("rank {r}: shrink: {e}"));
-                        match survivors_plan(s, new) {
+                        match survivors_plan(&s.tensors, &s.config, &s.victims, new) {
                             Err(e) => out.refused = Some(e.message),
                             Ok(plan) => {
                                 let (specs, _, _) = ncclreshard::plan::survivors(

@@ -281,6 +281,182 @@ fn deadline_overhead_on_healthy_calls() {
     });
 }
 
+#[test]
+#[ignore = "needs a GPU"]
+fn a_dead_rank_is_replaced_through_shrink_and_grow() {
+    // The whole cycle of docs/resilience.md on 8 ranks: inference rank 7 dies before a call
+    // (it never makes it); the survivors' calls end by their deadline; the survivors shrink
+    // the communicator, plan for themselves and refit byte-exact; then a replacement joins
+    // through ncclCommGrow as rank 7 and the full plan runs byte-exact on the grown communicator.
+    let n = world();
+    if n < 8 {
+        println!("gpu: shrink and grow skipped: {n} device(s), 8 needed");
+        return;
+    }
+    const DEAD: u32 = 7;
+    const DEADLINE_MS: u64 = 2000;
+    let trainers = || mesh(&[2, 2], &[0, 1, 2, 3]);
+    let inference = || mesh(&[4], &[4, 5, 6, 7]);
+    let tensors = vec![
+        TensorSpec {
+            shape: vec![64, 32],
+            dtype: DType::Float32,
+            src: layout(trainers(), &[Placement::Replicate, Placement::Shard(0)]),
+            dst: layout(inference(), &[Placement::Shard(1)]),
+        },
+        TensorSpec {
+            shape: vec![48, 40],
+            dtype: DType::Bfloat16,
+            src: layout(trainers(), &[Placement::Replicate, Placement::Shard(1)]),
+            dst: layout(inference(), &[Placement::Shard(0)]),
+        },
+    ];
+    let config = Config {
+        mode: Mode::Auto,
+        topology: Topology::RanksPerNode(4),
+        rounds: 2,
+        ..Default::default()
+    };
+    let id = unique_id();
+    let stopped = std::sync::Barrier::new(n);
+    let recovered = std::sync::Barrier::new(n);
+    let offered = std::sync::Barrier::new(n);
+    let grow_id = std::sync::Mutex::new([0u8; 128]);
+    let outcomes: Vec<(u32, u64, Duration)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n as u32)
+            .map(|r| {
+                let (tensors, config, stopped, recovered, offered, grow_id) =
+                    (&tensors, &config, &stopped, &recovered, &offered, &grow_id);
+                scope.spawn(move || {
+                    let device = Device::new(r as usize);
+                    let stream = device.stream.cast();
+                    let comm = join(id, n, r as usize, true);
+                    let mut ended = Duration::ZERO;
+                    // A healthy step first (it also loads the kernel: a first call's warm-up is
+                    // not part of its deadline, which starts at its first NCCL operation).
+                    let plan = plan_of(tensors, r, config).unwrap();
+                    let data = prepare(&device, tensors, r);
+                    NcclTransport::for_plan(&plan)
+                        .with_deadline(Some(DEADLINE_MS))
+                        .execute(&data.buffers(), comm, stream)
+                        .and_then(|()| transport::comm_wait(comm))
+                        .unwrap_or_else(|e| panic!("rank {r}: healthy call: {e}"));
+                    device.sync();
+                    let mut checked = data.verify(&device, tensors, r);
+                    data.free(&device);
+                    stopped.wait();
+                    // The step rank 7 does not live to call.
+                    let survivor = r != DEAD;
+                    let shrunk = if survivor {
+                        let data = prepare_salted(&device, tensors, r, 3);
+                        let started = Instant::now();
+                        let outcome = NcclTransport::for_plan(&plan)
+                            .with_deadline(Some(DEADLINE_MS))
+                            .execute(&data.buffers(), comm, stream)
+                            .and_then(|()| transport::comm_wait(comm));
+                        device.sync();
+                        ended = started.elapsed();
+                        if let Err(e) = &outcome {
+                            assert_eq!(e.kind, ErrorKind::Nccl(6), "rank {r}: {e}");
+                        }
+                        data.free(&device);
+                        stopped.wait();
+                        // Every survivor knows rank 7 is gone (the application's part): shrink,
+                        // the survivors' plan (rank r keeps its number: 7 was the last), refit.
+                        // SAFETY: our communicator, shrunk by every survivor with one list.
+                        let shrunk = unsafe {
+                            transport::comm_shrink(comm, &[DEAD as i32], std::ptr::null_mut(), true)
+                        }
+                        .unwrap_or_else(|e| panic!("rank {r}: shrink: {e}"));
+                        let plan = survivors_plan(tensors, config, &[DEAD], r).unwrap();
+                        let (specs, _, _) =
+                            ncclreshard::plan::survivors(tensors, &[None, None], config, &[DEAD])
+                                .unwrap();
+                        let data = prepare_salted(&device, &specs, r, 1);
+                        NcclTransport::for_plan(&plan)
+                            .with_deadline(Some(DEADLINE_MS))
+                            .execute(&data.buffers(), shrunk, stream)
+                            .and_then(|()| transport::comm_wait(shrunk))
+                            .unwrap_or_else(|e| panic!("rank {r}: survivors' call: {e}"));
+                        device.sync();
+                        checked += data.verify(&device, &specs, r);
+                        data.free(&device);
+                        // SAFETY: the parent, shrunk away.
+                        unsafe { (nccl().destroy)(comm) };
+                        Some(shrunk)
+                    } else {
+                        stopped.wait();
+                        None
+                    };
+                    recovered.wait();
+                    // The replacement joins at the end: rank 7 of the grown communicator.
+                    if r == 0 {
+                        // SAFETY: our communicator.
+                        *grow_id.lock().unwrap() =
+                            unsafe { transport::comm_get_unique_id(shrunk.unwrap()) }.unwrap();
+                    }
+                    offered.wait();
+                    let gid = *grow_id.lock().unwrap();
+                    // SAFETY: every rank of the shrunk communicator and the new one call it.
+                    let grown = unsafe {
+                        match shrunk {
+                            Some(parent) => transport::comm_grow(
+                                parent,
+                                8,
+                                (r == 0).then_some(&gid),
+                                -1,
+                                std::ptr::null_mut(),
+                            ),
+                            None => {
+                                // The dead process's state is gone; a new one takes its place.
+                                (nccl().abort)(comm);
+                                transport::comm_grow(
+                                    std::ptr::null_mut(),
+                                    8,
+                                    Some(&gid),
+                                    DEAD as i32,
+                                    std::ptr::null_mut(),
+                                )
+                            }
+                        }
+                    }
+                    .unwrap_or_else(|e| panic!("rank {r}: grow: {e}"));
+                    let plan = plan_of(tensors, r, config).unwrap();
+                    let data = prepare_salted(&device, tensors, r, 2);
+                    NcclTransport::for_plan(&plan)
+                        .with_deadline(Some(DEADLINE_MS))
+                        .execute(&data.buffers(), grown, stream)
+                        .and_then(|()| transport::comm_wait(grown))
+                        .unwrap_or_else(|e| panic!("rank {r}: after the grow: {e}"));
+                    device.sync();
+                    checked += data.verify(&device, tensors, r);
+                    data.free(&device);
+                    // SAFETY: communicators of ours, not used again.
+                    unsafe {
+                        let destroyed = (nccl().destroy)(grown);
+                        settle(grown, destroyed, "ncclCommDestroy (grown)");
+                        if let Some(parent) = shrunk {
+                            (nccl().destroy)(parent);
+                        }
+                    }
+                    (r, checked, ended)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let worst = outcomes.iter().map(|o| o.2).max().unwrap_or_default();
+    assert!(
+        worst < Duration::from_millis(DEADLINE_MS + 1500),
+        "a survivor's call took {worst:?}"
+    );
+    let checked: u64 = outcomes.iter().map(|o| o.1).sum();
+    println!(
+        "gpu: 8 ranks, inference rank 7 dead: every survivor's call ended within {} ms (deadline {DEADLINE_MS} ms); shrink + survivors' plan byte-exact, then a replacement grown in as rank 7 byte-exact ({checked} elements)",
+        worst.as_millis()
+    );
+}
+
 /// Multi-rank cases over `n` ranks (mesh [n] on ranks 0..n unless said otherwise).
 fn multi_rank_cases(n: u32) -> Vec<(&'static str, Vec<TensorSpec>, Config)> {
     let ranks: Vec<u32> = (0..n).collect();

@@ -448,6 +448,38 @@ pub fn plan_of(tensors: &[TensorSpec], rank: u32, config: &Config) -> ncclreshar
     plan_at(tensors, &vec![None; tensors.len()], rank, config, &offsets)
 }
 
+/// Survivor `new`'s plan after `failed` (ranks of `tensors`' layouts) failed, as
+/// `ncclReshardPlanCreate` makes it with `config.failedRanks`, with the view offsets `prepare`
+/// gives the survivors' tensors (`ncclreshard::plan::survivors`).
+pub fn survivors_plan(
+    tensors: &[TensorSpec],
+    config: &Config,
+    failed: &[u32],
+    new: u32,
+) -> ncclreshard::Result<Plan> {
+    let (specs, _, _) =
+        ncclreshard::plan::survivors(tensors, &vec![None; tensors.len()], config, failed)?;
+    let (_, _, src, dst, _) = images(&specs, new, 0);
+    let tensors = tensors
+        .iter()
+        .cloned()
+        .zip(src.into_iter().zip(dst))
+        .map(|(spec, (src_offset, dst_offset))| PlanTensor {
+            src_offset,
+            dst_offset,
+            ..PlanTensor::new(spec)
+        })
+        .collect();
+    Plan::survivors(
+        tensors,
+        failed,
+        new,
+        config.clone(),
+        StagingLimit::new(0),
+        NcclTransport::LIMITS,
+    )
+}
+
 impl RankData {
     /// The single-buffer call's buffers.
     pub fn buffers(&self) -> CallBuffers<'static> {
