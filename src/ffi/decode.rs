@@ -690,6 +690,37 @@ mod tests {
     }
 
     #[test]
+    fn a_config_of_an_older_header_leaves_the_failure_fields_unset() {
+        // A 0.4 caller's struct ends before timeoutMs: whatever follows it in memory is not read.
+        let failed = [3];
+        let mut c = ncclReshardConfig_t {
+            size: std::mem::offset_of!(ncclReshardConfig_t, timeoutMs),
+            magic: NCCL_RESHARD_CONFIG_MAGIC,
+            version: 400,
+            mode: NCCL_RESHARD_UNDEF_INT,
+            ranksPerNode: NCCL_RESHARD_UNDEF_INT,
+            nodeOfRank: std::ptr::null(),
+            nodeOfRankCount: 0,
+            splitMinBytes: 0,
+            maxStagingBytes: 0,
+            rounds: NCCL_RESHARD_UNDEF_INT,
+            relay: NCCL_RESHARD_UNDEF_INT,
+            timeoutMs: 77,
+            failedRanks: failed.as_ptr(),
+            failedRankCount: 1,
+        };
+        // SAFETY: a complete struct, its failedRanks holding failedRankCount entries.
+        let (_, call) = unsafe { config(&c) }.unwrap();
+        assert_eq!(call.timeout_ms, None);
+        assert!(call.failed_ranks.is_empty());
+        c.size = std::mem::size_of::<ncclReshardConfig_t>();
+        // SAFETY: as above.
+        let (_, call) = unsafe { config(&c) }.unwrap();
+        assert_eq!(call.timeout_ms, Some(77));
+        assert_eq!(call.failed_ranks, vec![3]);
+    }
+
+    #[test]
     fn errors_name_the_field_of_the_tensor_they_are_in() {
         let good_table = [0, 1];
         let bad_table = [2, -3];
