@@ -8,67 +8,16 @@
 
 mod common;
 
+use common::nccl::*;
 use common::*;
-use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use cudarc::driver::sys::CUstream;
 use ncclreshard_emu::faults::{
     ncclreshardEmuBreakLink, ncclreshardEmuDelayRank, ncclreshardEmuStopRank,
 };
 use ncclreshard_emu::*;
-use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-type Comm = *mut c_void;
-const UINT8: i32 = 1;
 const REMOTE_ERROR: i32 = 6;
-
-/// Communicators for devices 0..n, each with a non-blocking stream on its device.
-fn comms(n: usize) -> Vec<(Comm, CUstream)> {
-    let mut c = vec![std::ptr::null_mut(); n];
-    // SAFETY: n communicators for devices 0..n.
-    assert_eq!(
-        unsafe { ncclCommInitAll(c.as_mut_ptr(), n as i32, std::ptr::null()) },
-        0
-    );
-    (0..n)
-        .map(|r| {
-            use_device(r as i32);
-            (c[r], stream(1))
-        })
-        .collect()
-}
-
-fn send(buf: CUdeviceptr, bytes: usize, peer: i32, (comm, s): (Comm, CUstream)) -> i32 {
-    // SAFETY: device memory of the communicator's device.
-    unsafe { ncclSend(buf as *const c_void, bytes, UINT8, peer, comm, s.cast()) }
-}
-
-fn recv(buf: CUdeviceptr, bytes: usize, peer: i32, (comm, s): (Comm, CUstream)) -> i32 {
-    // SAFETY: as above.
-    unsafe { ncclRecv(buf as *mut c_void, bytes, UINT8, peer, comm, s.cast()) }
-}
-
-fn group<T>(f: impl FnOnce() -> T) -> T {
-    // SAFETY: balanced group calls.
-    assert_eq!(unsafe { ncclGroupStart() }, 0);
-    let out = f();
-    // SAFETY: closes the group.
-    assert_eq!(unsafe { ncclGroupEnd() }, 0);
-    out
-}
-
-fn on_device(d: i32, bytes: &[u8]) -> CUdeviceptr {
-    use_device(d);
-    let p = alloc(bytes.len());
-    let s = stream(1);
-    upload_async(p, bytes, s);
-    sync(s);
-    p
-}
-
-fn read(d: i32, p: CUdeviceptr, len: usize) -> Vec<u8> {
-    use_device(d);
-    download(p, len)
-}
 
 fn async_error(comm: Comm) -> i32 {
     let mut state = -1;
@@ -88,6 +37,25 @@ fn drains_within(s: CUstream, limit: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(2));
     }
     true
+}
+
+/// `ncclCommShrink` of `comm` excluding `excluded` with `flags`: its result and the new
+/// communicator (NULL unless it succeeded).
+fn shrink(comm: Comm, excluded: &[i32], flags: i32) -> (i32, Comm) {
+    let mut list = excluded.to_vec();
+    let mut new = std::ptr::null_mut();
+    // SAFETY: the list holds `excluded.len()` ranks; NCCL writes the new handle.
+    let result = unsafe {
+        ncclCommShrink(
+            comm,
+            list.as_mut_ptr(),
+            list.len() as i32,
+            &mut new,
+            std::ptr::null_mut(),
+            flags,
+        )
+    };
+    (result, new)
 }
 
 #[test]
@@ -140,20 +108,10 @@ fn a_shrink_renumbers_the_survivors_in_order() {
     let c = comms(3);
     // Rank 1 is gone; ranks 0 and 2 become 0 and 1.
     let mut new = [std::ptr::null_mut(); 2];
-    let mut excluded = [1];
     group(|| {
         for (i, &r) in [0usize, 2].iter().enumerate() {
-            // SAFETY: survivors' communicators; the new handles are written.
-            let result = unsafe {
-                ncclCommShrink(
-                    c[r].0,
-                    excluded.as_mut_ptr(),
-                    1,
-                    &mut new[i],
-                    std::ptr::null_mut(),
-                    0,
-                )
-            };
+            let result;
+            (result, new[i]) = shrink(c[r].0, &[1], 0);
             assert_eq!(result, 0);
         }
     });
@@ -188,19 +146,7 @@ fn a_shrink_after_a_failure_aborts_the_parents_operations() {
     let got = on_device(0, &[0; 16]);
     // Pending forever: rank 1 is gone.
     assert_eq!(recv(got, 16, 1, c[0]), 0);
-    let mut new = std::ptr::null_mut();
-    let mut excluded = [1];
-    // SAFETY: as above.
-    let result = unsafe {
-        ncclCommShrink(
-            c[0].0,
-            excluded.as_mut_ptr(),
-            1,
-            &mut new,
-            std::ptr::null_mut(),
-            1,
-        )
-    };
+    let (result, new) = shrink(c[0].0, &[1], 1);
     assert_eq!(result, 0);
     use_device(0);
     assert!(drains_within(c[0].1, Duration::from_secs(5)));
@@ -217,45 +163,17 @@ fn shrink_misuse_aborts() {
             let c = comms(2);
             let got = on_device(0, &[0; 16]);
             recv(got, 16, 1, c[0]);
-            let mut new = std::ptr::null_mut();
-            let mut excluded = [1];
-            // SAFETY: NCCL_SHRINK_DEFAULT with an operation pending: refused.
-            unsafe {
-                ncclCommShrink(
-                    c[0].0,
-                    excluded.as_mut_ptr(),
-                    1,
-                    &mut new,
-                    std::ptr::null_mut(),
-                    0,
-                )
-            };
+            // NCCL_SHRINK_DEFAULT with an operation pending: refused.
+            shrink(c[0].0, &[1], 0);
             return;
         }
         Some("lists") => {
             let c = comms(4);
-            let mut new = [std::ptr::null_mut(); 2];
-            let (mut one, mut two) = ([3], [2]);
-            // SAFETY: ranks 0 and 1 disagree on who failed.
-            unsafe {
-                assert_eq!(ncclGroupStart(), 0);
-                ncclCommShrink(
-                    c[0].0,
-                    one.as_mut_ptr(),
-                    1,
-                    &mut new[0],
-                    std::ptr::null_mut(),
-                    0,
-                );
-                ncclCommShrink(
-                    c[1].0,
-                    two.as_mut_ptr(),
-                    1,
-                    &mut new[1],
-                    std::ptr::null_mut(),
-                    0,
-                );
-            }
+            // Ranks 0 and 1 disagree on who failed.
+            // SAFETY: opens a group (the scenario aborts inside it).
+            assert_eq!(unsafe { ncclGroupStart() }, 0);
+            shrink(c[0].0, &[3], 0);
+            shrink(c[1].0, &[2], 0);
             return;
         }
         _ => {}
@@ -279,20 +197,8 @@ fn shrink_misuse_aborts() {
     );
     // A rank in the list may not call it; errors, not aborts.
     let c = comms(2);
-    let mut new = std::ptr::null_mut();
-    let mut excluded = [0];
-    // SAFETY: rank 0 excludes itself.
-    let result = unsafe {
-        ncclCommShrink(
-            c[0].0,
-            excluded.as_mut_ptr(),
-            1,
-            &mut new,
-            std::ptr::null_mut(),
-            0,
-        )
-    };
-    assert_eq!(result, 4);
+    // Rank 0 excludes itself.
+    assert_eq!(shrink(c[0].0, &[0], 0).0, 4);
 }
 
 #[test]

@@ -7,6 +7,8 @@ use cudarc::driver::sys::{CUcontext, CUdeviceptr, CUresult, CUstream};
 use ncclreshard_emu::*;
 use std::process::{Command, Output};
 
+pub mod nccl;
+
 /// Asserts a driver call succeeded.
 pub fn ck(r: CUresult, what: &str) {
     assert_eq!(r, CUresult::CUDA_SUCCESS, "{what}");
