@@ -73,7 +73,7 @@ fn case_file_seeds_parse_plan_and_check() {
 
 /// Every saved reproducer (`fuzz/regressions/<target>/<file>`), each replayed by its own test
 /// below; a file there that is not listed fails `every_reproducer_has_a_test`.
-const REPRODUCERS: [&str; 10] = [
+const REPRODUCERS: [&str; 11] = [
     "plan_create/zero-dim-beside-huge-dims",
     "case_file/zero-dim-beside-huge-dims.json",
     "plan_create/huge-view-strides",
@@ -84,6 +84,7 @@ const REPRODUCERS: [&str; 10] = [
     "plan_create/conversion-tables-past-the-bound",
     "plan_create/scale-blocks-past-the-plans-tensors",
     "plan_create/zero-dim-conversion",
+    "plan_create/failed-rank-far-past-the-meshes",
 ];
 
 fn reproducer(name: &str) -> Vec<(PathBuf, Vec<u8>)> {
@@ -250,6 +251,17 @@ fn scale_blocks_are_told_by_their_view_not_their_index() {
 fn a_zero_dim_conversion_is_one_element() {
     replay(
         &reproducer("plan_create/zero-dim-conversion"),
+        plan_create::run,
+    );
+}
+
+/// A survivors' plan (config.failedRanks [682557695, 6, 1]) with `ranksPerNode` 2 over meshes
+/// of ranks 0-1: the survivors' topology was a node table up to the largest failed rank, 682
+/// million entries (libFuzzer: out of memory, then a timeout); it is now sized by the list.
+#[test]
+fn a_failed_rank_far_past_the_meshes_costs_nothing() {
+    replay(
+        &reproducer("plan_create/failed-rank-far-past-the-meshes"),
         plan_create::run,
     );
 }

@@ -97,6 +97,16 @@ pub enum Topology {
     RanksPerNode(u32),
     /// Rank `r` is on node `table[r]`.
     NodeTable(Vec<u32>),
+    /// The survivors' ranks after the ranks `failed` (ascending, distinct) of `before` are gone,
+    /// renumbered as `ncclCommShrink` renumbers (a survivor's rank less the failed ranks below
+    /// it): rank `r` is where its rank before was (`plan::survivors` makes it). Its size is
+    /// the failed list's, whatever the ranks' numbers.
+    Survivors {
+        /// The topology in the numbering before the failure.
+        before: Box<Topology>,
+        /// The failed ranks, in that numbering.
+        failed: Vec<u32>,
+    },
 }
 
 impl Topology {
@@ -106,8 +116,25 @@ impl Topology {
             Topology::Unknown => None,
             Topology::RanksPerNode(n) => Some(rank / n),
             Topology::NodeTable(table) => table.get(rank as usize).copied(),
+            Topology::Survivors { before, failed } => before.node(rank_before(failed, rank)?),
         }
     }
+}
+
+/// The rank before the failure of survivor `rank` (`failed` ascending and distinct): `rank`
+/// plus the failed ranks at or below where it lands. The k-th failed rank has
+/// `failed[k] - k` survivors below it, which grows with k, so they are counted by bisection.
+fn rank_before(failed: &[u32], rank: u32) -> Option<u32> {
+    let (mut below, mut above) = (0, failed.len());
+    while below < above {
+        let k = (below + above) / 2;
+        if u64::from(failed[k]) <= u64::from(rank) + k as u64 {
+            below = k + 1;
+        } else {
+            above = k;
+        }
+    }
+    rank.checked_add(u32::try_from(below).ok()?)
 }
 
 /// Everything besides the tensors that shapes a plan. Every rank must pass the same config.

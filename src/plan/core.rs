@@ -168,15 +168,22 @@ impl CorePlanner {
             classes.push(class);
         }
         drop((class_of, valid_shapes, valid_layouts));
-        if let Topology::NodeTable(table) = &config.topology {
+        // A node table (perhaps before a failure) must cover every rank the tensors use.
+        if config.topology != Topology::Unknown {
             let ranks = meshes.iter().flat_map(|m| m.live_ranks());
-            if let Some(rank) = ranks.max() {
-                if rank as usize >= table.len() {
-                    return Err(Error::invalid_argument(format!(
-                        "config: the node table has {} entries but the tensors use rank {rank}; give every rank's node",
-                        table.len()
-                    )));
+            if let Some(rank) = ranks.max().filter(|&r| config.topology.node(r).is_none()) {
+                let mut table = &config.topology;
+                while let Topology::Survivors { before, .. } = table {
+                    table = before;
                 }
+                let entries = match table {
+                    Topology::NodeTable(t) => t.len(),
+                    _ => 0,
+                };
+                return Err(Error::invalid_argument(format!(
+                    "config: the node table has {entries} entries but the tensors use rank {rank}{}; give every rank's node",
+                    if table == &config.topology { "" } else { " (of the survivors)" }
+                )));
             }
         }
         let fingerprint = fingerprint::of_interned(&tensors, &layout_ids, &layouts, &config);

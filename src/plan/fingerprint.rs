@@ -41,20 +41,7 @@ pub(crate) fn of_interned(
         Mode::Staged => 1,
         Mode::Auto => 2,
     });
-    match &config.topology {
-        Topology::Unknown => h.word(0),
-        Topology::RanksPerNode(n) => {
-            h.word(1);
-            h.word(u64::from(*n));
-        }
-        Topology::NodeTable(table) => {
-            h.word(2);
-            h.word(table.len() as u64);
-            for &n in table.iter() {
-                h.word(u64::from(n));
-            }
-        }
-    }
+    topology(&mut h, &config.topology);
     h.word(config.split_min_bytes);
     h.word(u64::from(config.local_via_messages));
     h.word(u64::from(config.rounds));
@@ -97,6 +84,31 @@ pub(crate) fn with_conversions(base: u64, conversions: &[Option<Conversion>]) ->
         }
     }
     h.0
+}
+
+fn topology(h: &mut Fnv, topology: &Topology) {
+    match topology {
+        Topology::Unknown => h.word(0),
+        Topology::RanksPerNode(n) => {
+            h.word(1);
+            h.word(u64::from(*n));
+        }
+        Topology::NodeTable(table) => {
+            h.word(2);
+            h.word(table.len() as u64);
+            for &n in table.iter() {
+                h.word(u64::from(n));
+            }
+        }
+        Topology::Survivors { before, failed } => {
+            h.word(3);
+            self::topology(h, before);
+            h.word(failed.len() as u64);
+            for &r in failed {
+                h.word(u64::from(r));
+            }
+        }
+    }
 }
 
 fn layout_hash(h: &mut Fnv, layout: &Layout) {

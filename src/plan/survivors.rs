@@ -84,32 +84,14 @@ pub fn survivors(
                 .transpose()
         })
         .collect::<Result<Vec<_>>>()?;
-    // The topology of the survivors: node of each new rank (unknown stays unknown).
-    let largest = tensors
-        .iter()
-        .flat_map(|t| [&t.src, &t.dst])
-        .flat_map(|l| l.mesh.live_ranks())
-        .chain(failed.iter().copied())
-        .max()
-        .unwrap_or(0);
+    // The topology of the survivors: each new rank where its old rank was (unknown stays
+    // unknown), without a table as large as the world.
     let topology = match &config.topology {
         Topology::Unknown => Topology::Unknown,
-        old => {
-            let mut table = Vec::new();
-            for rank in 0..=largest {
-                let new = renumber.rank(rank);
-                if new == Mesh::HOLE {
-                    continue;
-                }
-                let Some(node) = old.node(rank) else {
-                    // A node table that does not cover every rank: CorePlanner::new says so.
-                    break;
-                };
-                debug_assert_eq!(new as usize, table.len());
-                table.push(node);
-            }
-            Topology::NodeTable(table)
-        }
+        old => Topology::Survivors {
+            before: Box::new(old.clone()),
+            failed: failed.to_vec(),
+        },
     };
     Ok((
         specs,
@@ -238,7 +220,8 @@ mod tests {
         assert_eq!(specs[0].src.mesh.ranks(), &[0, h, 1, 2]);
         assert_eq!(specs[0].dst.mesh.ranks(), &[h, 3]);
         // Old ranks 0, 2, 3, 5 on nodes 0, 1, 1, 2 are now 0, 1, 2, 3.
-        assert_eq!(config.topology, Topology::NodeTable(vec![0, 1, 1, 2]));
+        let nodes: Vec<_> = (0..4).map(|r| config.topology.node(r)).collect();
+        assert_eq!(nodes, [Some(0), Some(1), Some(1), Some(2)]);
         // Rank 1's shard has a surviving replica (new rank 2): nothing refused.
         check_held(&specs[0], 0).unwrap();
     }
@@ -270,5 +253,43 @@ mod tests {
         // With the rank that needed it gone too, nothing is refused.
         let (specs, ..) = survivors(&[spec], &[None], &Config::default(), &[1, 3]).unwrap();
         check_held(&specs[0], 0).unwrap();
+    }
+
+    #[test]
+    fn the_survivors_topology_does_not_grow_with_rank_numbers() {
+        // Ranks near u32::MAX, failed and alive: nothing is sized by them.
+        let big = 3_000_000_000u32;
+        let spec = TensorSpec {
+            shape: vec![4, 4],
+            dtype: DType::Float32,
+            src: layout(&[2], &[big, big + 9], &[Placement::Shard(0)]),
+            dst: layout(&[1], &[7], &[Placement::Replicate]),
+        };
+        let config = Config {
+            topology: Topology::RanksPerNode(8),
+            ..Config::default()
+        };
+        let failed = [5, big + 1, big + 2, 4_000_000_000];
+        let (specs, _, config) = survivors(&[spec], &[None], &config, &failed).unwrap();
+        assert_eq!(specs[0].src.mesh.ranks(), &[big - 1, big + 6]);
+        assert_eq!(specs[0].dst.mesh.ranks(), &[6]);
+        let node = |r| config.topology.node(r);
+        assert_eq!(node(big - 1), Some(big / 8));
+        assert_eq!(node(big + 6), Some((big + 9) / 8));
+        assert_eq!(node(6), Some(7 / 8));
+        // Every survivor numbered alike, against a fixed point: the old rank is the new one
+        // plus the failed ranks at or below it.
+        for new in (0..40).chain(big - 3..big + 12) {
+            let mut old = new;
+            loop {
+                let next = new + failed.iter().filter(|&&f| f <= old).count() as u32;
+                if next == old {
+                    break;
+                }
+                old = next;
+            }
+            assert!(!failed.contains(&old));
+            assert_eq!(node(new), Some(old / 8), "survivor {new}");
+        }
     }
 }

@@ -125,12 +125,22 @@ fn summary(p: &RankProgram) -> RankSummary {
 fn config_summary(config: &Config) -> ConfigSummary {
     ConfigSummary {
         mode: config.mode.name(),
-        topology: match &config.topology {
-            Topology::Unknown => "unknown".to_string(),
-            Topology::RanksPerNode(n) => format!("ranks_per_node={n}"),
-            Topology::NodeTable(table) => format!("node_of_rank={table:?}"),
-        },
+        topology: topology_summary(&config.topology),
         split_min_bytes: config.split_min_bytes,
+    }
+}
+
+fn topology_summary(topology: &Topology) -> String {
+    match topology {
+        Topology::Unknown => "unknown".to_string(),
+        Topology::RanksPerNode(n) => format!("ranks_per_node={n}"),
+        Topology::NodeTable(table) => format!("node_of_rank={table:?}"),
+        Topology::Survivors { before, failed } => {
+            format!(
+                "{}, survivors of failed_ranks={failed:?}",
+                topology_summary(before)
+            )
+        }
     }
 }
 
