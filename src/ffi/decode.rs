@@ -509,18 +509,9 @@ pub(crate) struct CallConfig {
     pub failed_ranks: Vec<u32>,
 }
 
-/// Converts the optional config (NULL → defaults): the planner's config and what bounds or
-/// guards the plan's execution.
-///
-/// # Safety
-/// `config` must be NULL or point to a config whose `nodeOfRank` is NULL or holds
-/// `nodeOfRankCount` entries, and whose `failedRanks` is NULL or holds `failedRankCount`.
-pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Config, CallConfig)> {
-    if config.is_null() {
-        return Ok((Config::default(), CallConfig::default()));
-    }
-    // Fields an older header's struct lacks are unset.
-    let defaults = ncclReshardConfig_t {
+/// A config with every field unset (what an older header's struct lacks reads as this).
+fn default_config() -> ncclReshardConfig_t {
+    ncclReshardConfig_t {
         size: CONFIG_MIN_SIZE,
         magic: NCCL_RESHARD_CONFIG_MAGIC,
         version: 0,
@@ -535,9 +526,21 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
         timeoutMs: NCCL_RESHARD_UNDEF_INT,
         failedRanks: std::ptr::null(),
         failedRankCount: 0,
-    };
+    }
+}
+
+/// Converts the optional config (NULL → defaults): the planner's config and what bounds or
+/// guards the plan's execution.
+///
+/// # Safety
+/// `config` must be NULL or point to a config whose `nodeOfRank` is NULL or holds
+/// `nodeOfRankCount` entries, and whose `failedRanks` is NULL or holds `failedRankCount`.
+pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Config, CallConfig)> {
+    if config.is_null() {
+        return Ok((Config::default(), CallConfig::default()));
+    }
     // SAFETY: forwarded contract.
-    let c = unsafe { read_versioned(config, CONFIG_MIN_SIZE, defaults, "config") }?;
+    let c = unsafe { read_versioned(config, CONFIG_MIN_SIZE, default_config(), "config") }?;
     if c.magic != NCCL_RESHARD_CONFIG_MAGIC {
         return Err(Error::invalid_argument(format!(
             "config.magic is {:#x}, not NCCL_RESHARD_CONFIG_MAGIC; initialise the config with NCCL_RESHARD_CONFIG_INITIALIZER",
@@ -695,19 +698,11 @@ mod tests {
         let failed = [3];
         let mut c = ncclReshardConfig_t {
             size: std::mem::offset_of!(ncclReshardConfig_t, timeoutMs),
-            magic: NCCL_RESHARD_CONFIG_MAGIC,
             version: 400,
-            mode: NCCL_RESHARD_UNDEF_INT,
-            ranksPerNode: NCCL_RESHARD_UNDEF_INT,
-            nodeOfRank: std::ptr::null(),
-            nodeOfRankCount: 0,
-            splitMinBytes: 0,
-            maxStagingBytes: 0,
-            rounds: NCCL_RESHARD_UNDEF_INT,
-            relay: NCCL_RESHARD_UNDEF_INT,
             timeoutMs: 77,
             failedRanks: failed.as_ptr(),
             failedRankCount: 1,
+            ..default_config()
         };
         // SAFETY: a complete struct, its failedRanks holding failedRankCount entries.
         let (_, call) = unsafe { config(&c) }.unwrap();
