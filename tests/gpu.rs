@@ -354,10 +354,15 @@ fn a_dead_rank_is_replaced_through_shrink_and_grow() {
                     let stream = device.stream.cast();
                     let comm = join(id, n, r as usize, true);
                     let mut ended = Duration::ZERO;
-                    // A healthy step first (it also loads the kernel: a first call's warm-up is
-                    // not part of its deadline, which starts at its first NCCL operation).
+                    // A warm-up call without a deadline: each rank loads the copy kernel on its
+                    // first call, and on the emulator they arrive seconds apart (a deadline
+                    // counts waiting for peers), then a healthy step with the deadline.
                     let plan = plan_of(tensors, r, config).unwrap();
                     let data = prepare(&device, tensors, r);
+                    NcclTransport::for_plan(&plan)
+                        .execute(&data.buffers(), comm, stream)
+                        .unwrap_or_else(|e| panic!("rank {r}: warm-up call: {e}"));
+                    stopped.wait();
                     NcclTransport::for_plan(&plan)
                         .with_deadline(Some(DEADLINE_MS))
                         .execute(&data.buffers(), comm, stream)

@@ -23,7 +23,8 @@ checked against the plan on CPU twins first:
     python python/examples/refit_torchrun.py --emulated target/emu/lib --ranks 8 --steps 3
 
 Surviving a failure (docs/resilience.md), on the emulator: ``--kill 5 --kill-step 1`` makes
-inference rank 5 die before its call of step 1. Every call has a deadline (``--timeout-ms``);
+inference rank 5 die before its call of step 1. Every call after the warm-up step 0 has a
+deadline (``--timeout-ms``);
 after each step the ranks report to the store and rank 0 (a trainer) decides who is gone; the
 survivors shrink the communicator, plan for themselves (``Config(failed_ranks=...)``), redo the
 step and go on; every surviving inference byte is checked at the end:
@@ -255,6 +256,8 @@ def run_emulated(lib_dir: str, world: int, steps: int) -> int:
     train, (dp, tp), infer = groups(world)
     if ARGS.kill is not None and ARGS.kill not in infer:
         raise SystemExit(f"--kill {ARGS.kill}: pick an inference rank ({infer})")
+    if ARGS.kill is not None and ARGS.kill_step < 1:
+        raise SystemExit("--kill-step: step 0 is the warm-up without a deadline; pick 1 or later")
     # DTensor on the CPU (torch's fake backend, one trainer rank at a time) gives each trainer
     # rank its FSDP2 + TP shards and every rank the layouts.
     shards: Dict[int, Dict[str, torch.Tensor]] = {}
@@ -298,9 +301,14 @@ def run_emulated(lib_dir: str, world: int, steps: int) -> int:
             plan = nr.Plan(recipe.specs, rank, config)
             plan.check_tensors(src_twins, dst_twins, devices=False)
             src_ptrs, dst_ptrs = pointers(src_twins, "src"), pointers(dst_twins, "dst")
+            # Each rank loads the copy kernel on its first call, and on the emulator the ranks
+            # get there seconds apart; a deadline counts waiting for peers, so step 0 (a
+            # warm-up) runs on a plan without one.
+            warm = nr.Plan(recipe.specs, rank, nr.Config(mode="auto", ranks_per_node=4, timeout_ms=0))
             failed: List[int] = []
             recovery = ""
             for step in range(steps):
+                current = warm if step == 0 else plan
                 if rank == ARGS.kill and step == ARGS.kill_step:
                     # This rank dies: it never calls again. Its process would be gone; here its
                     # thread lingers until the survivors are done, then drops its state.
@@ -316,10 +324,12 @@ def run_emulated(lib_dir: str, world: int, steps: int) -> int:
                 for name, t in host.items():
                     train_step(t, step)
                     cuda.copy(device[name], t.data_ptr(), t.numel() * t.element_size(), Cudart.H2D, stream)
-                cuda.sync(stream)
+                cuda.sync(stream)  # the warm-up's work too: its plan may go
+                if current is not warm:
+                    warm.close()
                 started = time.monotonic()
-                plan.reshard_pointers(src_ptrs, dst_ptrs, comm, stream)
-                if deadline is None:
+                current.reshard_pointers(src_ptrs, dst_ptrs, comm, stream)
+                if deadline is None or current is warm:
                     continue
                 try:
                     nr.comm_wait(comm)  # bounded by the deadline
@@ -346,6 +356,7 @@ def run_emulated(lib_dir: str, world: int, steps: int) -> int:
             cuda.sync(stream)
             info = plan.info
             plan.close()
+            warm.close()  # with a single step, still open
             for name, t in expected.items():
                 got = twins[name]
                 cuda.copy(got.data_ptr(), device[name], got.numel() * got.element_size(), Cudart.D2H, stream)
