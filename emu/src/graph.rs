@@ -9,14 +9,18 @@ use crate::handles::{self, lock, Registry};
 use crate::memory::{self, Allocation};
 use crate::stream::{Exec, Stream, Work};
 use cudarc::driver::sys::CUresult;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The recorded work of a graph, shared by the graph and its executable instances.
 pub struct GraphData {
     pub nodes: Vec<Work>,
     /// Memory allocated by the graph's allocation nodes: its addresses were fixed at capture;
-    /// it is released when the graph and all its instances are destroyed.
+    /// it is released when the graph and all its instances are destroyed. Its bytes count
+    /// against the device from a launch's allocation node until a trim finds it unused.
     pub owned: Vec<Arc<Allocation>>,
+    /// Launches queued or running: while there are any, a trim keeps the graph's memory.
+    launches: AtomicUsize,
 }
 
 impl Drop for GraphData {
@@ -60,7 +64,11 @@ pub fn create(nodes: Vec<Work>) -> Arc<Graph> {
         .collect();
     let g = Arc::new(Graph {
         handle: handles::next(),
-        data: Arc::new(GraphData { nodes, owned }),
+        data: Arc::new(GraphData {
+            nodes,
+            owned,
+            launches: AtomicUsize::new(0),
+        }),
     });
     graphs().insert(g.handle, g.clone());
     g
@@ -107,6 +115,8 @@ pub struct Replay {
     pub works: Vec<Work>,
     /// Keeps the graph's memory alive while the launch runs.
     pub data: Arc<GraphData>,
+    /// Counted in `data.launches` (a launch of its own, not one recorded into a capture).
+    tracked: bool,
 }
 
 impl Replay {
@@ -115,7 +125,69 @@ impl Replay {
             w.run(exec);
             crate::completion::progress();
         }
+        if self.tracked {
+            self.data.launches.fetch_sub(1, Ordering::AcqRel);
+        }
     }
+}
+
+/// `cuDeviceGraphMemTrim`: the memory of graph allocations on `device` that no queued or running
+/// launch uses goes back to the device. Returns the bytes given back.
+pub fn trim(device: i32) -> u64 {
+    let mut seen: Vec<*const GraphData> = Vec::new();
+    let mut freed = 0;
+    let datas = graphs()
+        .all()
+        .into_iter()
+        .map(|g| g.data.clone())
+        .chain(execs().all().into_iter().map(|e| e.data.clone()));
+    for data in datas {
+        if seen.contains(&Arc::as_ptr(&data)) {
+            continue;
+        }
+        seen.push(Arc::as_ptr(&data));
+        if data.launches.load(Ordering::Acquire) != 0 {
+            continue;
+        }
+        for a in &data.owned {
+            if a.place == memory::Place::Device(device) && memory::evict(a) {
+                freed += a.size;
+            }
+        }
+    }
+    freed
+}
+
+/// `cuDeviceGetGraphMemAttribute`'s current values on `device`: (used, reserved) bytes, where
+/// used is what graph allocations hold between their allocation and free nodes and reserved
+/// what counts against the device.
+pub fn memory_in_use(device: i32) -> (u64, u64) {
+    let mut seen: Vec<*const GraphData> = Vec::new();
+    let (mut used, mut reserved) = (0, 0);
+    let datas = graphs()
+        .all()
+        .into_iter()
+        .map(|g| g.data.clone())
+        .chain(execs().all().into_iter().map(|e| e.data.clone()));
+    for data in datas {
+        if seen.contains(&Arc::as_ptr(&data)) {
+            continue;
+        }
+        seen.push(Arc::as_ptr(&data));
+        for a in data
+            .owned
+            .iter()
+            .filter(|a| a.place == memory::Place::Device(device))
+        {
+            if a.is_live() {
+                used += a.size;
+            }
+            if memory::is_resident(a) {
+                reserved += a.size;
+            }
+        }
+    }
+    (used, reserved)
 }
 
 /// `cuGraphLaunch`: issues the graph's NCCL groups now (host order), and queues the replay.
@@ -127,16 +199,19 @@ pub fn launch(exec: &Arc<GraphExec>, stream: &Arc<Stream>) -> CuResult<()> {
             other => other.clone(),
         });
     }
+    let capture = stream.capture();
     let replay = Work::Graph(Arc::new(Replay {
         works,
         data: exec.data.clone(),
+        tracked: capture.is_none(),
     }));
-    if let Some(c) = stream.capture() {
+    if let Some(c) = capture {
         return crate::capture::record(&c, stream, replay);
     }
     if stream.kind == crate::stream::StreamKind::Legacy {
         crate::capture::check_legacy_use(&stream.context)?;
     }
+    exec.data.launches.fetch_add(1, Ordering::AcqRel);
     let mut last = lock(&exec.last);
     let deps = last.iter().cloned().collect();
     *last = Some(stream.enqueue(replay, deps));

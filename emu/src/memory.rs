@@ -18,7 +18,7 @@ use cudarc::driver::sys::CUresult;
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 /// Where an allocation's memory is.
@@ -63,6 +63,15 @@ pub struct Allocation {
     /// Why it is not live, for reports.
     note: Mutex<String>,
     pending: Mutex<Vec<PendingWrite>>,
+    /// Which other devices may access it directly (NCCL's peer-to-peer transport between GPUs
+    /// of one process): unset for `cuMemAlloc` memory (peer access, which NCCL enables, covers
+    /// it); the owning pool's grants for stream-ordered and graph allocations, which need
+    /// `cuMemPoolSetAccess`.
+    peers: OnceLock<Arc<AtomicU64>>,
+    /// Its bytes count against the device's memory. A graph allocation's do only from the
+    /// first launch that reaches its allocation node until `cuDeviceGraphMemTrim` finds it
+    /// unused, as CUDA backs graph memory with physical pages lazily and keeps them for reuse.
+    counted: AtomicBool,
 }
 
 impl Allocation {
@@ -199,28 +208,53 @@ pub fn alloc_device(
     origin: String,
     note: &str,
 ) -> CuResult<Arc<Allocation>> {
+    allocate(device, context, size, state, origin, note, true)
+}
+
+/// A graph allocation (made at capture): its address is fixed now, its bytes count against the
+/// device only once a launch reaches its allocation node ([`make_resident`]).
+pub fn alloc_graph(
+    device: i32,
+    context: usize,
+    size: u64,
+    origin: String,
+    note: &str,
+) -> CuResult<Arc<Allocation>> {
+    allocate(device, context, size, INACTIVE, origin, note, false)
+}
+
+fn allocate(
+    device: i32,
+    context: usize,
+    size: u64,
+    state: u8,
+    origin: String,
+    note: &str,
+    counted: bool,
+) -> CuResult<Arc<Allocation>> {
     let t = table();
+    let charged = if counted { size } else { 0 };
     {
         let mut used = lock(&t.used);
         let slot = &mut used[device as usize];
         if slot.saturating_add(size) > config().memory_bytes {
             return err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
         }
-        *slot += size;
+        *slot += charged;
     }
     let base = {
         let mut cursor = lock(&t.cursor);
         let base = cursor.next_multiple_of(ALIGN);
         let next = base + size.next_multiple_of(ALIGN) + GAP;
         if next > t.reserved.1 {
-            lock(&t.used)[device as usize] -= size;
+            lock(&t.used)[device as usize] -= charged;
             return err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
         }
         *cursor = next;
         base
     };
     let Some(host) = map_bytes(size as usize) else {
-        lock(&t.used)[device as usize] -= size;
+        lock(&t.used)[device as usize] -= charged;
         return err(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
     };
     // SAFETY: `host` is a fresh writable mapping of at least `size` bytes.
@@ -236,6 +270,8 @@ pub fn alloc_device(
         state: AtomicU8::new(state),
         note: Mutex::new(note.to_string()),
         pending: Mutex::new(Vec::new()),
+        peers: OnceLock::new(),
+        counted: AtomicBool::new(counted),
     });
     t.allocations
         .write()
@@ -261,6 +297,8 @@ pub fn alloc_host(context: usize, size: u64, origin: String) -> CuResult<Arc<All
         state: AtomicU8::new(LIVE),
         note: Mutex::new(String::new()),
         pending: Mutex::new(Vec::new()),
+        peers: OnceLock::new(),
+        counted: AtomicBool::new(false),
     });
     table()
         .allocations
@@ -293,7 +331,9 @@ pub fn release(a: &Allocation, by: &str) {
     *lock(&a.note) = format!("freed by {by}");
     bump();
     if let Place::Device(d) = a.place {
-        lock(&table().used)[d as usize] -= a.size;
+        if a.counted.swap(false, Ordering::AcqRel) {
+            lock(&table().used)[d as usize] -= a.size;
+        }
     }
     // SAFETY: the mapping was made by map_bytes with this length and is unmapped once (the
     // state swap above guards it).
@@ -307,6 +347,58 @@ pub fn release(a: &Allocation, by: &str) {
             .unwrap_or_else(|p| p.into_inner())
             .remove(&a.base);
     }
+}
+
+/// A launch reached a graph allocation's node: its bytes count against the device again if a
+/// trim had given them back.
+pub fn make_resident(a: &Allocation) {
+    if let Place::Device(d) = a.place {
+        if !a.counted.swap(true, Ordering::AcqRel) {
+            lock(&table().used)[d as usize] += a.size;
+        }
+    }
+}
+
+/// Gives a graph allocation's bytes back to the device if no launch uses it now (it is past
+/// its free node or before its allocation node). True when it did.
+pub fn evict(a: &Allocation) -> bool {
+    if a.state() != INACTIVE {
+        return false;
+    }
+    match a.place {
+        Place::Device(d) if a.counted.swap(false, Ordering::AcqRel) => {
+            lock(&table().used)[d as usize] -= a.size;
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Whether a graph allocation's bytes count against its device now.
+pub fn is_resident(a: &Allocation) -> bool {
+    a.counted.load(Ordering::Acquire)
+}
+
+/// Makes an allocation accessible from other devices only as `grants` (a bit per device) says.
+pub fn restrict_peers(a: &Allocation, grants: Arc<AtomicU64>) {
+    let _ = a.peers.set(grants);
+}
+
+/// Why device `device` may not access `addr` directly, if it may not: device memory of another
+/// device from a stream-ordered pool (or a graph) that was not granted to it.
+pub fn peer_denied(addr: u64, device: i32) -> Option<String> {
+    let a = find(addr)?;
+    let Place::Device(owner) = a.place else {
+        return None;
+    };
+    let grants = a.peers.get()?;
+    if owner == device || grants.load(Ordering::Acquire) & (1u64 << (device as u64 & 63)) != 0 {
+        return None;
+    }
+    Some(format!(
+        "{} comes from a stream-ordered memory pool of device {owner} that device {device} was not granted access to (cuMemPoolSetAccess); on a GPU this access faults",
+        a.describe()
+    ))
 }
 
 /// The allocation containing `addr`, in any state.

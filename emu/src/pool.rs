@@ -14,6 +14,7 @@ use crate::memory::{self, Allocation, INACTIVE};
 use crate::stream::{Stream, Work};
 use cudarc::driver::sys::{CUmemPool_attribute as Attr, CUresult};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 #[derive(Default)]
@@ -35,6 +36,9 @@ pub struct Pool {
     pub context: usize,
     pub default: bool,
     accounts: Mutex<Accounts>,
+    /// The devices besides its own that may access its allocations (a bit per device:
+    /// `cuMemPoolSetAccess`); a new pool grants none.
+    grants: Arc<AtomicU64>,
 }
 
 fn pools() -> &'static Registry<Pool> {
@@ -57,6 +61,7 @@ fn new_pool(device: i32, context: usize, default: bool) -> Arc<Pool> {
             reuse: [1, 1, 1],
             ..Default::default()
         }),
+        grants: Arc::new(AtomicU64::new(0)),
     });
     pools().insert(p.handle, p.clone());
     p
@@ -145,6 +150,45 @@ impl Pool {
         })
     }
 
+    /// `cuMemPoolSetAccess` for one device: `flags` 0 (none) or 3 (read and write; read-only
+    /// is not emulated). The pool's own device always keeps read and write.
+    pub fn set_access(&self, device: i32, flags: u32) -> CuResult<()> {
+        crate::device::check(device)?;
+        if device == self.device {
+            if flags != 3 {
+                return Err(crate::diag::strict(
+                    format!(
+                        "cuMemPoolSetAccess: device {device} owns the pool; its access cannot be changed"
+                    ),
+                    CuError(CUresult::CUDA_ERROR_INVALID_DEVICE),
+                ));
+            }
+            return Ok(());
+        }
+        let bit = 1u64 << (device as u64 & 63);
+        match flags {
+            0 => self.grants.fetch_and(!bit, Ordering::AcqRel),
+            3 => self.grants.fetch_or(bit, Ordering::AcqRel),
+            other => {
+                return Err(not_supported(format_args!(
+                    "cuMemPoolSetAccess with flags {other} (only none and read-write)"
+                )))
+            }
+        };
+        Ok(())
+    }
+
+    /// `cuMemPoolGetAccess`: 3 for the pool's device and granted devices, else 0.
+    pub fn access(&self, device: i32) -> CuResult<u32> {
+        crate::device::check(device)?;
+        let granted = self.grants.load(Ordering::Acquire) & (1u64 << (device as u64 & 63)) != 0;
+        Ok(if device == self.device || granted {
+            3
+        } else {
+            0
+        })
+    }
+
     /// `cuMemPoolSetAttribute`: the threshold, the reuse flags (accepted; addresses are never
     /// reused anyway) and resetting the high watermarks (value 0).
     pub fn set_attribute(&self, attr: u32, value: u64) -> CuResult<()> {
@@ -163,6 +207,17 @@ impl Pool {
         }
         Ok(())
     }
+}
+
+/// Bytes the pools of `device` keep for reuse (reserved but not allocated): device memory
+/// nobody else can use, so `cuMemGetInfo` does not count it as free.
+pub fn cached_on(device: i32) -> u64 {
+    pools()
+        .all()
+        .iter()
+        .filter(|p| p.device == device)
+        .map(|p| lock(&p.accounts).cached)
+        .sum()
 }
 
 /// Pools whose accounts a synchronization of `device` trims.
@@ -192,14 +247,19 @@ pub fn alloc_async(pool: &Arc<Pool>, size: u64, stream: &Arc<Stream>, api: &str)
             ""
         }
     );
-    let a = memory::alloc_device(
-        pool.device,
-        stream.context.handle,
-        size,
-        INACTIVE,
-        format!("{api} ({size} bytes) on {}", stream.name()),
-        &note,
-    )?;
+    let origin = format!("{api} ({size} bytes) on {}", stream.name());
+    let a = match capturing {
+        Some(_) => memory::alloc_graph(pool.device, stream.context.handle, size, origin, &note)?,
+        None => memory::alloc_device(
+            pool.device,
+            stream.context.handle,
+            size,
+            INACTIVE,
+            origin,
+            &note,
+        )?,
+    };
+    memory::restrict_peers(&a, pool.grants.clone());
     if let Some(c) = capturing {
         crate::capture::record(&c, stream, Work::AllocReached(a.clone()))?;
         return Ok(a.base);
@@ -216,8 +276,9 @@ pub fn alloc_async(pool: &Arc<Pool>, size: u64, stream: &Arc<Stream>, api: &str)
     Ok(a.base)
 }
 
-/// The stream reached a stream-ordered allocation.
+/// The stream reached a stream-ordered allocation (or a launch its graph's allocation node).
 pub fn reached_alloc(a: &Allocation) {
+    memory::make_resident(a);
     memory::set_active(a, true, "");
 }
 

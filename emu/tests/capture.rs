@@ -313,3 +313,72 @@ fn graph_allocations_are_live_only_between_their_nodes() {
     );
     assert_aborts(&outcome, &["graph's free node", "cuMemsetD8Async"]);
 }
+
+#[test]
+fn graph_memory_counts_from_its_launch_until_a_trim_finds_it_unused() {
+    let _serial = serial();
+    use_device(5);
+    let s = stream(1);
+    let free_now = || {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: two out-pointers.
+        ck(
+            unsafe { cuMemGetInfo_v2(&mut free, &mut total) },
+            "cuMemGetInfo",
+        );
+        free
+    };
+    let before = free_now();
+    let mut p = 0;
+    begin(s, GLOBAL);
+    // SAFETY: a graph allocation used between its nodes.
+    unsafe {
+        ck(cuMemAllocAsync(&mut p, 1 << 20, s), "alloc node");
+        ck(cuMemsetD8Async(p, 1, 1 << 20, s), "memset");
+        ck(cuMemFreeAsync(p, s), "free node");
+    }
+    let (r, g) = end(s);
+    ck(r, "end capture");
+    assert_eq!(free_now(), before, "capture alone takes no memory");
+    let mut exec = std::ptr::null_mut();
+    // SAFETY: graph handles from the capture; device 5 exists.
+    unsafe {
+        ck(cuGraphInstantiateWithFlags(&mut exec, g, 0), "instantiate");
+        ck(cuGraphLaunch(exec, s), "launch");
+        sync(s);
+        assert_eq!(free_now(), before - (1 << 20), "kept after the launch");
+        let mut reserved = 0u64;
+        ck(
+            cuDeviceGetGraphMemAttribute(
+                5,
+                cudarc::driver::sys::CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+                (&mut reserved as *mut u64).cast(),
+            ),
+            "attribute",
+        );
+        assert_eq!(reserved, 1 << 20);
+        ck(cuDeviceGraphMemTrim(5), "trim");
+        assert_eq!(free_now(), before, "given back by the trim");
+        // A launch takes it again; a trim while a launch is queued keeps it.
+        let gate = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        unsafe extern "C" fn hold(flag: *mut std::ffi::c_void) {
+            let flag = &*(flag as *const std::sync::atomic::AtomicBool);
+            while !flag.load(std::sync::atomic::Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+        }
+        ck(
+            cuLaunchHostFunc(s, Some(hold), std::sync::Arc::as_ptr(&gate) as *mut _),
+            "hold",
+        );
+        ck(cuGraphLaunch(exec, s), "launch behind the hold");
+        ck(cuDeviceGraphMemTrim(5), "trim while queued");
+        gate.store(true, std::sync::atomic::Ordering::Release);
+        sync(s);
+        assert_eq!(free_now(), before - (1 << 20), "kept by the queued launch");
+        ck(cuDeviceGraphMemTrim(5), "trim");
+        assert_eq!(free_now(), before);
+        ck(cuGraphExecDestroy(exec), "destroy exec");
+        ck(cuGraphDestroy(g), "destroy graph");
+    }
+}

@@ -430,3 +430,75 @@ fn an_init_whose_ranks_never_all_join_is_reported() {
         ],
     );
 }
+
+/// Memory from a stream-ordered pool of device `d`, holding `bytes`, with its pool's access
+/// granted to the devices in `grant`.
+fn from_pool(d: i32, bytes: &[u8], grant: &[i32]) -> CUdeviceptr {
+    use_device(d);
+    let s = stream(1);
+    let mut pool = std::ptr::null_mut();
+    let mut p = 0;
+    // SAFETY: a pool on device d, descriptors of valid devices, an allocation in stream order.
+    unsafe {
+        let mut props: cudarc::driver::sys::CUmemPoolProps = std::mem::zeroed();
+        props.allocType = cudarc::driver::sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.location.type_ = cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = d;
+        ck(cuMemPoolCreate(&mut pool, &props), "cuMemPoolCreate");
+        for &peer in grant {
+            let mut desc: cudarc::driver::sys::CUmemAccessDesc = std::mem::zeroed();
+            desc.location.type_ =
+                cudarc::driver::sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            desc.location.id = peer;
+            desc.flags = cudarc::driver::sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            ck(cuMemPoolSetAccess(pool, &desc, 1), "cuMemPoolSetAccess");
+        }
+        ck(
+            cuMemAllocFromPoolAsync(&mut p, bytes.len(), pool, s),
+            "cuMemAllocFromPoolAsync",
+        );
+    }
+    upload_async(p, bytes, s);
+    sync(s);
+    p
+}
+
+#[test]
+fn pool_memory_crosses_gpus_only_when_its_pool_grants_the_peer() {
+    // Device 2's pool grants device 3: a send from it to a rank on device 3 lands.
+    let c = comms(4);
+    let data: Vec<u8> = (0..64).collect();
+    let granted = from_pool(2, &data, &[3]);
+    let into = on_device(3, &[0; 64]);
+    group(|| {
+        assert_eq!(send(granted, 64, 3, c[2]), 0);
+        assert_eq!(recv(into, 64, 2, c[3]), 0);
+    });
+    use_device(3);
+    sync(c[3].1);
+    assert_eq!(read(3, into, 64), data);
+    if child().as_deref() == Some("ungranted") {
+        // The same pool memory received by device 1, which its pool never granted.
+        let other = on_device(1, &[0; 64]);
+        group(|| {
+            send(granted, 64, 1, c[2]);
+            recv(other, 64, 2, c[1]);
+        });
+        use_device(1);
+        sync(c[1].1);
+        return;
+    }
+    let out = run_child(
+        "pool_memory_crosses_gpus_only_when_its_pool_grants_the_peer",
+        "ungranted",
+        &[],
+    );
+    assert_aborts(
+        &out,
+        &[
+            "sendbuff of rank 2",
+            "stream-ordered memory pool of device 2",
+            "device 1 was not granted access",
+        ],
+    );
+}

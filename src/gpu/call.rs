@@ -71,6 +71,8 @@ pub(crate) struct DeviceCall<'a, E> {
     memory: CallMemory<'a>,
     /// For late unpacks (none under capture: they then stay on the caller's stream).
     side: Option<SideStream>,
+    /// The call is being captured into a graph (its staging is graph memory).
+    capturing: bool,
     /// Per arena parity: the side stream has late unpacks reading it that the caller's stream
     /// has not yet waited for.
     pending: [bool; 2],
@@ -135,20 +137,28 @@ impl<'a, E: Exchange> DeviceCall<'a, E> {
                 arena,
             },
             side,
+            capturing,
             pending: [false; 2],
             exchange,
         })
     }
 
     /// Gives the side stream back (the caller's stream already waits for its work) and frees
-    /// the staging in stream order.
+    /// the staging in stream order; a captured call also has its graph memory trimmed after
+    /// each launch (`release.rs`) unless staging is kept.
     pub fn finish(self) -> Result<()> {
         if let Some(side) = self.side {
             self.device.give_back(side);
         }
         match self.memory.staging {
             0 => Ok(()),
-            staging => self.device.pool()?.free(staging, self.stream),
+            staging => {
+                self.device.pool()?.free(staging, self.stream)?;
+                if self.capturing && !super::release::keep_staging() {
+                    super::release::after_captured_call(self.stream, self.device.context.ordinal)?;
+                }
+                Ok(())
+            }
         }
     }
 

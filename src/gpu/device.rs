@@ -24,7 +24,8 @@ pub(crate) struct Device {
 /// Side streams a device keeps for reuse (more exist only while that many calls overlap).
 const SIDE_STREAMS_KEPT: usize = 8;
 
-/// A non-blocking stream of the device's primary context with three events, which one call
+/// A non-blocking stream of the device's primary context, at its least priority (late unpacks
+/// yield to the next round's NCCL kernels), with three events, which one call
 /// at a time uses to run its late unpacks beside its next round (docs/executor.md,
 /// "Overlapping unpacks"): `fork` marks the end of a round's NCCL group on the caller's
 /// stream, `done[parity]` the end of the late unpacks of the last round of that parity.
@@ -117,7 +118,11 @@ impl Device {
         if let Some(pool) = self.pool.get() {
             return Ok(pool);
         }
-        let pool = MemoryPool::new(self.context.device, self.context.ordinal)?;
+        let pool = MemoryPool::new(
+            self.context.device,
+            self.context.ordinal,
+            super::release::keep_staging(),
+        )?;
         Ok(self.pool.get_or_init(|| pool))
     }
 
@@ -141,7 +146,7 @@ impl Device {
         match idle {
             Some(side) => Ok(side),
             None => Ok(SideStream {
-                stream: PrivateStream::new()?,
+                stream: PrivateStream::lowest_priority()?,
                 fork: Event::new()?,
                 done: [Event::new()?, Event::new()?],
             }),

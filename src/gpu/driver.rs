@@ -394,6 +394,26 @@ impl PrivateStream {
         Ok(PrivateStream(stream))
     }
 
+    /// A non-blocking stream at the device's least priority, for side work that must yield
+    /// to NCCL's kernels on the caller's stream (whatever that stream's priority).
+    pub fn lowest_priority() -> Result<PrivateStream> {
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: writes two ints for the current context.
+        call("cuCtxGetStreamPriorityRange", || unsafe {
+            sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest)
+        })?;
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: writes one stream handle; destroyed in Drop.
+        call("cuStreamCreateWithPriority", || unsafe {
+            sys::cuStreamCreateWithPriority(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                least,
+            )
+        })?;
+        Ok(PrivateStream(stream))
+    }
+
     /// True when everything enqueued on the stream has completed (a failed query: false).
     pub fn is_idle(&self) -> bool {
         // SAFETY: a stream this value owns.
@@ -483,8 +503,15 @@ impl Drop for Event {
 /// A stream-ordered memory pool on one device for staging: a call allocates its staging on
 /// its stream when it starts and frees it on its stream when its last unpack is enqueued, so
 /// concurrent calls on different streams never share memory, a CUDA graph capture records the
-/// allocation as a graph memory node, and nothing is tied to a stream handle. Memory is kept
-/// for reuse (release threshold: unlimited) until [`MemoryPool::trim`].
+/// allocation as a graph memory node, and nothing is tied to a stream handle.
+///
+/// Every other GPU of the process that can reach this one may access the pool's memory: when
+/// NCCL ranks share a process, NCCL's peer-to-peer transport reads and writes buffers directly
+/// from the peer GPU, and peer access does not cover pool memory without
+/// `cuMemPoolSetAccess`. By default the pool keeps nothing (release threshold 0): freed staging
+/// goes back to the driver at the next synchronization of the device, so it is not hidden
+/// from other allocators (PyTorch's, vLLM's) between calls; `keep` holds it for reuse until
+/// [`MemoryPool::trim`] instead (docs/executor.md, "Staging memory").
 pub(crate) struct MemoryPool(sys::CUmemoryPool);
 
 // SAFETY: pool handles may be used from any thread (the driver API is thread-safe).
@@ -493,7 +520,7 @@ unsafe impl Sync for MemoryPool {}
 
 impl MemoryPool {
     /// A pool on device `device` (ordinal `ordinal`); needs that device's context current.
-    pub fn new(device: sys::CUdevice, ordinal: i32) -> Result<MemoryPool> {
+    pub fn new(device: sys::CUdevice, ordinal: i32, keep: bool) -> Result<MemoryPool> {
         let mut supported = 0;
         // SAFETY: writes one int.
         call("cuDeviceGetAttribute", || unsafe {
@@ -519,7 +546,8 @@ impl MemoryPool {
             sys::cuMemPoolCreate(&mut pool, &props)
         })?;
         let pool = MemoryPool(pool);
-        let mut threshold = u64::MAX;
+        pool.grant_peers(device)?;
+        let mut threshold = if keep { u64::MAX } else { 0 };
         // SAFETY: RELEASE_THRESHOLD takes a u64.
         call("cuMemPoolSetAttribute", || unsafe {
             sys::cuMemPoolSetAttribute(
@@ -529,6 +557,47 @@ impl MemoryPool {
             )
         })?;
         Ok(pool)
+    }
+
+    /// Read and write access for every other device of the process that can access `device`
+    /// as a peer.
+    fn grant_peers(&self, device: sys::CUdevice) -> Result<()> {
+        let mut count = 0;
+        // SAFETY: writes one int.
+        call("cuDeviceGetCount", || unsafe {
+            sys::cuDeviceGetCount(&mut count)
+        })?;
+        let mut grants = Vec::new();
+        for ordinal in 0..count {
+            let mut peer: sys::CUdevice = 0;
+            // SAFETY: writes one device handle for an ordinal below the count.
+            call("cuDeviceGet", || unsafe {
+                sys::cuDeviceGet(&mut peer, ordinal)
+            })?;
+            if peer == device {
+                continue;
+            }
+            let mut can = 0;
+            // SAFETY: writes one int for two valid devices.
+            call("cuDeviceCanAccessPeer", || unsafe {
+                sys::cuDeviceCanAccessPeer(&mut can, peer, device)
+            })?;
+            if can != 0 {
+                // SAFETY: all-zero is a valid bit pattern for this plain C struct.
+                let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+                desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                desc.location.id = ordinal;
+                desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                grants.push(desc);
+            }
+        }
+        if grants.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `grants` holds `len` initialised descriptors of peer devices.
+        call("cuMemPoolSetAccess", || unsafe {
+            sys::cuMemPoolSetAccess(self.0, grants.as_ptr(), grants.len())
+        })
     }
 
     /// `bytes` usable by work enqueued on `stream` after this call.

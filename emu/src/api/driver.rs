@@ -18,8 +18,9 @@ use crate::stream::{self, Work};
 use crate::transfer::{self, Endpoint};
 use cudarc::driver::sys::{
     CUcontext, CUctxCreateParams, CUdevice, CUdeviceptr, CUevent, CUfunction,
-    CUfunction_attribute as FA, CUgraph, CUgraphExec, CUgraphNode, CUhostFn, CUmemPoolProps,
-    CUmemoryPool, CUmodule, CUpointer_attribute as PA, CUresult, CUstream,
+    CUfunction_attribute as FA, CUgraph, CUgraphExec, CUgraphMem_attribute, CUgraphNode, CUhostFn,
+    CUmemAccessDesc, CUmemAccess_flags, CUmemLocation, CUmemPoolProps, CUmemoryPool, CUmodule,
+    CUpointer_attribute as PA, CUresult, CUstream,
 };
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::Arc;
@@ -364,7 +365,9 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
     cu_init("cuMemGetInfo_v2", || {
         let ctx = context::current()?;
         let t = crate::config::config().memory_bytes;
-        put(free, t.saturating_sub(memory::used(ctx.device)) as usize)?;
+        // What the pools keep for reuse is reserved, not free.
+        let taken = memory::used(ctx.device).saturating_add(pool::cached_on(ctx.device));
+        put(free, t.saturating_sub(taken) as usize)?;
         put(total, t as usize)
     })
 }
@@ -820,7 +823,39 @@ pub unsafe extern "C" fn cuStreamCreateWithPriority(
         if ph.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
+        // CUDA clamps a priority outside the range to it.
+        let priority = priority.clamp(GREATEST_PRIORITY, LEAST_PRIORITY);
         put(ph, stream::create(flags, priority)?.handle as CUstream)
+    })
+}
+
+/// Stream priorities as an H100/H200 reports them: 0 (the default) is the least, -5 the
+/// greatest.
+const LEAST_PRIORITY: c_int = 0;
+const GREATEST_PRIORITY: c_int = -5;
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetStreamPriorityRange(
+    least: *mut c_int,
+    greatest: *mut c_int,
+) -> CUresult {
+    cu_init("cuCtxGetStreamPriorityRange", || {
+        context::current()?;
+        if !least.is_null() {
+            put(least, LEAST_PRIORITY)?;
+        }
+        if !greatest.is_null() {
+            put(greatest, GREATEST_PRIORITY)?;
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamGetPriority(h: CUstream, priority: *mut c_int) -> CUresult {
+    cu_init("cuStreamGetPriority", || {
+        let s = stream::resolve(h as usize)?;
+        put(priority, s.priority)
     })
 }
 
@@ -1252,6 +1287,110 @@ pub unsafe extern "C" fn cuMemPoolTrimTo(p: CUmemoryPool, keep: usize) -> CUresu
     cu_init("cuMemPoolTrimTo", || {
         pool::get(p as usize)?.trim(keep as u64);
         Ok(())
+    })
+}
+
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+const LOCATION_DEVICE: u32 = 1;
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolSetAccess(
+    p: CUmemoryPool,
+    map: *const CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    cu_init("cuMemPoolSetAccess", || {
+        if map.is_null() && count != 0 {
+            return err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let pool = pool::get(p as usize)?;
+        let descs = if count == 0 {
+            &[][..]
+        } else {
+            std::slice::from_raw_parts(map, count)
+        };
+        for d in descs {
+            if d.location.type_ as u32 != LOCATION_DEVICE {
+                return Err(not_supported(
+                    "cuMemPoolSetAccess for a location other than a device",
+                ));
+            }
+            pool.set_access(d.location.id, d.flags as u32)?;
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolGetAccess(
+    flags: *mut CUmemAccess_flags,
+    p: CUmemoryPool,
+    location: *mut CUmemLocation,
+) -> CUresult {
+    cu_init("cuMemPoolGetAccess", || {
+        if flags.is_null() || location.is_null() {
+            return err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let location = &*location;
+        if location.type_ as u32 != LOCATION_DEVICE {
+            return err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        let access = pool::get(p as usize)?.access(location.id)?;
+        // The two values CUDA documents for pools: none, read-write.
+        put(
+            flags,
+            if access == 3 {
+                CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            } else {
+                CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE
+            },
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceCanAccessPeer(
+    can: *mut c_int,
+    dev: CUdevice,
+    peer: CUdevice,
+) -> CUresult {
+    cu_init("cuDeviceCanAccessPeer", || {
+        device::check(dev)?;
+        device::check(peer)?;
+        // Every emulated pair is peer capable (an NVLink/NVSwitch node); a device is not its
+        // own peer.
+        put(can, c_int::from(dev != peer))
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGraphMemTrim(dev: CUdevice) -> CUresult {
+    cu_init("cuDeviceGraphMemTrim", || {
+        device::check(dev)?;
+        graph::trim(dev);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetGraphMemAttribute(
+    dev: CUdevice,
+    attr: CUgraphMem_attribute,
+    value: *mut c_void,
+) -> CUresult {
+    cu_init("cuDeviceGetGraphMemAttribute", || {
+        device::check(dev)?;
+        let (used, reserved) = graph::memory_in_use(dev);
+        let v = match attr {
+            CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT => used,
+            CUgraphMem_attribute::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT => reserved,
+            _ => {
+                return Err(not_supported(
+                    "cuDeviceGetGraphMemAttribute for the high watermarks",
+                ))
+            }
+        };
+        put(value.cast::<u64>(), v)
     })
 }
 

@@ -440,6 +440,30 @@ fn transfer(send: &Op, recv: &Op) {
     ) else {
         return;
     };
+    // Between GPUs of one process NCCL's peer-to-peer transport may read the sender's buffer
+    // from the receiver's GPU and write the receiver's from the sender's (P2P/direct): each
+    // buffer must be accessible from the other device, which pool memory is only once granted.
+    if send.comm.device != recv.comm.device {
+        let denied = memory::peer_denied(sbuf, recv.comm.device)
+            .map(|why| ("sendbuff", send, why))
+            .or_else(|| {
+                memory::peer_denied(rbuf, send.comm.device).map(|why| ("recvbuff", recv, why))
+            });
+        if let Some((what, op, why)) = denied {
+            diag::strict(
+                format!(
+                    "{} ({what} of rank {}): NCCL's peer-to-peer transport between GPUs of one process (devices {} and {}) accesses the buffer from the other GPU, but {why}",
+                    op.describe(),
+                    op.comm.rank,
+                    send.comm.device,
+                    recv.comm.device
+                ),
+                (),
+            );
+            op.comm.set_async(super::INVALID_ARGUMENT);
+            return;
+        }
+    }
     // SAFETY: both ranges were checked inside live allocations of the ranks' devices; `copy`
     // allows a self send/receive onto the same bytes.
     unsafe { std::ptr::copy(src, dst, sbytes as usize) };
