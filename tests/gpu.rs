@@ -12,6 +12,7 @@ mod gpu_common;
 use cudarc::driver::sys;
 use gpu_common::*;
 use ncclreshard::exec::buffers::CallBuffers;
+use ncclreshard::exec::{Plan, PlanTensor, StagingLimit};
 use ncclreshard::plan::{Buffer, RankProgram};
 use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
 use ncclreshard::transport::host::{execute, RankBuffers};
@@ -1175,6 +1176,102 @@ fn graph_capture_replays_the_reshard_including_a_first_call_on_a_fresh_stream() 
             "gpu: {n} rank(s), {mode:?}: a first call during capture refused (capture still valid); after a warm-up, capture on a fresh stream + 3 replays byte-exact ({late} rank(s) with late unpacks)"
         );
     }
+}
+
+/// True on the CPU emulator (emu/), whose kernels run on the host: tests that measure keep
+/// their data small there.
+fn emulated() -> bool {
+    contexts();
+    let mut name = [0 as std::ffi::c_char; 128];
+    // SAFETY: a buffer of the stated length; device 0 exists wherever these tests run.
+    ck(
+        unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), 128, 0) },
+        "cuDeviceGetName",
+    );
+    // SAFETY: the driver wrote a NUL-terminated name.
+    unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+        .to_string_lossy()
+        .contains("emulated")
+}
+
+#[test]
+#[ignore = "needs CUDA and NCCL: scripts/gpu-check.sh, scripts/emulated-gpu-tests.sh"]
+fn late_unpacks_overlap_the_next_round() {
+    // A staged 3-round plan through NCCL self messages whose unpacks are slow (bf16 rows of
+    // 1023 elements into a padded view): its unpacks run late, on the side stream beside the
+    // next round, and must leave every byte right call after call; on a GPU the same plan
+    // with every unpack before the next round (the program without the arenas) is timed beside
+    // it, and the overlap should show (docs/executor.md, "Overlapping unpacks").
+    let small = emulated();
+    let rows: u64 = if small { 512 } else { 1 << 18 };
+    let one = || mesh(&[1], &[0]);
+    let mut spec = TensorSpec {
+        shape: vec![rows, 1023],
+        dtype: DType::Bfloat16,
+        src: layout(one(), &[Placement::Replicate]),
+        dst: layout(one(), &[Placement::Replicate]),
+    };
+    spec.dst.strides = Some(vec![1025, 1]);
+    let tensors = vec![spec];
+    let config = Config {
+        mode: Mode::Staged,
+        rounds: 3,
+        split_min_bytes: 64 << 10,
+        local_via_messages: true,
+        ..Default::default()
+    };
+    let bytes = rows * 1023 * 2;
+    let calls = if small { 2 } else { 10 };
+    with_ranks(1, true, |rank| {
+        let late = plan_of(&tensors, 0, &config).unwrap();
+        assert!(late.program().has_late_unpacks(), "no late unpacks");
+        let sequential = Planner::new(tensors.clone(), config.clone())
+            .unwrap()
+            .rank_program_sequential(0)
+            .unwrap();
+        let (_, _, src, dst, _) = images(&tensors, 0, 0);
+        let in_order = Plan::new(
+            vec![PlanTensor {
+                src_offset: src[0],
+                dst_offset: dst[0],
+                ..PlanTensor::new(tensors[0].clone())
+            }],
+            0,
+            config.clone(),
+            StagingLimit::new(sequential.staging_bytes.max(1)),
+            NcclTransport::LIMITS,
+        )
+        .unwrap();
+        assert!(!in_order.program().has_late_unpacks());
+        let mut ms = Vec::new();
+        for plan in [&late, &in_order] {
+            let data = prepare(&rank.device, &tensors, 0);
+            let executor = NcclTransport::for_plan(plan);
+            let stream = rank.device.stream;
+            let best = time_ms(stream, calls, || {
+                executor
+                    .execute(&data.buffers(), rank.comm, stream.cast())
+                    .unwrap_or_else(|e| panic!("{e}"))
+            });
+            rank.device.sync();
+            data.verify(&rank.device, &tensors, 0);
+            data.free(&rank.device);
+            ms.push(best);
+        }
+        let verdict = if small {
+            "not timed on the emulator"
+        } else if ms[0] < ms[1] {
+            "overlap shows: met"
+        } else {
+            "overlap does not show: MISSED"
+        };
+        println!(
+            "gpu: late unpacks, 3 rounds of {:.1} MiB of bf16 rows of 1023 into a padded view, {calls} calls each, byte-exact: {:.3} ms with late unpacks vs {:.3} ms with every unpack before the next round ({verdict})",
+            bytes as f64 / f64::from(1 << 20),
+            ms[0],
+            ms[1]
+        );
+    });
 }
 
 /// Free device memory as the driver reports it (context current).

@@ -72,6 +72,7 @@ impl Device {
         if let Some(kernel) = self.kernel.get() {
             return Ok(kernel);
         }
+        let started = std::time::Instant::now();
         let (major, minor) = self.context.compute_capability()?;
         let driver = driver::driver_version()?;
         let image = nvrtc::image(major, minor, driver)?;
@@ -94,8 +95,9 @@ impl Device {
         })?;
         debug::log(Level::Info, || {
             format!(
-                "device {}: copy kernel loaded ({:?} for arch {} by {}, driver CUDA {}.{})",
+                "device {}: copy kernel compiled and loaded in {:.1} ms ({:?} for arch {} by {}, driver CUDA {}.{})",
                 self.context.ordinal,
+                started.elapsed().as_secs_f64() * 1e3,
                 image.kind,
                 image.arch,
                 image.compiler,

@@ -9,6 +9,7 @@ use super::descriptors::{
 };
 use super::device::{self, Device};
 use super::driver::{DeviceBuffer, PrivateStream, RelaxedCapture};
+use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::Limits;
 use crate::plan::{RankProgram, StridedCopy};
@@ -204,7 +205,9 @@ impl DeviceProgram {
         }
         let p = &*self.program;
         let _relaxed = RelaxedCapture::new()?;
+        let started = std::time::Instant::now();
         state.device.kernel()?;
+        let kernel_ready = started.elapsed();
         if self.arena.total > 0 {
             state.device.pool()?;
         }
@@ -251,6 +254,19 @@ impl DeviceProgram {
         };
         // The host vectors above stay alive until the copies have landed.
         upload.synchronize()?;
+        // First-call costs, said rather than left as surprises (docs/executor.md, "The first
+        // call"): the kernel (compiled once per process and device), this upload, and NCCL's
+        // connections, which NCCL makes during the first exchange with each peer.
+        debug::log(Level::Info, || {
+            format!(
+                "rank {}: first call on device {}: copy kernel ready after {:.1} ms, tables uploaded in {:.1} ms; NCCL connects to the plan's {} peer(s) during this call",
+                p.rank,
+                state.device.context.ordinal,
+                kernel_ready.as_secs_f64() * 1e3,
+                (started.elapsed() - kernel_ready).as_secs_f64() * 1e3,
+                p.peers().len()
+            )
+        });
         Ok(state.tables.get_or_init(|| tables))
     }
 }
