@@ -73,7 +73,7 @@ fn case_file_seeds_parse_plan_and_check() {
 
 /// Every saved reproducer (`fuzz/regressions/<target>/<file>`), each replayed by its own test
 /// below; a file there that is not listed fails `every_reproducer_has_a_test`.
-const REPRODUCERS: [&str; 11] = [
+const REPRODUCERS: [&str; 12] = [
     "plan_create/zero-dim-beside-huge-dims",
     "case_file/zero-dim-beside-huge-dims.json",
     "plan_create/huge-view-strides",
@@ -85,6 +85,7 @@ const REPRODUCERS: [&str; 11] = [
     "plan_create/scale-blocks-past-the-plans-tensors",
     "plan_create/zero-dim-conversion",
     "plan_create/failed-rank-far-past-the-meshes",
+    "plan_create/pre-0.4-transfers-of-a-converting-plan",
 ];
 
 fn reproducer(name: &str) -> Vec<(PathBuf, Vec<u8>)> {
@@ -109,6 +110,18 @@ fn every_reproducer_has_a_test() {
             );
         }
     }
+}
+
+/// A converting plan whose transfers are asked for with a 0.3-sized `ncclReshardTransfer_t`
+/// (no dtype fields): the library refuses it, as documented, and the harness took that for a
+/// wrong refusal (CI's seed-1 fuzz run, 2026-12-01).
+#[test]
+fn pre_0_4_transfer_structs_are_refused_for_a_converting_plan() {
+    let outcomes = replay(
+        &reproducer("plan_create/pre-0.4-transfers-of-a-converting-plan"),
+        plan_create::run,
+    );
+    assert!(outcomes[0].planned, "{:?}", outcomes[0]);
 }
 
 /// A tensor of shape [0, 2^63 - 1, 3] (no elements, so accepted) on a 2-rank Shard(0) layout:
