@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The native side of the tests (docs/design.md §7.3–7.5), with real NVIDIA parts from PyPI and no GPU:
 #  - the copy kernels compiled by the real NVRTC for sm_80, sm_90 and sm_100;
+#  - NCCL's group depth found in the real libnccl's symbol table (open groups seen silently);
 #  - the top-level CMake project's ctest suite (header as C11/C++17 with -Werror against the
 #    real nccl.h, the C API test plain / ASan+UBSan / valgrind / static, exported symbols and
 #    SONAME);
@@ -24,6 +25,10 @@ nvidia=$("$venv/bin/python" -c "import nvidia, os; print(list(nvidia.__path__)[0
 echo "== NVRTC: compile the embedded kernels for sm_80, sm_90, sm_100"
 NCCL_RESHARD_NVRTC_LIBRARY="$nvidia/cuda_nvrtc/lib/libnvrtc.so.12" \
   cargo test --locked --test kernels -- --include-ignored
+
+echo "== NCCL's group depth read from the real libnccl's symbol table (groups need no GPU)"
+NCCL_RESHARD_TEST_NCCL="$nvidia/nccl/lib/libnccl.so.2" \
+  cargo test --locked --lib group_depth -- --nocapture
 
 build="$root/target/c-build"
 prefix="$root/target/c-prefix"

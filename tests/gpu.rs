@@ -989,7 +989,7 @@ fn staged_and_multi_round_plans_inside_a_group_are_refused_on_every_rank() {
             local_via_messages: via_self,
             ..Default::default()
         };
-        with_ranks(n, true, |rank| {
+        let outcome = with_ranks(n, true, |rank| {
             let plan = plan_of(&tensors, rank.r, &config).unwrap();
             let data = prepare(&rank.device, &tensors, rank.r);
             let executor = NcclTransport::for_plan(&plan);
@@ -1006,16 +1006,34 @@ fn staged_and_multi_round_plans_inside_a_group_are_refused_on_every_rank() {
                         && err.message.contains("groupable mode"),
                     "{err}"
                 );
-                // The probe reopened the group: closing it is still valid.
+                // The group is still open (a probe would have reopened it): closing it is valid.
                 assert_eq!((nccl().group_end)(), 0);
             }
-            // Nothing was posted: the same call outside the group works.
+            // Nothing was posted: the same call outside the group works. Asking whether a
+            // group is open must make NCCL log nothing (defect: ending a group that was not
+            // open, one NCCL WARN "not in a group call" per call with NCCL_DEBUG=WARN). NCCL's
+            // last warning is process-wide: rank 0 alone checks it.
+            let marker = (rank.r == 0).then(|| {
+                // SAFETY: a NULL output, which NCCL refuses with a warning of its own.
+                let refused = unsafe { (nccl().count)(rank.comm, std::ptr::null_mut()) };
+                assert_ne!(refused, 0);
+                nccl_last_error()
+            });
             executor
                 .execute(&data.buffers(), rank.comm, stream)
                 .unwrap_or_else(|e| panic!("rank {}: {e}", rank.r));
             data.verify(&rank.device, &tensors, rank.r);
             data.free(&rank.device);
+            marker.map(|m| nccl_last_error() == m)
         });
+        if let Some(quiet) = outcome.into_iter().flatten().next() {
+            if transport::group_depth_readable() {
+                assert!(quiet, "{mode:?}: the call made NCCL log a warning");
+            } else {
+                assert!(!emulated(), "the emulator's NCCL names its group depth");
+                println!("gpu: this NCCL's symbol table does not name its group depth: open groups are found by ncclGroupEnd, which NCCL logs");
+            }
+        }
     }
     println!("gpu: {n} rank(s): staged and multi-round plans inside a group refused on every rank before any NCCL operation; outside it byte-exact");
 }

@@ -64,6 +64,8 @@ pub type AllReduceFn = unsafe extern "C" fn(
 
 pub type RecvFn =
     unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int;
+pub type CommIntFn = unsafe extern "C" fn(Comm, *mut c_int) -> c_int;
+pub type LastErrorFn = unsafe extern "C" fn(Comm) -> *const std::ffi::c_char;
 
 /// The NCCL functions the tests call themselves (the library finds the same NCCL).
 pub struct Nccl {
@@ -77,6 +79,8 @@ pub struct Nccl {
     pub group_end: GroupFn,
     pub all_reduce: AllReduceFn,
     pub recv: RecvFn,
+    pub count: CommIntFn,
+    pub last_error: LastErrorFn,
 }
 
 pub fn nccl() -> &'static Nccl {
@@ -109,9 +113,19 @@ pub fn nccl() -> &'static Nccl {
                 group_end: t::<*mut c_void, GroupFn>(sym("ncclGroupEnd")),
                 all_reduce: t::<*mut c_void, AllReduceFn>(sym("ncclAllReduce")),
                 recv: t::<*mut c_void, RecvFn>(sym("ncclRecv")),
+                count: t::<*mut c_void, CommIntFn>(sym("ncclCommCount")),
+                last_error: t::<*mut c_void, LastErrorFn>(sym("ncclGetLastError")),
             }
         }
     })
+}
+
+/// NCCL's last warning (one process-wide buffer).
+pub fn nccl_last_error() -> String {
+    // SAFETY: NCCL's static buffer, NUL-terminated.
+    unsafe { std::ffi::CStr::from_ptr((nccl().last_error)(std::ptr::null_mut())) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// Waits until a nonblocking communicator has finished what it was doing.

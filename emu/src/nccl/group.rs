@@ -16,7 +16,6 @@ use std::sync::Arc;
 
 #[derive(Default)]
 struct Group {
-    depth: u32,
     posted: Vec<Posted>,
     /// Communicators whose init was called inside the group (completed at its end).
     inits: Vec<Arc<Comm>>,
@@ -28,13 +27,25 @@ thread_local! {
     static GROUP: RefCell<Group> = RefCell::new(Group::default());
 }
 
+extern "C" {
+    /// This thread's group depth, an `int ncclGroupDepth` in thread-local storage as NCCL keeps
+    /// it (shim/group_depth.c), so that libncclreshard reads it here as it reads NCCL's.
+    fn ncclReshardEmuGroupDepth() -> *mut std::ffi::c_int;
+}
+
 pub fn depth() -> u32 {
-    GROUP.with(|g| g.borrow().depth)
+    // SAFETY: this thread's int, valid for the thread's life.
+    unsafe { *ncclReshardEmuGroupDepth() as u32 }
+}
+
+fn set_depth(depth: u32) {
+    // SAFETY: as above; only this thread writes it.
+    unsafe { *ncclReshardEmuGroupDepth() = depth as std::ffi::c_int }
 }
 
 /// `ncclGroupStart`.
 pub fn start() {
-    GROUP.with(|g| g.borrow_mut().depth += 1);
+    set_depth(depth() + 1);
 }
 
 /// Defers a communicator's init to the end of the open group.
@@ -46,7 +57,7 @@ pub fn defer_init(comm: Arc<Comm>) {
 pub fn note_error(result: i32, message: &str) {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
-        if g.depth > 0 && g.error.is_none() {
+        if depth() > 0 && g.error.is_none() {
             g.error = Some((result, message.to_string()));
         }
     });
@@ -89,7 +100,7 @@ pub fn post(comm: &Arc<Comm>, kind: OpKind, stream: usize) -> NResult<i32> {
     };
     let open = GROUP.with(|g| {
         let mut g = g.borrow_mut();
-        if g.depth > 0 {
+        if depth() > 0 {
             g.posted.push(posted.clone());
             true
         } else {
@@ -108,12 +119,13 @@ pub fn post(comm: &Arc<Comm>, kind: OpKind, stream: usize) -> NResult<i32> {
 pub fn end() -> NResult<i32> {
     let finished = GROUP.with(|g| {
         let mut g = g.borrow_mut();
-        if g.depth == 0 {
-            return Err(());
-        }
-        g.depth -= 1;
-        if g.depth > 0 {
-            return Ok(None);
+        match depth() {
+            0 => return Err(()),
+            1 => set_depth(0),
+            d => {
+                set_depth(d - 1);
+                return Ok(None);
+            }
         }
         Ok(Some(std::mem::take(&mut *g)))
     });

@@ -18,6 +18,7 @@
 //! is the NCCL it leads to). Only functions present in NCCL 2.18 are required, so any NCCL
 //! from 2.18 on works.
 
+use super::group_depth::GroupDepth;
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::gpu::driver::dlerror;
@@ -36,7 +37,7 @@ const NCCL_INVALID_USAGE: NcclResult = 5;
 /// `ncclRemoteError`: a peer died or the network failed (what a missed deadline reports).
 pub(crate) const NCCL_REMOTE_ERROR: NcclResult = 6;
 /// `ncclInProgress`: a nonblocking communicator is still issuing the operation.
-const NCCL_IN_PROGRESS: NcclResult = 7;
+pub(super) const NCCL_IN_PROGRESS: NcclResult = 7;
 
 // C signatures from nccl.h.
 type SendFn =
@@ -99,6 +100,9 @@ pub(crate) struct Nccl {
     pub comm_shrink: Option<ShrinkFn>,
     pub comm_get_unique_id: Option<UniqueIdFn>,
     pub comm_grow: Option<GrowFn>,
+    /// This thread's NCCL group depth, read without NCCL logging anything, where NCCL's
+    /// symbol table names it (`group_depth.rs`); else `refuse_open_group` probes.
+    group_depth: Option<GroupDepth>,
     /// Where the symbols came from, for messages.
     pub origin: String,
     /// The file that defines them (`ncclReshardGetNcclLibrary`).
@@ -137,9 +141,26 @@ fn load_from(handle: *mut c_void, origin: String) -> Result<Nccl> {
         }};
     }
     let send = resolve!("ncclSend", SendFn);
-    let path = defining_object(send as *mut c_void)
-        .map(|m| m.path)
+    let mapped = defining_object(send as *mut c_void);
+    let path = mapped
+        .as_ref()
+        .map(|m| m.path.clone())
         .unwrap_or_else(|| origin.clone());
+    let group_start = resolve!("ncclGroupStart", GroupFn);
+    let group_end = resolve!("ncclGroupEnd", GroupFn);
+    let group_depth = mapped
+        .and_then(|m| GroupDepth::find(&m.path, m.base))
+        .and_then(|depth| depth.check(group_start, group_end));
+    debug::log(Level::Info, || {
+        format!(
+            "{path}: {}",
+            if group_depth.is_some() {
+                "NCCL's group depth found in its symbol table: open groups are detected without ncclGroupEnd"
+            } else {
+                "NCCL's group depth is not in its symbol table (a stripped NCCL): open groups are detected by ncclGroupEnd, which NCCL logs as a WARN ('not in a group call') with NCCL_DEBUG=WARN for each call of a plan not made in groupable mode"
+            }
+        )
+    });
     let get_version = resolve!("ncclGetVersion", VersionFn);
     let mut version = 0;
     // SAFETY: writes one int.
@@ -162,8 +183,9 @@ fn load_from(handle: *mut c_void, origin: String) -> Result<Nccl> {
         comm_grow: optional!("ncclCommGrow", GrowFn, GROW_SINCE),
         send,
         recv: resolve!("ncclRecv", RecvFn),
-        group_start: resolve!("ncclGroupStart", GroupFn),
-        group_end: resolve!("ncclGroupEnd", GroupFn),
+        group_start,
+        group_end,
+        group_depth,
         comm_count: resolve!("ncclCommCount", CommIntFn),
         comm_cu_device: resolve!("ncclCommCuDevice", CommIntFn),
         comm_user_rank: resolve!("ncclCommUserRank", CommIntFn),
@@ -500,14 +522,30 @@ impl Nccl {
         self.check(result, what, comm)
     }
 
+    /// Whether open groups are found from NCCL's group depth (no NCCL log line), not by the
+    /// `ncclGroupEnd` probe.
+    pub fn reads_group_depth(&self) -> bool {
+        self.group_depth.is_some()
+    }
+
     /// `Ok` when this thread has no NCCL group open; otherwise `why` as `ncclInvalidUsage`.
     ///
-    /// NCCL has no query for an open group, but `ncclGroupEnd` with none open returns
+    /// Read from NCCL's group depth where its symbol table names it (`group_depth.rs`).
+    /// Elsewhere: NCCL has no query for an open group, but `ncclGroupEnd` with none open returns
     /// `ncclInvalidUsage` and changes nothing (NCCL logs "ncclGroupEnd: not in a group call."
     /// when `NCCL_DEBUG` is WARN or more). With a group open it closes one level (if that was
     /// the outermost, NCCL issues what the caller posted in the group so far); the level is
     /// reopened at once and the message says so.
     pub fn refuse_open_group(&self, why: impl FnOnce() -> String) -> Result<()> {
+        if let Some(depth) = &self.group_depth {
+            return match depth.read() {
+                0 => Ok(()),
+                open => Err(Error::invalid_usage(format!(
+                    "{} (this thread has {open} NCCL group level(s) open)",
+                    why()
+                ))),
+            };
+        }
         // SAFETY: group calls have no preconditions; a closed level is reopened below.
         let ended = unsafe { (self.group_end)() };
         if ended == NCCL_INVALID_USAGE {

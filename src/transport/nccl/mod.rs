@@ -11,6 +11,7 @@
 //! kernel arguments, so they can be captured into a CUDA graph.
 
 mod deadline;
+mod group_depth;
 mod groups;
 pub(crate) mod library;
 
@@ -356,6 +357,13 @@ fn check_stream(stream: sys::CUstream, device: &Device) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Whether the NCCL the library uses lets it see an open NCCL group without NCCL logging a
+/// warning (its symbol table names the group depth; docs/executor.md, "Calls inside a
+/// caller's group"); false also when no NCCL can be loaded.
+pub fn group_depth_readable() -> bool {
+    library::nccl().is_ok_and(|nccl| nccl.reads_group_depth())
 }
 
 /// The outcome of this rank's calls with a deadline on `comm`: `Ok(true)` once none is running
