@@ -803,6 +803,85 @@ fn lower_bound_intersects_shards_per_dim() {
 }
 
 #[test]
+fn no_simulated_plan_beats_the_floor_of_converted_tensors() {
+    // Defect: the floor counted every element at its training size while senders converted
+    // BF16 to FP8 first: Kimi-K2 simulated at 0.59x its "floor". A converted element counts at
+    // the smaller of its two sizes; whichever side converts, no plan moves fewer bytes.
+    use ncclreshard::quant::{Conversion, Scheme};
+    use ncclreshard_tools::sim::lower_bound_converted;
+    use Placement::{Replicate as R, Shard as S};
+    let mesh2 =
+        |first: u32, rows: u64, cols: u64| Mesh::contiguous(vec![rows, cols], first).unwrap();
+    let two_d = |mesh: Mesh, a: Placement, b: Placement| Layout::new(mesh, vec![a, b]);
+    let spec = |dtype: DType| TensorSpec {
+        shape: vec![4096, 2048],
+        dtype,
+        src: two_d(mesh2(0, 1, 8), R, S(0)),
+        dst: two_d(mesh2(8, 2, 8), R, S(1)),
+    };
+    let e4m3 = DType::Float8E4M3;
+    let conversions = [
+        (
+            DType::Bfloat16,
+            Conversion::quantize(
+                e4m3,
+                Scheme::Block {
+                    rows: 128,
+                    cols: 128,
+                },
+            ),
+        ),
+        (
+            DType::Bfloat16,
+            Conversion::quantize(e4m3, Scheme::PerChannel),
+        ),
+        (DType::Float32, Conversion::cast(DType::Bfloat16)),
+        (
+            DType::Float32,
+            Conversion::quantize(DType::Float8E5M2, Scheme::Block { rows: 64, cols: 64 }),
+        ),
+    ];
+    for cluster in [Cluster::dgx_h100(), Cluster::dgx_h100().ideal()] {
+        for (dtype, conversion) in &conversions {
+            let tensors = vec![spec(*dtype)];
+            let converted = [Some(conversion.clone())];
+            let bound = lower_bound_converted(&tensors, &converted, &cluster);
+            let unconverted = lower_bound(&tensors, &cluster);
+            let (wire, trained) = (dtype.size().min(conversion.dtype.size()), dtype.size());
+            assert_close(
+                bound.time_s * f64::from(trained),
+                unconverted.time_s * f64::from(wire),
+            );
+            for mode in [Mode::Auto, Mode::Staged] {
+                let planner = Planner::with_conversions(
+                    tensors.clone(),
+                    converted.to_vec(),
+                    Config {
+                        mode,
+                        topology: Topology::RanksPerNode(8),
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+                let programs: Vec<RankProgram> = planner
+                    .ranks()
+                    .into_iter()
+                    .map(|r| planner.rank_program(r).unwrap())
+                    .collect();
+                let report = simulate(&programs, &cluster);
+                assert!(
+                    report.time_s >= bound.time_s * (1.0 - 1e-9),
+                    "{dtype:?} -> {:?}, {mode:?}: {} s below {}",
+                    conversion.dtype,
+                    report.time_s,
+                    bound.binding
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn no_simulated_plan_beats_the_floor() {
     let cluster = Cluster::dgx_h100();
     let mesh2 =

@@ -146,11 +146,10 @@ pub fn sim_options(parsed: &Parsed, command: &'static str) -> Result<SimOptions,
     Ok(SimOptions { trials, seed })
 }
 
-/// Plans every rank of `refit` with `config` and simulates it on `cluster`, with the peers'
-/// methods and the bounds.
-/// Simulates `refit` with `conversions` (one per tensor; `None`: it arrives as it is); the
-/// baselines and floors move the tensors as trained. With any conversion, the reshard without
-/// them is simulated too ([`Simulation::unconverted`]).
+/// Simulates `refit` with `conversions` (one per tensor; `None`: it arrives as it is), with the
+/// peers' methods and the bounds: the baselines move the tensors as trained, the floors count
+/// each converted element at the smaller of its two sizes (`sim::lower_bound_converted`). With
+/// any conversion, the reshard without them is simulated too ([`Simulation::unconverted`]).
 pub fn simulate(
     refit: &Refit,
     conversions: &[Option<Conversion>],
@@ -184,7 +183,7 @@ pub fn simulate(
                     peers(&M2nParams::hierarchical(), Schedule::OneCommunicator),
                 ),
                 sim::gather_broadcast(&refit.tensors, cluster),
-                sim::lower_bound(&refit.tensors, cluster),
+                sim::lower_bound_converted(&refit.tensors, conversions, cluster),
             )
         });
     Ok(Simulation {

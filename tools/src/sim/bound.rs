@@ -2,6 +2,7 @@
 
 use super::Cluster;
 use ncclreshard::layout::{next_index, DimPiece, Layout, TensorSpec};
+use ncclreshard::quant::Conversion;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
@@ -107,6 +108,20 @@ pub struct LowerBound {
 ///
 /// Local reshaping inside a GPU (copies, packs) and latency are not counted.
 pub fn lower_bound(tensors: &[TensorSpec], cluster: &Cluster) -> LowerBound {
+    lower_bound_converted(tensors, &[], cluster)
+}
+
+/// [`lower_bound`] of tensors that arrive converted (`conversions[t]` for tensor `t`; missing
+/// or `None`: as it is). A converted element may cross a link in either dtype — senders convert,
+/// or receivers do — so each counts at the smaller of its two sizes: the bytes after sender-side
+/// conversion when that shrinks it (BF16 → FP8), before receiver-side conversion when that
+/// grows it. Scales are left out (a plan whose receivers quantize sends none), which keeps the
+/// bound below every plan.
+pub fn lower_bound_converted(
+    tensors: &[TensorSpec],
+    conversions: &[Option<Conversion>],
+    cluster: &Cluster,
+) -> LowerBound {
     // Participating GPUs per domain (ranks may be sparse: maps, not rank-indexed vectors).
     let mut participants: Vec<u32> = tensors
         .iter()
@@ -121,8 +136,10 @@ pub fn lower_bound(tensors: &[TensorSpec], cluster: &Cluster) -> LowerBound {
     }
 
     let mut acc = Accumulator::default();
-    for spec in tensors {
-        overlaps(spec, |bytes, holders, consumers| {
+    for (t, spec) in tensors.iter().enumerate() {
+        let converted = conversions.get(t).and_then(Option::as_ref);
+        let elem = converted.map_or(spec.elem_size(), |c| spec.elem_size().min(c.dtype.size()));
+        overlaps(spec, u64::from(elem), |bytes, holders, consumers| {
             acc.add(cluster, bytes, holders, consumers)
         });
     }
@@ -316,10 +333,9 @@ fn dim_overlaps(src: &[DimPiece], dst: &[DimPiece]) -> Vec<(usize, usize, u64)> 
 }
 
 /// Calls `sink(bytes, holders, consumers)` for every non-empty overlap of a source shard and a
-/// destination shard of `spec`.
-pub(crate) fn overlaps(spec: &TensorSpec, mut sink: impl FnMut(u64, &[u32], &[u32])) {
+/// destination shard of `spec`, counting `elem` bytes per element.
+pub(crate) fn overlaps(spec: &TensorSpec, elem: u64, mut sink: impl FnMut(u64, &[u32], &[u32])) {
     let ndim = spec.shape.len();
-    let elem = u64::from(spec.elem_size());
     let src_pieces: Vec<Vec<DimPiece>> = (0..ndim)
         .map(|d| spec.src.dim_pieces(&spec.shape, d))
         .collect();

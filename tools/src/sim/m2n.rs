@@ -209,12 +209,16 @@ fn tensor2(spec: &TensorSpec) -> Result<Tensor2, String> {
     let dst = side(&spec.dst, &spec.shape).map_err(|e| format!("destination: {e}"))?;
     let shard_of = |s: &Side2, rank: u32| ((rank - s.ranks[0]) as usize) % s.shards;
     let mut overlap = BTreeMap::new();
-    overlaps(spec, |bytes, holders, consumers| {
-        if bytes > 0 {
-            let key = (shard_of(&src, holders[0]), shard_of(&dst, consumers[0]));
-            *overlap.entry(key).or_insert(0) += bytes;
-        }
-    });
+    overlaps(
+        spec,
+        u64::from(spec.elem_size()),
+        |bytes, holders, consumers| {
+            if bytes > 0 {
+                let key = (shard_of(&src, holders[0]), shard_of(&dst, consumers[0]));
+                *overlap.entry(key).or_insert(0) += bytes;
+            }
+        },
+    );
     Ok(Tensor2 { src, dst, overlap })
 }
 

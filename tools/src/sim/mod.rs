@@ -38,7 +38,7 @@ mod reshard;
 pub use baseline::{
     gather_broadcast, gather_broadcast_with, BaselineParams, BroadcastGroup, NEMO_RL_PER_TENSOR_S,
 };
-pub use bound::{lower_bound, Bound, BoundKind, LowerBound};
+pub use bound::{lower_bound, lower_bound_converted, Bound, BoundKind, LowerBound};
 pub use cluster::Cluster;
 pub use m2n::{m2n, LoadBalance, M2nAlgorithm, M2nParams, M2nReport, Schedule, M2N_CALL_S};
 pub use peers::{is_feed_forward, nemo_rl_reshard, ENGINE_POSTPROCESS_S};
