@@ -1,17 +1,21 @@
 //! `ncclreshard calibrate`: every public measurement the simulator reproduces, published vs
 //! simulated, with one parameter set.
 
+use super::refit_setup::{self, RefitArgs};
+use super::simulate::{simulate, DEFAULT_TRIALS};
 use super::{usage, Command};
 use crate::args::{flag, Parsed};
 use crate::out;
 use crate::Failure;
-use ncclreshard_tools::sim::calibrate::{self, CalibrationRow};
+use ncclreshard::Mode;
+use ncclreshard_tools::sim::calibrate::{self, CalibrationRow, Comparison};
+use ncclreshard_tools::sim::{Cluster, SimOptions};
 use serde::Serialize;
 
 pub const COMMAND: Command = Command {
     name: "calibrate",
     help: HELP,
-    options: &[flag("json")],
+    options: &[flag("json"), flag("compare")],
     run,
 };
 
@@ -28,6 +32,10 @@ sources and explains any row outside ±25 %.
 
 Options:
   --json       JSON array of rows {"name", "published_s", "simulated_s", "ratio", ...}
+  --compare    Also the comparisons: published refits by other systems beside our plan on
+               the same shape, simulated, and its floor (not calibration rows: nothing is
+               fitted to them; plans hundreds of ranks, a minute or more). JSON rows with
+               "comparison": true, "floor_s" and "note"
   -h, --help   Show this help
 
 Exit status: 0 (the table is a report, whatever the ratios), 2 usage error.
@@ -78,6 +86,59 @@ impl Row {
     }
 }
 
+/// A comparison row: a published refit of another system, our plan's simulated time on the
+/// same shape and that shape's floor.
+#[derive(Serialize)]
+struct ComparisonRow {
+    name: &'static str,
+    comparison: bool,
+    published_s: f64,
+    simulated_s: f64,
+    /// `simulated_s / published_s`.
+    ratio: f64,
+    floor_s: f64,
+    model: &'static str,
+    train: &'static str,
+    infer: &'static str,
+    infer_dtype: &'static str,
+    cluster: &'static str,
+    source: &'static str,
+    note: &'static str,
+}
+
+fn compare(c: &Comparison) -> Result<ComparisonRow, Failure> {
+    let args = RefitArgs::preset(c.model, c.train, c.infer, c.infer_dtype)?;
+    let cluster = Cluster::parse(c.cluster).map_err(|e| Failure::Input(e.to_string()))?;
+    let refit = args.refit(1)?;
+    let conversions = args.conversions(&refit, 1)?;
+    let options = SimOptions {
+        trials: DEFAULT_TRIALS,
+        seed: 1,
+    };
+    let s = simulate(
+        &refit,
+        &conversions,
+        &cluster,
+        refit_setup::config(Mode::Auto, &cluster),
+        &options,
+    )?;
+    Ok(ComparisonRow {
+        name: c.name,
+        comparison: true,
+        published_s: c.published_s,
+        simulated_s: s.reshard.time_s,
+        ratio: s.reshard.time_s / c.published_s,
+        floor_s: s.bound.time_s,
+        model: c.model,
+        train: c.train,
+        infer: c.infer,
+        infer_dtype: c.infer_dtype,
+        cluster: c.cluster,
+        source: c.source,
+        note: c.note,
+    })
+}
+
 fn run(parsed: &Parsed) -> Result<u8, Failure> {
     if !parsed.positional.is_empty() {
         return Err(usage("calibrate", "takes no FILE arguments"));
@@ -87,8 +148,22 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         .iter()
         .map(Row::new)
         .collect();
+    let comparisons: Vec<ComparisonRow> = if parsed.flag("compare") {
+        calibrate::COMPARISONS
+            .iter()
+            .map(compare)
+            .collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
+    };
     if parsed.flag("json") {
-        out::print(&out::json(&rows));
+        let value = |v: serde_json::Result<serde_json::Value>| v.expect("rows serialise");
+        let mut all: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| value(serde_json::to_value(r)))
+            .collect();
+        all.extend(comparisons.iter().map(|c| value(serde_json::to_value(c))));
+        out::print(&out::json(&all));
         return Ok(0);
     }
     let mut text = format!(
@@ -119,6 +194,26 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         "\n{within} of {} rows within ±25 %; parameters and sources: docs/simulator.md\n",
         rows.len()
     );
+    if !comparisons.is_empty() {
+        text += &format!(
+            "\n{:<66} {:>15} {:>10} {:>10}\n",
+            "comparison (theirs published, ours simulated)", "theirs", "ours", "floor"
+        );
+        for c in &comparisons {
+            text += &format!(
+                "{:<66} {:>15} {:>10} {:>10}\n  {} {} → {}, {}: {}\n",
+                c.name,
+                format!("{:.3} s", c.published_s),
+                out::seconds(c.simulated_s),
+                out::seconds(c.floor_s),
+                c.model,
+                c.train,
+                c.infer,
+                c.infer_dtype,
+                c.note
+            );
+        }
+    }
     out::print(&text);
     Ok(0)
 }

@@ -101,6 +101,32 @@ impl RefitArgs {
         })
     }
 
+    /// A preset model's refit in BF16 with stacked experts, not colocated, as `--model`,
+    /// `--train`, `--infer` and `--infer-dtype` would give it (`calibrate --compare`).
+    pub fn preset(
+        model: &str,
+        train: &str,
+        infer: &str,
+        infer_dtype: &str,
+    ) -> Result<RefitArgs, Failure> {
+        let input = |e: String| Failure::Input(e);
+        let dtype = DType::Bfloat16;
+        Ok(RefitArgs {
+            model: load_model(model).map_err(input)?,
+            train_text: train.to_string(),
+            infer_text: infer.to_string(),
+            train: TrainSpec::parse(train).map_err(|e| input(e.to_string()))?,
+            infer: InferSpec::parse(infer).map_err(|e| input(e.to_string()))?,
+            options: RefitOptions {
+                dtype,
+                colocated: false,
+                experts: ExpertStorage::Stacked,
+            },
+            infer_dtype: Some(InferDtype::parse(infer_dtype).map_err(|e| input(e.to_string()))?)
+                .filter(|d| *d != InferDtype::Cast(dtype)),
+        })
+    }
+
     /// The refit of the model with widths divided by `scale` (1: the model itself).
     pub fn refit(&self, scale: u64) -> Result<Refit, Failure> {
         self.model

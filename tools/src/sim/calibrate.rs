@@ -164,6 +164,37 @@ pub const MEASUREMENTS: [Measurement; 9] = [
     },
 ];
 
+/// A published refit by another system, shown beside what the simulator says our plan does on
+/// the same shape (`ncclreshard calibrate --compare`). Nothing is fitted to it: a comparison,
+/// not a calibration row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Comparison {
+    pub name: &'static str,
+    pub model: &'static str,
+    pub train: &'static str,
+    pub infer: &'static str,
+    /// What inference stores (`--infer-dtype`).
+    pub infer_dtype: &'static str,
+    pub cluster: &'static str,
+    pub published_s: f64,
+    pub source: &'static str,
+    /// How the published setup differs from the simulated one.
+    pub note: &'static str,
+}
+
+/// The comparisons, in `ncclreshard calibrate --compare` order.
+pub const COMPARISONS: [Comparison; 1] = [Comparison {
+    name: "Perplexity RDMA writes, Kimi-K2 1T, 256 BF16 train → 128 FP8 infer",
+    model: "kimi-k2",
+    train: "pp16,ep16",
+    infer: "tp16,dp8",
+    infer_dtype: "fp8-block128",
+    cluster: "dgx-h100",
+    published_s: 1.3,
+    source: "Perplexity blog (Sept 2025); TransferEngine paper, arXiv 2510.27656 (docs/facts.md)",
+    note: "their training and inference parallelism is not published: pp16,ep16 → tp16,dp8 is our guess at 256 → 128 GPUs; RDMA writes from sender memory, H100/H200-class nodes",
+}];
+
 /// One row of `ncclreshard calibrate`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CalibrationRow {
