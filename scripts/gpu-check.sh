@@ -10,8 +10,10 @@
 # path. Prints `gpu: …` report lines: byte checks (local copies and NCCL self send/receive on
 # one GPU, every mode; multi-rank reshards when several GPUs are visible), plans inside a
 # caller's NCCL group (groupable twice, staged refused), CUDA graph capture and replay,
-# concurrent calls, a nonblocking communicator, and copy-kernel bandwidth as a fraction of
-# cudaMemcpy. Runs in a few minutes.
+# concurrent calls, a nonblocking communicator, the copy kernel's paths on every row length and
+# alignment, conversions against the host executor on every bf16/f16 pattern (the hardware's
+# cvt), and copy- and conversion-kernel bandwidth against cudaMemcpy / cuMemcpy2DAsync, each
+# beside its target. Runs in a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=.gpu/gpu-tests
