@@ -336,8 +336,8 @@ __device__ __forceinline__ void copy_tile(const CopyDesc& d, u64 src_base, u64 d
                                           const Tile& tile) {
   const u64 c0 = tile.start / d.chunk_bytes;
   const bool inside = c0 == (tile.start + tile.bytes - 1) / d.chunk_bytes;
-  // The encoder cuts tiles at most NCCL_RESHARD_TILE_BYTES long: rows, lengths, pieces and
-  // items fit 32 bits.
+  // src/gpu/descriptors.rs cuts tiles at most TILE_BYTES (64 KiB) long: rows, lengths,
+  // pieces and items fit 32 bits.
   const u32 len = (u32)(inside ? tile.bytes : d.chunk_bytes);
   const u64 lead = inside ? tile.start - c0 * d.chunk_bytes : 0;
   const u32 rows = (u32)(inside ? 1 : tile.bytes / d.chunk_bytes);

@@ -558,3 +558,105 @@ fn large_blocks_fold_their_partials_level_by_level() {
         }
     }
 }
+
+/// Byte ranges a row's lanes store (destination offsets) and read (source offsets, from the
+/// row's first byte; negative: before it).
+type RowSplit = (Vec<(u32, u32)>, Vec<(i64, i64)>);
+
+/// `issue_piece` of kernels/copy.cu for every lane of every piece of a row of `len` bytes whose
+/// first destination byte is `r` past a 16-byte boundary and whose source is `delta` past the
+/// destination's alignment: the byte ranges it stores (destination offsets from the row's
+/// start) and reads (source offsets), including the overflow elements the last piece copies.
+fn row_split(len: u32, r: u32, delta: u32, width: u32) -> RowSplit {
+    let units = (len + r + 15) >> 4;
+    let mut g = 1;
+    while g < units && g < 32 {
+        g <<= 1;
+    }
+    let pieces = units.div_ceil(g);
+    let (mut stores, mut reads) = (Vec::new(), Vec::new());
+    let span = len + r;
+    let k_lo = (r + delta + 15) >> 4;
+    let top = (span + delta) >> 4;
+    let k_hi = if delta != 0 {
+        top.saturating_sub(1)
+    } else {
+        span >> 4
+    };
+    let interior = k_hi > k_lo;
+    let head = if interior { 16 * k_lo - r } else { len };
+    let tail = if interior { span - 16 * k_hi } else { 0 };
+    let elements = (head + tail) / width;
+    let at = |e: u32| {
+        if e * width < head {
+            e * width
+        } else {
+            len - tail + (e * width - head)
+        }
+    };
+    let element = |e: u32, stores: &mut Vec<(u32, u32)>, reads: &mut Vec<(i64, i64)>| {
+        stores.push((at(e), at(e) + width));
+        reads.push((i64::from(at(e)), i64::from(at(e) + width)));
+    };
+    for piece in 0..pieces {
+        for lane in 0..g {
+            let k = k_lo + piece * g + lane;
+            if interior && k < k_hi {
+                // A whole 16-byte unit of the destination, from one or two aligned words.
+                let o = 16 * k - r;
+                assert_eq!((o + r) % 16, 0);
+                stores.push((o, o + 16));
+                let word = i64::from(o) - i64::from(delta);
+                reads.push((word, word + if delta != 0 { 32 } else { 16 }));
+            }
+            if piece * g + lane < elements {
+                element(piece * g + lane, &mut stores, &mut reads);
+            }
+            if piece + 1 == pieces {
+                let mut x = pieces * g + lane;
+                while x < elements {
+                    element(x, &mut stores, &mut reads);
+                    x += g;
+                }
+            }
+        }
+    }
+    (stores, reads)
+}
+
+#[test]
+fn every_row_is_cut_into_units_and_edges_that_cover_it_once_and_read_only_it() {
+    for len in 1..=700u32 {
+        for r in 0..16 {
+            for delta in 0..16 {
+                // The widest edge width the row's ends allow (source, destination, length).
+                for width in [1u32, 2, 4] {
+                    if (r | (r + delta) | len) % width != 0 {
+                        continue;
+                    }
+                    let (stores, reads) = row_split(len, r, delta, width);
+                    let mut covered = vec![0u8; len as usize];
+                    for &(a, b) in &stores {
+                        assert!(
+                            b <= len,
+                            "len {len} r {r} delta {delta}: store past the row"
+                        );
+                        for byte in a..b {
+                            covered[byte as usize] += 1;
+                        }
+                    }
+                    assert!(
+                        covered.iter().all(|&c| c == 1),
+                        "len {len} r {r} delta {delta} width {width}: bytes stored {covered:?}"
+                    );
+                    for &(a, b) in &reads {
+                        assert!(
+                            a >= 0 && b <= i64::from(len),
+                            "len {len} r {r} delta {delta}: reads [{a}, {b}) outside the row"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
