@@ -4,8 +4,9 @@
 # the unchanged library on 8 emulated devices, ranks as threads:
 #  - tests/gpu.rs: every mode, rounds and relays, colocated ranks, strided views, per-tensor
 #    calls, plans inside a caller's NCCL group, graph capture, concurrent streams and threads,
-#    a nonblocking communicator, NCCL_RESHARD_CHECK, stream checks, the conversion kernels of
-#    quantized plans against the host executor (speed is not measured);
+#    a nonblocking communicator, NCCL_RESHARD_CHECK, stream checks, the copy kernel's paths on
+#    every row length 1-600 bytes at every alignment pair mod 16, the conversion kernels against
+#    the host executor on every bf16/f16 pattern (speed is not measured);
 #  - examples/c/refit with 8 ranks, built by scripts/native-tests.sh against the installed
 #    package and linked to the real libcudart/libnccl, loading the emulated ones at run time.
 # Needs scripts/native-tests.sh to have run first (its venv has the NVRTC wheel, its build the

@@ -12,9 +12,11 @@
 # wall time; the run ends with every `gpu: …` report line: byte checks (local copies and NCCL
 # self messages on one GPU, every mode; multi-rank reshards when several GPUs are visible),
 # plans inside a caller's NCCL group, graph capture and replay, concurrent calls, a
-# nonblocking communicator, staging given back after each call, deadlines and revoke, and
-# kernel speed against cudaMemcpy. Sized to finish in about 5 minutes on one H200, so that a
-# 15-minute lease leaves time to rerun it.
+# nonblocking communicator, staging given back after each call, deadlines and revoke, the
+# copy kernel's paths on every row length and alignment, conversions against the host
+# executor on every bf16/f16 pattern (the hardware's cvt), and copy- and conversion-kernel
+# bandwidth against cudaMemcpy / cuMemcpy2DAsync, each beside its target. Sized to finish in
+# about 5 minutes on one H200, so that a 15-minute lease leaves time to rerun it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu

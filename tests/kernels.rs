@@ -1,6 +1,6 @@
-//! The embedded copy kernel compiles with the real NVRTC, with only the architecture and
-//! `-std=c++17` as options, for the GPUs users run (A100, H100/H200, B200), without a warning.
-//! No GPU needed: NVRTC is a compiler library.
+//! The embedded copy and conversion kernels compile with the real NVRTC, with only the
+//! architecture and `-std=c++17` as options, for the GPUs users run (A100, H100/H200, B200),
+//! without a warning. No GPU needed: NVRTC is a compiler library.
 
 use ncclreshard::gpu::nvrtc;
 
@@ -20,14 +20,22 @@ fn copy_kernel_compiles_for_sm80_sm90_sm100_without_warnings() {
             b"\x7fELF",
             "sm_{major}{minor}: not a cubin"
         );
-        assert!(nvrtc::KERNEL_SOURCE.contains(nvrtc::KERNEL_NAME));
+        for name in [nvrtc::KERNEL_NAME, nvrtc::CONVERT_KERNEL_NAME] {
+            assert!(
+                compiled
+                    .image
+                    .windows(name.len())
+                    .any(|w| w == name.as_bytes()),
+                "sm_{major}{minor}: no {name} in the cubin"
+            );
+        }
     }
 }
 
 #[test]
 #[ignore = "needs NVRTC (libnvrtc.so.12): scripts/native-tests.sh runs it with the nvidia-cuda-nvrtc-cu12 wheel via NCCL_RESHARD_NVRTC_LIBRARY"]
 fn fp8_conversions_are_native_from_sm89_and_exact_software_before() {
-    // docs/quantization.md §6: sm_89 and newer convert to FP8 with cvt.rn.satfinite; sm_80
+    // docs/quantization.md §5: sm_89 and newer convert to FP8 with cvt.rn.satfinite; sm_80
     // has no FP8 instructions and runs the software path (the one the emulator runs). The
     // divisions are IEEE (div.rn), never the approximate forms, and nothing flushes
     // subnormals: the bits must equal the host executor's.
@@ -44,6 +52,20 @@ fn fp8_conversions_are_native_from_sm89_and_exact_software_before() {
             assert_eq!(
                 ptx.contains(instruction),
                 native,
+                "compute_{major}{minor}: {instruction}"
+            );
+        }
+        // Both halves of each pair: bfloat16 and float16 pairs from sm_80 on, and the copy
+        // kernel's misaligned rows as funnel shifts of 16-byte words (ld/st .v4.u32).
+        for instruction in [
+            "cvt.rn.bf16x2.f32",
+            "cvt.rn.f16x2.f32",
+            "shf.r.wrap.b32",
+            "ld.v4.u32",
+            "st.v4.u32",
+        ] {
+            assert!(
+                ptx.contains(instruction),
                 "compute_{major}{minor}: {instruction}"
             );
         }

@@ -1,15 +1,19 @@
-// kernels/copy.cu compiled for the host, and a launcher that runs it block by block, thread by
-// thread. The launcher unpacks cuLaunchKernel's `kernelParams` from the kernel's own parameter
-// types, so its signature is written only in copy.cu.
+// kernels/copy.cu compiled for the host, and a launcher that runs one of its kernels block by
+// block, thread by thread. The launcher unpacks cuLaunchKernel's `kernelParams` from the
+// kernels' own parameter types, so their signature is written only in copy.cu.
 #include "cuda_host.h"
 
 #include "../../kernels/copy.cu"
 
+#include <type_traits>
 #include <utility>
 
 namespace {
 
 typedef decltype(&ncclReshardCopyKernel) KernelPtr;
+// One parameter layout serves both kernels.
+static_assert(std::is_same<KernelPtr, decltype(&ncclReshardConvertKernel)>::value,
+              "the copy and conversion kernels take the same parameters");
 
 template <typename... Args>
 constexpr size_t paramCount(void (*)(Args...)) {
@@ -38,7 +42,7 @@ void invoke(void (*kernel)(Args...), const void* const* params) {
 
 }  // namespace
 
-// The number of parameters of ncclReshardCopyKernel; fills sizes[i] and aligns[i] for the first
+// The number of parameters of the kernels; fills sizes[i] and aligns[i] for the first
 // `max` of them.
 extern "C" size_t ncclReshardEmuCopyKernelParams(size_t* sizes, size_t* aligns, size_t max) {
   constexpr size_t n = paramCount(&ncclReshardCopyKernel);
@@ -57,12 +61,14 @@ extern "C" void ncclReshardEmuCopyKernelPosition(unsigned* out) {
   out[5] = threadIdx.z;
 }
 
-// Runs every block of the grid and every thread of each block, in order. `params[i]` points at
-// the value of parameter i. `block_done` is called after each block (progress for the watchdog).
-// Returns 0, or 1 when `access` refused an access (the kernel stopped there).
-extern "C" int ncclReshardEmuCopyKernelRun(const void* const* params, const unsigned* grid,
+// Runs kernel `which` (0: ncclReshardCopyKernel, 1: ncclReshardConvertKernel): every block of
+// the grid and every thread of each block, in order. `params[i]` points at the value of
+// parameter i. `block_done` is called after each block (progress for the watchdog). Returns 0,
+// or 1 when `access` refused an access (the kernel stopped there).
+extern "C" int ncclReshardEmuCopyKernelRun(int which, const void* const* params, const unsigned* grid,
                                            const unsigned* block, ncclReshardEmuAccessFn access,
                                            void (*block_done)(void)) {
+  const KernelPtr kernel = which == 0 ? &ncclReshardCopyKernel : &ncclReshardConvertKernel;
   ncclReshardEmuAccess = access;
   gridDim = dim3{grid[0], grid[1], grid[2]};
   blockDim = dim3{block[0], block[1], block[2]};
@@ -75,7 +81,7 @@ extern "C" int ncclReshardEmuCopyKernelRun(const void* const* params, const unsi
           for (unsigned ty = 0; ty < block[1]; ++ty)
             for (unsigned tx = 0; tx < block[0]; ++tx) {
               threadIdx = uint3{tx, ty, tz};
-              invoke(&ncclReshardCopyKernel, params);
+              invoke(kernel, params);
             }
         block_done();
       }

@@ -1,7 +1,8 @@
 // The CUDA built-ins kernels/copy.cu uses, for running it on the host (emu/src/kernel.rs).
 //
 // A block's threads run one after another on one host thread, so only what is valid under that
-// schedule is defined: no __syncthreads, no __shared__, no atomics, no warp intrinsics. A kernel
+// schedule is defined: no __syncthreads, no __shared__, no atomics, no warp intrinsics (the
+// funnel shift is a plain per-thread instruction). A kernel
 // that starts using any of them fails to compile here, which is the point: the emulator's serial
 // execution would no longer be a faithful one.
 #ifndef NCCL_RESHARD_EMU_CUDA_HOST_H_
@@ -36,8 +37,10 @@ inline thread_local dim3 gridDim;
 
 // The emulator's memory check: returns the host address of `bytes` bytes at device address
 // `addr` (read: write == 0), or NULL when the access is illegal and the emulator is set to
-// report errors instead of aborting.
-typedef void* (*ncclReshardEmuAccessFn)(unsigned long long addr, size_t bytes, int write);
+// report errors instead of aborting. `align` is the access's natural alignment (a GPU faults
+// with "misaligned address" on an access that is not aligned to it).
+typedef void* (*ncclReshardEmuAccessFn)(unsigned long long addr, size_t bytes, size_t align,
+                                        int write);
 
 inline thread_local ncclReshardEmuAccessFn ncclReshardEmuAccess = nullptr;
 // Where an illegal access in NCCL_RESHARD_EMU_ON_ERROR=return mode unwinds to: the kernel's
@@ -46,9 +49,15 @@ inline thread_local jmp_buf ncclReshardEmuFault;
 
 template <typename T>
 inline T* ncclReshardEmuTranslate(T* p, int write) {
-  void* host = ncclReshardEmuAccess(reinterpret_cast<unsigned long long>(p), sizeof(T), write);
+  void* host = ncclReshardEmuAccess(reinterpret_cast<unsigned long long>(p), sizeof(T),
+                                    alignof(T), write);
   if (host == nullptr) longjmp(ncclReshardEmuFault, 1);
   return static_cast<T*>(host);
+}
+
+// CUDA's funnel shift: the low 32 bits of hi:lo shifted right by `shift` mod 32 (SHF.R.WRAP).
+inline unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned int shift) {
+  return (unsigned int)((((unsigned long long)hi << 32) | lo) >> (shift & 31));
 }
 
 #define NCCL_RESHARD_READ(p) ncclReshardEmuTranslate((p), 0)

@@ -13,12 +13,13 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
-type AccessFn = extern "C" fn(u64, usize, c_int) -> *mut c_void;
+type AccessFn = extern "C" fn(u64, usize, usize, c_int) -> *mut c_void;
 
 extern "C" {
     fn ncclReshardEmuCopyKernelParams(sizes: *mut usize, aligns: *mut usize, max: usize) -> usize;
     fn ncclReshardEmuCopyKernelPosition(out: *mut u32);
     fn ncclReshardEmuCopyKernelRun(
+        which: c_int,
         params: *const *const c_void,
         grid: *const u32,
         block: *const u32,
@@ -27,8 +28,8 @@ extern "C" {
     ) -> c_int;
 }
 
-/// The copy kernel's parameters, as the C++ compiler lays them out (deduced from the kernel's
-/// own signature in shim/copy_kernel.cpp).
+/// The kernels' parameters (one signature for both), as the C++ compiler lays them out
+/// (deduced from the kernels' own signature in shim/copy_kernel.cpp).
 pub struct ParamLayout {
     pub sizes: Vec<usize>,
     /// Bytes of the parameter buffer, each parameter at its alignment (the cubin's
@@ -123,26 +124,42 @@ thread_local! {
     static WHO: RefCell<String> = const { RefCell::new(String::new()) };
 }
 
-/// The kernel's access hook (NCCL_RESHARD_READ/WRITE in shim/cuda_host.h).
-extern "C" fn access(addr: u64, bytes: usize, write: c_int) -> *mut c_void {
+/// Which launch, block and thread is running (for fault reports).
+fn who() -> String {
+    let mut at = [0u32; 6];
+    // SAFETY: writes six unsigned ints, read from this thread's kernel state.
+    unsafe { ncclReshardEmuCopyKernelPosition(at.as_mut_ptr()) };
+    format!(
+        "{}, block ({}, {}, {}) thread ({}, {}, {})",
+        WHO.with(|w| w.borrow().clone()),
+        at[0],
+        at[1],
+        at[2],
+        at[3],
+        at[4],
+        at[5]
+    )
+}
+
+/// The kernel's access hook (NCCL_RESHARD_READ/WRITE in shim/cuda_host.h). A GPU faults on an
+/// access not aligned to its size ("misaligned address"), so the emulator does too.
+extern "C" fn access(addr: u64, bytes: usize, align: usize, write: c_int) -> *mut c_void {
     diag::boundary("kernel access", || {
+        if align > 1 && addr % align as u64 != 0 {
+            diag::strict(
+                format_args!(
+                    "{}: {} of {bytes} bytes at {addr:#x}: misaligned address (the access needs {align}-byte alignment; a GPU faults here)",
+                    who(),
+                    if write != 0 { "write" } else { "read" }
+                ),
+                (),
+            );
+            return std::ptr::null_mut();
+        }
         match memory::translate(addr, bytes as u64, Some(DEVICE.get())) {
             Ok(p) => p.cast(),
             Err(fault) => {
-                let mut at = [0u32; 6];
-                // SAFETY: writes six unsigned ints, read from this thread's kernel state.
-                unsafe { ncclReshardEmuCopyKernelPosition(at.as_mut_ptr()) };
-                let who = format!(
-                    "{}, block ({}, {}, {}) thread ({}, {}, {})",
-                    WHO.with(|w| w.borrow().clone()),
-                    at[0],
-                    at[1],
-                    at[2],
-                    at[3],
-                    at[4],
-                    at[5]
-                );
-                diag::strict(fault.describe(&who, addr, bytes as u64, write != 0), ());
+                diag::strict(fault.describe(&who(), addr, bytes as u64, write != 0), ());
                 std::ptr::null_mut()
             }
         }
@@ -155,14 +172,14 @@ extern "C" fn block_done() {
 
 /// Runs a launch on the stream's worker thread.
 pub fn run(launch: &Launch, exec: &Exec<'_>) {
-    if launch.function.info.name != crate::module::RUNNABLE {
+    let Some(which) = crate::module::runnable(&launch.function.info.name) else {
         diag::fatal(format_args!(
             "{} on {}: the emulator runs only {}",
             launch.describe(),
             exec.stream.name(),
-            crate::module::RUNNABLE
+            crate::module::RUNNABLE.join(" and ")
         ));
-    }
+    };
     DEVICE.set(exec.device());
     WHO.with(|w| *w.borrow_mut() = format!("{} on {}", launch.describe(), exec.stream.name()));
     let params: Vec<*const c_void> = launch.params.iter().map(|p| p.as_ptr().cast()).collect();
@@ -171,6 +188,7 @@ pub fn run(launch: &Launch, exec: &Exec<'_>) {
     // access the kernel makes goes through `access`.
     let faulted = unsafe {
         ncclReshardEmuCopyKernelRun(
+            which as c_int,
             params.as_ptr(),
             launch.grid.as_ptr(),
             launch.block.as_ptr(),

@@ -23,8 +23,14 @@ use cudarc::driver::sys::CUresult;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-/// The one kernel the emulator can run (kernels/copy.cu, compiled for the host).
-pub const RUNNABLE: &str = "ncclReshardCopyKernel";
+/// The kernels the emulator can run (kernels/copy.cu, compiled for the host), in the order
+/// shim/copy_kernel.cpp numbers them.
+pub const RUNNABLE: [&str; 2] = ["ncclReshardCopyKernel", "ncclReshardConvertKernel"];
+
+/// The emulator's number for kernel `name`, if it can run it.
+pub fn runnable(name: &str) -> Option<usize> {
+    RUNNABLE.iter().position(|&r| r == name)
+}
 
 /// What kind of image a module came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -512,12 +518,13 @@ pub fn get_function(module: usize, name: &str) -> CuResult<Arc<Function>> {
         .find(|f| f.name == name)
         .cloned()
         .ok_or(CuError(CUresult::CUDA_ERROR_NOT_FOUND))?;
-    if info.name == RUNNABLE {
+    if runnable(&info.name).is_some() {
         if let Some(bytes) = info.param_bytes {
             let host = crate::kernel::param_layout().total as u32;
             if bytes != host {
                 diag::fatal(format_args!(
-                    "cuModuleGetFunction: the image's {RUNNABLE} takes {bytes} bytes of parameters but the emulator's host build of kernels/copy.cu takes {host}: rebuild the emulator from the same kernels/copy.cu as the library"
+                    "cuModuleGetFunction: the image's {} takes {bytes} bytes of parameters but the emulator's host build of kernels/copy.cu takes {host}: rebuild the emulator from the same kernels/copy.cu as the library",
+                    info.name
                 ));
             }
         }
@@ -578,7 +585,7 @@ mod tests {
                 sm: 90
             }
         );
-        assert_eq!(image.functions[0].name, RUNNABLE);
+        assert_eq!(image.functions[0].name, RUNNABLE[0]);
         assert_eq!(image.functions[0].max_threads, Some(256));
     }
 }

@@ -285,8 +285,14 @@ struct CopyDesc {
     scale_offset: u64,
     partials_offset: u64,
     divisors_offset: u64,
-    segments_per_row: u64,
-    segment: u64,
+    blocks: u64,
+    partials: u64,
+    strip_groups: u64,
+    row_chunks: u64,
+    item_rows: u32,
+    item_strips: u32,
+    row_dim: u32,
+    level: u32,
     scale_base: u32,
     work_base: u32,
     arith: u32,
@@ -329,15 +335,17 @@ fn launch(
     bases: &Bases,
     s: CUstream,
 ) -> CUresult {
-    let (mut d, mut t, mut first) = (descs, tile_table, 0u64);
+    // Every launch here covers two tiles (grid-stride: fewer blocks than tiles also work).
+    let (mut d, mut t, mut first, mut count) = (descs, tile_table, 0u64, 2u64);
     let mut bases = Bases(bases.0);
-    let mut params: [*mut c_void; 4] = [
+    let mut params: [*mut c_void; 5] = [
         (&mut d as *mut u64).cast(),
         (&mut t as *mut u64).cast(),
         (&mut first as *mut u64).cast(),
+        (&mut count as *mut u64).cast(),
         (&mut bases as *mut Bases).cast(),
     ];
-    // SAFETY: the kernel's four parameters; values are copied at the call.
+    // SAFETY: the kernel's five parameters; values are copied at the call.
     unsafe {
         cuLaunchKernel(
             f,
@@ -355,7 +363,8 @@ fn launch(
     }
 }
 
-/// A strided 2-D copy at odd offsets (byte path) and a contiguous 4 KiB copy (16-byte path).
+/// A strided 2-D copy at odd offsets (byte edges, shifted 16-byte units) and a contiguous 4 KiB
+/// copy (aligned 16-byte units).
 fn descriptors() -> (Vec<CopyDesc>, Vec<Tile>) {
     let mut strided = CopyDesc {
         src_offset: 3,
@@ -510,6 +519,42 @@ fn an_out_of_bounds_descriptor_is_caught_in_the_kernel() {
 }
 
 #[test]
+fn a_misaligned_access_is_caught_in_the_kernel() {
+    // A GPU faults on an access not aligned to its size; so does the emulator. Here the
+    // descriptor table starts 4 bytes into its allocation: the kernel reads its 8-byte fields
+    // from a 4-byte aligned address.
+    if child().as_deref() == Some("misaligned") {
+        let (s, src_dev, dst_dev, _, _) = setup(4, 4700);
+        let f = copy_kernel();
+        let (descs, tiles) = descriptors();
+        let mut shifted = vec![0u8; 4];
+        shifted.extend_from_slice(as_bytes(&descs));
+        let d = alloc(shifted.len());
+        upload_async(d, &shifted, s);
+        let (_, t) = upload_tables(&descs, &tiles, s);
+        let mut bases = Bases([0; 384]);
+        bases.0[0] = src_dev;
+        bases.0[1] = dst_dev;
+        ck(launch(f, 2, 256, d + 4, t, &bases, s), "launch");
+        sync(s);
+        return;
+    }
+    let out = run_child(
+        "a_misaligned_access_is_caught_in_the_kernel",
+        "misaligned",
+        &[],
+    );
+    assert_aborts(
+        &out,
+        &[
+            "kernel ncclReshardCopyKernel",
+            "misaligned address",
+            "8-byte alignment",
+        ],
+    );
+}
+
+#[test]
 fn in_return_mode_a_kernel_fault_becomes_a_sticky_illegal_address() {
     if child().as_deref() == Some("sticky") {
         let (s, src_dev, dst_dev, _, _) = setup(4, 4600);
@@ -603,7 +648,10 @@ fn launching_a_kernel_the_emulator_cannot_run_aborts() {
         "other-kernel",
         &[],
     );
-    assert_aborts(&out, &["the emulator runs only ncclReshardCopyKernel"]);
+    assert_aborts(
+        &out,
+        &["the emulator runs only ncclReshardCopyKernel and ncclReshardConvertKernel"],
+    );
 }
 
 // ---- NVRTC's own output ----

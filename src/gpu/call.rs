@@ -16,8 +16,40 @@ use std::ffi::c_void;
 
 /// Threads per block; must match `NCCL_RESHARD_THREADS` in kernels/copy.cu.
 const THREADS: u32 = 256;
-/// Most blocks one launch covers (the rest go to further launches).
-const MAX_GRID: u64 = 1 << 30;
+/// Blocks per SM of a launch on the caller's stream. The kernels are persistent grids (their
+/// blocks walk the tiles grid-stride), so this is all a launch ever puts on the GPU: two
+/// blocks of 256 threads with 64 bytes in flight each is 32 KiB per SM, 4.3 MB on an H200's
+/// 132 SMs, about twice what HBM needs outstanding to stream at full speed (docs/executor.md,
+/// "The kernel"); the kernels' launch bound makes two fit an SM's registers.
+const BLOCKS_PER_SM: u64 = 2;
+
+/// How large a launch's grid may be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Grid {
+    /// On the caller's stream with nothing of ours beside it: [`BLOCKS_PER_SM`] per SM.
+    Full,
+    /// On the caller's stream while this call's late unpacks may still run on its side
+    /// stream: one block per SM, so that every SM keeps registers for a side-stream block
+    /// (blocks of a persistent grid that cannot be resident would start only when others end).
+    BesideLate,
+    /// Late unpacks on the side stream, beside the next round's NCCL kernel: half the SMs at
+    /// one block each. An NCCL block (up to 640 threads at up to 96 registers) needs nearly a
+    /// whole SM's register file, so leaving room for NCCL means leaving SMs free, not a few
+    /// registers on each; the late unpacks still stream about 1 TB/s (docs/executor.md).
+    Side,
+}
+
+impl Grid {
+    /// The most blocks a launch of this kind gets on a device with `sms` SMs.
+    fn blocks(self, sms: u32) -> u64 {
+        let sms = u64::from(sms.max(1));
+        match self {
+            Grid::Full => BLOCKS_PER_SM * sms,
+            Grid::BesideLate => sms,
+            Grid::Side => sms.div_ceil(2),
+        }
+    }
+}
 
 /// What a device transport implements: one round's sends and receives, posted as one group in
 /// stream order on the call's stream, at the device addresses `memory` gives.
@@ -162,8 +194,15 @@ impl<'a, E: Exchange> DeviceCall<'a, E> {
         }
     }
 
-    fn launch(&self, tables: &Uploaded, stream: sys::CUstream) -> Result<()> {
-        launch_all(self.kernel, tables, &self.memory, stream)
+    /// Launches `tables` on the caller's stream.
+    fn launch(&self, tables: &Uploaded) -> Result<()> {
+        let grid = if self.pending.iter().any(|&p| p) {
+            Grid::BesideLate
+        } else {
+            Grid::Full
+        };
+        let blocks = grid.blocks(self.device.multiprocessors);
+        launch_all(self.kernel, tables, &self.memory, self.stream, blocks)
     }
 }
 
@@ -176,9 +215,7 @@ impl<E: Exchange> Steps for DeviceCall<'_, E> {
             Step::EarlyUnpacks(k) => std::slice::from_ref(&phases.rounds[k].early),
             Step::ConvertsAfter => phases.converts_after.as_slice(),
         };
-        passes
-            .iter()
-            .try_for_each(|pass| self.launch(pass, self.stream))
+        passes.iter().try_for_each(|pass| self.launch(pass))
     }
 
     fn exchange(&mut self, k: usize, round: &Round<'_>) -> Result<()> {
@@ -191,11 +228,12 @@ impl<E: Exchange> Steps for DeviceCall<'_, E> {
     fn fork_late(&mut self, k: usize) -> Result<()> {
         let late = &self.phases.rounds[k].late;
         let Some(side) = &self.side else {
-            return self.launch(late, self.stream);
+            return self.launch(late);
         };
         side.fork.record(self.stream)?;
         side.fork.wait_on(side.stream.0)?;
-        let launched = self.launch(late, side.stream.0);
+        let blocks = Grid::Side.blocks(self.device.multiprocessors);
+        let launched = launch_all(self.kernel, late, &self.memory, side.stream.0, blocks);
         side.done[k % 2].record(side.stream.0)?;
         self.pending[k % 2] = true;
         launched
@@ -215,48 +253,54 @@ impl<E: Exchange> Steps for DeviceCall<'_, E> {
 #[repr(C)]
 struct Bases([u64; MAX_BASES]);
 
+/// Launches every launch of `tables` on `stream`, each with at most `max_blocks` blocks.
 fn launch_all(
     kernel: &Kernel,
     tables: &Uploaded,
     memory: &CallMemory<'_>,
     stream: sys::CUstream,
+    max_blocks: u64,
 ) -> Result<()> {
+    let function = if tables.convert {
+        kernel.convert
+    } else {
+        kernel.function
+    };
     for launch in &tables.launches {
         let mut bases = Bases([0; MAX_BASES]);
         for (slot, &key) in launch.bases.iter().enumerate() {
             bases.0[slot] = memory.base(key);
         }
-        let mut done = 0;
-        while done < launch.tiles {
-            let blocks = (launch.tiles - done).min(MAX_GRID);
-            let mut descs = tables.descs.ptr;
-            let mut tiles = tables.tiles.ptr;
-            let mut first = launch.first_tile + done;
-            let mut params: [*mut c_void; 4] = [
-                (&mut descs as *mut u64).cast(),
-                (&mut tiles as *mut u64).cast(),
-                (&mut first as *mut u64).cast(),
-                (&mut bases as *mut Bases).cast(),
-            ];
-            // SAFETY: the kernel's parameters are (const CopyDesc*, const Tile*, u64, Bases),
-            // matching `params`; the tables stay alive while the plan does.
-            driver::call("cuLaunchKernel", || unsafe {
-                sys::cuLaunchKernel(
-                    kernel.function,
-                    blocks as u32,
-                    1,
-                    1,
-                    THREADS,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            })?;
-            done += blocks;
-        }
+        let blocks = launch.tiles.min(max_blocks).max(1);
+        let mut descs = tables.descs.ptr;
+        let mut tiles = tables.tiles.ptr;
+        let mut first = launch.first_tile;
+        let mut count = launch.tiles;
+        let mut params: [*mut c_void; 5] = [
+            (&mut descs as *mut u64).cast(),
+            (&mut tiles as *mut u64).cast(),
+            (&mut first as *mut u64).cast(),
+            (&mut count as *mut u64).cast(),
+            (&mut bases as *mut Bases).cast(),
+        ];
+        // SAFETY: both kernels' parameters are (const CopyDesc*, const Tile*, u64, u64,
+        // Bases), matching `params`; the tables stay alive while the plan does; `blocks` is at
+        // most a few per SM, far below the grid limit.
+        driver::call("cuLaunchKernel", || unsafe {
+            sys::cuLaunchKernel(
+                function,
+                blocks as u32,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })?;
     }
     Ok(())
 }

@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 pub(crate) struct Device {
     pub context: PrimaryContext,
+    /// Its streaming multiprocessors: launches cap their grids at a few blocks per SM.
+    pub multiprocessors: u32,
     kernel: OnceLock<Kernel>,
     pool: OnceLock<MemoryPool>,
     /// Side streams not in use by a call (see [`SideStream`]).
@@ -45,8 +47,10 @@ pub(crate) fn device(ordinal: i32) -> Result<Arc<Device>> {
     if let Some(device) = devices.get(&ordinal) {
         return Ok(device.clone());
     }
+    let context = PrimaryContext::retain(ordinal)?;
     let device = Arc::new(Device {
-        context: PrimaryContext::retain(ordinal)?,
+        multiprocessors: context.multiprocessors()?,
+        context,
         kernel: OnceLock::new(),
         pool: OnceLock::new(),
         sides: Mutex::new(Vec::new()),
@@ -76,26 +80,27 @@ impl Device {
         let (major, minor) = self.context.compute_capability()?;
         let driver = driver::driver_version()?;
         let image = nvrtc::image(major, minor, driver)?;
-        let kernel = Kernel::load(&image.image, nvrtc::KERNEL_NAME).map_err(|e| Error {
-            message: format!(
-                "{} (kernel compiled by {} as {} for {}_{})",
-                e.message,
-                image.compiler,
-                match image.kind {
-                    ImageKind::Cubin => "a cubin",
-                    ImageKind::Ptx => "PTX",
-                },
-                match image.kind {
-                    ImageKind::Cubin => "sm",
-                    ImageKind::Ptx => "compute",
-                },
-                image.arch
-            ),
-            ..e
-        })?;
+        let kernel = Kernel::load(&image.image, nvrtc::KERNEL_NAME, nvrtc::CONVERT_KERNEL_NAME)
+            .map_err(|e| Error {
+                message: format!(
+                    "{} (kernel compiled by {} as {} for {}_{})",
+                    e.message,
+                    image.compiler,
+                    match image.kind {
+                        ImageKind::Cubin => "a cubin",
+                        ImageKind::Ptx => "PTX",
+                    },
+                    match image.kind {
+                        ImageKind::Cubin => "sm",
+                        ImageKind::Ptx => "compute",
+                    },
+                    image.arch
+                ),
+                ..e
+            })?;
         debug::log(Level::Info, || {
             format!(
-                "device {}: copy kernel compiled and loaded in {:.1} ms ({:?} for arch {} by {}, driver CUDA {}.{})",
+                "device {}: copy and conversion kernels compiled and loaded in {:.1} ms ({:?} for arch {} by {}, driver CUDA {}.{})",
                 self.context.ordinal,
                 started.elapsed().as_secs_f64() * 1e3,
                 image.kind,

@@ -176,6 +176,20 @@ impl PrimaryContext {
         })
     }
 
+    /// Streaming multiprocessors (launches size their grids by it).
+    pub fn multiprocessors(&self) -> Result<u32> {
+        let mut value = 0i32;
+        // SAFETY: writes one int.
+        call("cuDeviceGetAttribute (multiprocessors)", || unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut value,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                self.device,
+            )
+        })?;
+        Ok(value.max(1) as u32)
+    }
+
     /// (major, minor) compute capability.
     pub fn compute_capability(&self) -> Result<(u32, u32)> {
         let attr = |a: sys::CUdevice_attribute, what: &str| -> Result<u32> {
@@ -307,10 +321,11 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// A loaded module and the copy kernel in it.
+/// A loaded module and its two kernels (copies; conversions).
 pub(crate) struct Kernel {
     module: sys::CUmodule,
     pub function: sys::CUfunction,
+    pub convert: sys::CUfunction,
 }
 
 // SAFETY: module and function handles are usable from any thread.
@@ -319,10 +334,12 @@ unsafe impl Sync for Kernel {}
 
 impl Kernel {
     /// Loads `image` (a cubin, or NUL-terminated PTX) into the current context and finds
-    /// `name` in it.
-    pub fn load(image: &[u8], name: &str) -> Result<Kernel> {
+    /// `name` and `convert` in it.
+    pub fn load(image: &[u8], name: &str, convert: &str) -> Result<Kernel> {
         let name =
             std::ffi::CString::new(name).map_err(|_| Error::internal("kernel name has a NUL"))?;
+        let convert = std::ffi::CString::new(convert)
+            .map_err(|_| Error::internal("kernel name has a NUL"))?;
         let mut module: sys::CUmodule = std::ptr::null_mut();
         // SAFETY: `image` is a complete image produced by NVRTC (PTX is NUL-terminated).
         call("cuModuleLoadData", || unsafe {
@@ -332,10 +349,15 @@ impl Kernel {
         let mut kernel = Kernel {
             module,
             function: std::ptr::null_mut(),
+            convert: std::ptr::null_mut(),
         };
-        // SAFETY: looks up a function in the module just loaded.
+        // SAFETY: looks up functions in the module just loaded.
         call("cuModuleGetFunction", || unsafe {
             sys::cuModuleGetFunction(&mut kernel.function, kernel.module, name.as_ptr())
+        })?;
+        // SAFETY: as above.
+        call("cuModuleGetFunction", || unsafe {
+            sys::cuModuleGetFunction(&mut kernel.convert, kernel.module, convert.as_ptr())
         })?;
         Ok(kernel)
     }

@@ -17,8 +17,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel source, embedded so users need no file and no CUDA toolkit headers.
 pub const KERNEL_SOURCE: &str = include_str!("../../kernels/copy.cu");
-/// The kernel's entry point.
+/// The copy kernel's entry point (packs, unpacks, local copies).
 pub const KERNEL_NAME: &str = "ncclReshardCopyKernel";
+/// The conversion kernel's entry point (every pass of a conversion; same parameters).
+pub const CONVERT_KERNEL_NAME: &str = "ncclReshardConvertKernel";
 
 /// What a compilation produced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -20,6 +20,8 @@ pub(crate) struct Uploaded {
     pub launches: Vec<Launch>,
     pub descs: DeviceBuffer,
     pub tiles: DeviceBuffer,
+    /// A conversion pass (the conversion kernel runs it; copies run on the copy kernel).
+    pub convert: bool,
 }
 
 /// One round's tables: its packs (with the local copies in the first round), the unpacks
@@ -31,7 +33,7 @@ pub(crate) struct RoundTables {
 }
 
 /// The tables of one addressing (single-buffer or per-tensor call): the conversions before
-/// the rounds (three passes), per round its tables, and the conversions after the rounds.
+/// the rounds (their passes), per round its tables, and the conversions after the rounds.
 pub(crate) struct Phases {
     pub converts_before: Vec<Uploaded>,
     pub rounds: Vec<RoundTables>,
@@ -93,8 +95,8 @@ pub struct DeviceLimits;
 
 impl Limits for DeviceLimits {
     fn check(&self, program: &RankProgram) -> Result<()> {
-        // The kernel's conversion tables grow with a box's segments (rows × blocks along the
-        // last dim).
+        // The kernel's conversion tables grow with a box's items (16-byte strips of its rows,
+        // a few to 64 per item).
         for (when, converts) in [
             ("before", &program.converts_before),
             ("after", &program.converts_after),
@@ -102,7 +104,7 @@ impl Limits for DeviceLimits {
             let (_, tiles) = convert_tables(converts);
             if tiles > MAX_CONVERT_TILES {
                 return Err(Error::invalid_usage(format!(
-                    "rank {}'s conversions {when} the rounds need {tiles} kernel tiles, more than {MAX_CONVERT_TILES}: its boxes have too many rows or too narrow blocks for their size; use wider quantization blocks (quant.blockCols) or fewer elements per rank",
+                    "rank {}'s conversions {when} the rounds need {tiles} kernel tiles, more than {MAX_CONVERT_TILES}: its boxes have too many elements or too narrow blocks for their size; use wider quantization blocks (quant.blockCols) or fewer elements per rank",
                     program.rank
                 )));
             }
@@ -212,15 +214,21 @@ impl DeviceProgram {
             state.device.pool()?;
         }
         let upload = PrivateStream::new()?;
-        let one = |e: &Encoded| -> Result<Uploaded> {
+        let upload_one = |e: &Encoded, convert: bool| -> Result<Uploaded> {
             Ok(Uploaded {
                 descs: DeviceBuffer::upload(&e.descs, "copy descriptors", &upload)?,
                 tiles: DeviceBuffer::upload(&e.tiles, "copy tiles", &upload)?,
                 launches: e.launches.clone(),
+                convert,
             })
         };
+        let one = |e: &Encoded| upload_one(e, false);
         let passes = |c: ConvertPasses| -> Result<Vec<Uploaded>> {
-            c.passes.iter().filter(|e| !e.is_empty()).map(one).collect()
+            c.passes
+                .iter()
+                .filter(|e| !e.is_empty())
+                .map(|e| upload_one(e, true))
+                .collect()
         };
         // Local copies run with the first round's packs.
         let phases = |addressing: Addressing<'_>| -> Result<Phases> {

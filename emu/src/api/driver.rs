@@ -1579,12 +1579,12 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if bad_dims || func.info.max_threads.is_some_and(|m| threads > m as u64) {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        if func.info.name != module::RUNNABLE {
+        if module::runnable(&func.info.name).is_none() {
             diag::fatal(format_args!(
                 "cuLaunchKernel of {} on {}: the emulator runs only {}",
                 func.info.name,
                 s.name(),
-                module::RUNNABLE
+                module::RUNNABLE.join(" and ")
             ));
         }
         if params.is_null() {
