@@ -479,32 +479,40 @@ impl Cluster {
     }
 
     /// Fraction of `hbm_copy_bw` the copy kernel reaches on `run_bytes`-long contiguous runs
-    /// whose addresses and lengths are multiples of `align` bytes (the widest access it can
-    /// use, at most 16). Measured on an H200 (README "GPUs"): contiguous 0.92 of
-    /// `cudaMemcpy`, 64 KiB rows 0.94, 4 KiB rows 0.85, 64-byte rows 0.45, odd bf16 rows
-    /// (2-byte accesses) 0.36; log-linear in the run length between those points.
+    /// whose addresses and lengths are multiples of `align` bytes (at most 16).
+    ///
+    /// Not yet measured on a GPU for the kernel as it is now, so these are the kernel's stated
+    /// speeds (docs/executor.md, "The kernel": 64 bytes in flight per thread and two blocks per
+    /// SM keep about twice the bytes in flight that HBM needs, so each path is
+    /// bandwidth-bound; what it loses is partial sectors and shifted units): rows of 2 KiB or
+    /// more 0.92 of `cudaMemcpy`, 512 B–2 KiB 0.90, 64–512 B 0.85, shorter rows 0.85 × L/64;
+    /// rows aligned to 2, 4 or 8 bytes (funnel-shifted 16-byte units) 0.85 from 512 B; rows of
+    /// odd byte alignment 0.9 of that from 64 B, 0.3 below. The last GPU run measured the
+    /// kernel before it chose its path per row (H200, NCCL 2.28.9: 0.92 contiguous, 0.85 on
+    /// 4 KiB rows, 0.45 on 64-byte rows, 0.36 on bf16 rows of 1023); `scripts/gpu-check.sh`
+    /// prints the new figures beside their targets.
     pub fn copy_efficiency(run_bytes: u64, align: u64) -> f64 {
-        const POINTS: [(f64, f64); 4] = [
-            (64.0, 0.45),
-            (4096.0, 0.85),
-            (65536.0, 0.94),
-            (1073741824.0, 0.92),
-        ];
-        let run = (run_bytes.max(1)) as f64;
-        let by_run = if run <= POINTS[0].0 {
-            // Below 64 bytes a thread block moves less per row; scale with the run.
-            POINTS[0].1 * run / POINTS[0].0
-        } else if run >= POINTS[3].0 {
-            POINTS[3].1
-        } else {
-            let k = POINTS.windows(2).position(|w| run <= w[1].0).unwrap_or(2);
-            let ((x0, y0), (x1, y1)) = (POINTS[k], POINTS[k + 1]);
-            y0 + (y1 - y0) * (run.ln() - x0.ln()) / (x1.ln() - x0.ln())
+        let run = run_bytes.max(1);
+        let by_run = match run {
+            2048.. => 0.92,
+            512.. => 0.90,
+            64.. => 0.85,
+            _ => 0.85 * run as f64 / 64.0,
         };
-        if align < 4 {
-            by_run.min(0.36)
-        } else {
-            by_run
+        match align {
+            16.. => by_run,
+            2..=15 if run >= 512 => by_run.min(0.85),
+            2..=15 => by_run,
+            _ if run >= 64 => 0.9 * by_run.min(0.85),
+            _ => by_run.min(0.3),
         }
     }
+
+    /// Fraction of the call's copy speed late unpacks get on their side stream: half the SMs
+    /// (the rest stay free for the next round's NCCL kernels; docs/executor.md).
+    pub const LATE_UNPACK_SHARE: f64 = 0.5;
+
+    /// Fraction of HBM bandwidth the conversion kernel reaches on its traffic (docs/executor.md:
+    /// coalesced 16-byte strips, both halves of each paired `cvt`), stated, not yet measured.
+    pub const CONVERT_EFFICIENCY: f64 = 0.9;
 }

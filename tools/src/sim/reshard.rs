@@ -198,10 +198,12 @@ pub(crate) fn copy_seconds(copy: &StridedCopy, cluster: &Cluster) -> f64 {
     bytes as f64 / (cluster.hbm_copy_bw * Cluster::copy_efficiency(copy.chunk_bytes, align))
 }
 
-/// Seconds of the conversion kernels running `converts` (docs/quantization.md): three launches
-/// (segment amaxes, block scales, values) when any converts with scales, one for plain casts;
-/// the first and last passes read the source, the last writes the destination, all at HBM
-/// speed (a copy of B bytes moves 2·B, so traffic runs at twice `hbm_copy_bw`).
+/// Seconds of the conversion kernels running `converts` (docs/quantization.md): for scaled
+/// schemes the strips' partial amaxes, one pass per further reduction level (a block of more
+/// than 64 partials: per-tensor and per-channel scales of long rows), the block scales and the
+/// values; one launch for plain casts. The first and last passes read the source, the last
+/// writes the destination, at [`Cluster::CONVERT_EFFICIENCY`] of HBM speed (a copy of B bytes
+/// moves 2·B, so traffic runs at twice `hbm_copy_bw`).
 pub(crate) fn convert_seconds(converts: &[StridedConvert], cluster: &Cluster) -> f64 {
     if converts.is_empty() {
         return 0.0;
@@ -214,8 +216,30 @@ pub(crate) fn convert_seconds(converts: &[StridedConvert], cluster: &Cluster) ->
             reads * c.src_bytes() + c.dst_bytes()
         })
         .sum();
-    let launches = if scaled { 3.0 } else { 1.0 };
-    traffic as f64 / (2.0 * cluster.hbm_copy_bw) + launches * cluster.launch_s
+    // Partials per block: one per 16-byte strip of a row, per 64 rows.
+    let levels = converts
+        .iter()
+        .filter(|c| c.scale.is_some())
+        .map(|c| {
+            let elem = u64::from(c.arithmetic.src.size()).max(1);
+            let partials = c.dims.split_last().map_or(1, |(inner, outer)| {
+                let strips = (inner.block.min(inner.count) * elem).div_ceil(16);
+                let rows: u64 = outer.iter().map(|d| d.block.min(d.count)).product();
+                strips.saturating_mul(rows.div_ceil(64))
+            });
+            let mut levels = 0u32;
+            let mut left = partials;
+            while left > 64 {
+                left = left.div_ceil(64);
+                levels += 1;
+            }
+            levels
+        })
+        .max()
+        .unwrap_or(0);
+    let launches = if scaled { 3.0 + f64::from(levels) } else { 1.0 };
+    traffic as f64 / (2.0 * cluster.hbm_copy_bw * Cluster::CONVERT_EFFICIENCY)
+        + launches * cluster.launch_s
 }
 
 /// Seconds of one kernel running `copies` (a launch when there is any).
@@ -289,7 +313,8 @@ impl<'a> Model<'a> {
                 pack[i * nr + k] += convert_seconds(converts, cluster)
                     + kernel_seconds(local.iter().chain(round.packs), cluster);
                 unpack[i * nr + k] += kernel_seconds(round.early_unpacks(), cluster);
-                late[i * nr + k] += kernel_seconds(round.late_unpacks(), cluster);
+                late[i * nr + k] +=
+                    kernel_seconds(round.late_unpacks(), cluster) / Cluster::LATE_UNPACK_SHARE;
                 let ops = round.sends.len() + round.recvs.len();
                 if ops > 0 {
                     clock += ops as f64 * cluster.host_op_s + cluster.group_s;
