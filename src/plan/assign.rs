@@ -7,6 +7,7 @@
 
 use super::config::{Config, Mode};
 use super::fingerprint::mix;
+use super::fxhash::FxHashMap;
 use super::loads::{Loads, FORWARD_SCALE};
 use crate::layout::{IndexRuns, TensorSpec};
 
@@ -177,6 +178,9 @@ impl Prepared {
         // Flat: (group index, receiver), stably sorted by group, then one slice per group.
         let mut locals = Vec::new();
         let mut keys: Vec<(Option<u32>, Option<u32>)> = Vec::new();
+        // Each key's group (a receiver per node: a linear search of the keys was quadratic in
+        // the replicas, the largest planning cost at thousands of ranks).
+        let mut group_of: FxHashMap<(Option<u32>, Option<u32>), u32> = FxHashMap::default();
         let mut keyed: Vec<(u32, u32)> = Vec::with_capacity(receivers.len());
         for &r in &receivers {
             if sorted_senders.binary_search(&r).is_ok() {
@@ -189,14 +193,11 @@ impl Prepared {
                 None if relay => (None, node),
                 None => (None, None),
             };
-            let index = match keys.iter().rposition(|k| *k == key) {
-                Some(i) => i,
-                None => {
-                    keys.push(key);
-                    keys.len() - 1
-                }
-            };
-            keyed.push((index as u32, r));
+            let index = *group_of.entry(key).or_insert_with(|| {
+                keys.push(key);
+                keys.len() as u32 - 1
+            });
+            keyed.push((index, r));
         }
         keyed.sort_by_key(|&(group, _)| group);
         let members_of: Vec<u32> = keyed.iter().map(|&(_, r)| r).collect();
@@ -352,9 +353,13 @@ impl Prepared {
         mix(std::iter::once(u64::from(tensor)).chain(self.coords.iter().copied()))
     }
 
-    /// Every assignment of the unit under `rotation`, for all its receivers, as
-    /// `emit(from, to, region index, fixed round, relay)`, in a fixed order.
-    pub fn deal(&self, tensor: u32, rotation: u64, emit: &mut Emit<'_>) {
+    /// The assignments of the unit under `rotation` that `view` can keep, as
+    /// `emit(from, to, region index, fixed round, relay)`, in a fixed order: every one for
+    /// [`View::All`]; for a rank, a superset of those it takes part in, in the same order as
+    /// in the full deal. Relay forwards (`relay` true) run between receivers, so a sender
+    /// skips them, and a receiver deals only its own node's group (and the hub's forwards when
+    /// it is the hub): a rank's cost follows its own traffic, not every replica's.
+    pub fn deal(&self, tensor: u32, rotation: u64, view: View, emit: &mut Emit<'_>) {
         let turn = Turn {
             rotation,
             slot: u64::from(tensor)
@@ -364,12 +369,31 @@ impl Prepared {
         for &r in &self.locals {
             emit(r, r, 0, None, false);
         }
+        // The relay group this rank receives in, when it deals as a receiver.
+        let (relays, mine) = match view {
+            #[cfg(test)]
+            View::All => (true, None),
+            View::Sender(_) => (false, None),
+            View::Receiver(rank) => (
+                true,
+                self.relay_groups
+                    .iter()
+                    .position(|members| members.contains(&rank)),
+            ),
+        };
+        #[cfg(test)]
+        let mine_only = view != View::All;
+        #[cfg(not(test))]
+        let mine_only = true;
         for step in &self.steps {
             match step {
                 Step::OnNode { candidates, legs } => {
                     self.deal_legs(legs, candidates, turn, emit);
                 }
                 Step::Relay(group) => {
+                    if !relays || (mine_only && mine != Some(*group as usize)) {
+                        continue;
+                    }
                     let members = &self.relay_groups[*group as usize];
                     for chunk in 0..self.chunks {
                         if self.forwarded(chunk, turn) {
@@ -385,9 +409,13 @@ impl Prepared {
                 }
             }
         }
-        for chunk in (0..self.chunks).filter(|&c| self.forwarded(c, turn)) {
+        for chunk in (0..self.chunks).filter(|&c| relays && self.forwarded(c, turn)) {
             let (hub_group, hub, round) = self.hub(chunk, turn);
+            let hub_is_me = matches!(view, View::Receiver(rank) if rank == hub);
             for (g, members) in self.relay_groups.iter().enumerate() {
+                if mine_only && !hub_is_me && mine != Some(g) {
+                    continue;
+                }
                 let (entry, _) = self.relay_leg(g as u32, chunk, turn);
                 if g != hub_group as usize {
                     emit(hub, entry, 1 + chunk, Some(round + 1), true);
@@ -468,6 +496,18 @@ impl Prepared {
             }
         }
     }
+}
+
+/// Whose assignments a [`Prepared::deal`] is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum View {
+    /// Every assignment of the unit (tests compare the others with it).
+    #[cfg(test)]
+    All,
+    /// Those a rank sends (never relay forwards, which run between receivers).
+    Sender(u32),
+    /// Those a rank receives or forwards.
+    Receiver(u32),
 }
 
 /// What a unit's choices depend on in one tensor: the rotation (a hash) and, for relay

@@ -8,7 +8,7 @@
 //! overlapping its source shard — found per dim by intersecting index runs, so a rank in
 //! neither mesh does no work for a tensor and a participant never loops over rank pairs.
 
-use super::assign::{Assignment, Prepared};
+use super::assign::{Assignment, Prepared, View};
 use super::blocks::{assignment_blocks, Block, Move, Moved, Movement};
 use super::config::{
     Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_MESSAGES_PER_RANK, ROUND_TARGET_BYTES,
@@ -280,10 +280,16 @@ impl CorePlanner {
             let Some(units) = &sides.0[side] else {
                 continue;
             };
+            let view = if own_is_dst {
+                View::Receiver(rank)
+            } else {
+                View::Sender(rank)
+            };
             for (u, unit) in units.iter().enumerate() {
                 unit.deal(
                     t,
                     unit.rotation(t),
+                    view,
                     &mut |from, to, region, round, relay| {
                         let keep = if own_is_dst {
                             to == rank || (relay && from == rank)

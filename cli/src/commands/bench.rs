@@ -37,6 +37,8 @@ pub const COMMAND: Command = Command {
         value("rounds"),
         flag("no-relay"),
         value("failed"),
+        value("sample"),
+        flag("digest"),
         value("mib"),
         value("row"),
         value("pad"),
@@ -83,6 +85,11 @@ Options:
   --model, --train, --infer, --system, --dtype, --experts, --colocated, --mode, --rounds,
   --no-relay, --cluster
                As for `ncclreshard simulate` (the cluster sets the planner's topology)
+  --sample N   --plan: plan only N ranks spread evenly over the refit (the first training and
+               inference ranks among them) instead of every rank, for refits of thousands
+               of ranks; the all-ranks, slowest and peak-memory figures are then over those
+  --digest     --plan: also a hash of the planned ranks' programs (programs_digest), equal
+               iff the planner planned the same programs
   --failed R,..  --plan: the survivors' plan after these ranks failed (docs/resilience.md):
                layouts renumbered as ncclCommShrink renumbers, sources from surviving
                replicas; the renumbering is timed too (plan_ms_survivors)
@@ -138,6 +145,9 @@ struct PlanBench {
     infer: String,
     tensors: usize,
     ranks: usize,
+    /// With `--sample N`: the ranks planned (N spread evenly, the first training and
+    /// inference ranks among them); the all-ranks figures are then over these.
+    sampled_ranks: Option<usize>,
     mode: &'static str,
     threads: usize,
     /// `--failed`: the failed ranks, and the time to renumber the layouts for the survivors
@@ -166,10 +176,33 @@ struct PlanBench {
     messages_max_per_rank: u64,
     bytes_total: u64,
     peak_rss_mb: Option<f64>,
+    /// `--digest`: a hash of the planned ranks' programs (equal iff the planner planned the
+    /// same programs).
+    programs_digest: Option<String>,
+}
+
+/// `n` of `ranks` (sorted) spread evenly from the first to the last, with `keep` among them.
+fn spread(ranks: &[u32], n: usize, keep: &[u32]) -> Vec<u32> {
+    let mut picked: Vec<u32> = if n >= ranks.len() || ranks.len() < 2 {
+        ranks.to_vec()
+    } else {
+        let last = ranks.len() - 1;
+        (0..n.max(2))
+            .map(|i| ranks[i * last / (n.max(2) - 1)])
+            .collect()
+    };
+    picked.extend(keep.iter().filter(|r| ranks.binary_search(r).is_ok()));
+    picked.sort_unstable();
+    picked.dedup();
+    picked
 }
 
 fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
     let args = RefitArgs::parse(parsed, "bench")?;
+    let sample: Option<usize> = parsed
+        .number::<usize>("sample")
+        .map_err(|e| usage("bench", e))?
+        .filter(|&n| n > 0);
     let cluster = refit_setup::cluster(parsed, "bench")?;
     let mode = refit_setup::mode(parsed, "bench")?;
     let refit = args.refit(1)?;
@@ -228,8 +261,12 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
     let one_rank_time = one(one_rank)?;
     let first_infer_time = one(first_infer)?;
 
-    // Every rank, keeping only a summary of each program so the peak memory is the planner's.
-    let ranks = planner.ranks();
+    // Every rank (or --sample of them), keeping only a summary of each program so the peak
+    // memory is the planner's.
+    let mut ranks = planner.ranks();
+    if let Some(n) = sample {
+        ranks = spread(&ranks, n, &[one_rank, first_infer]);
+    }
     let (summaries, all) = work::track("planning ranks", ranks.len(), |done| {
         work::map(&ranks, done, |&rank| {
             let started = Instant::now();
@@ -257,6 +294,19 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         .map_or((0, Duration::ZERO), |s| (s.0, s.1));
     let mut by_time: Vec<(Duration, u32)> = summaries.iter().map(|s| (s.1, s.0)).collect();
     by_time.sort_unstable_by(|a, b| b.cmp(a));
+    // --digest: what the planned ranks' programs are, to tell a faster planner from a different
+    // one (a refactor must leave every program as it was).
+    let digest = if parsed.flag("digest") {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        for &rank in &ranks {
+            let program = rank_program(&planner, rank, StagingLimit::new(0), NcclTransport::LIMITS)
+                .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))?;
+            std::hash::Hash::hash(&format!("{program:?}"), &mut h);
+        }
+        Some(format!("{:016x}", std::hash::Hasher::finish(&h)))
+    } else {
+        None
+    };
     let mut slowest_alone = (0, Duration::ZERO);
     for &(_, rank) in by_time.iter().take(ALONE_RANKS) {
         let mut best = Duration::MAX;
@@ -272,7 +322,8 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         train: args.train_text.clone(),
         infer: args.infer_text.clone(),
         tensors: refit.tensors.len(),
-        ranks: ranks.len(),
+        ranks: planner.ranks().len(),
+        sampled_ranks: sample.map(|_| ranks.len()),
         mode: mode.name(),
         threads: work::threads(),
         failed_ranks: failed.clone(),
@@ -292,6 +343,7 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         messages_max_per_rank: summaries.iter().map(|s| s.3).max().unwrap_or(0),
         bytes_total: summaries.iter().map(|s| s.4).sum(),
         peak_rss_mb: work::peak_rss_mb(),
+        programs_digest: digest,
     };
     if parsed.flag("json") {
         out::print(&out::json(&result));
