@@ -1516,7 +1516,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if params.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        if crate::faults::launch_fails(s.context.device) {
+        if crate::faults::launch_fails(s.handle) {
             return err(CUresult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES);
         }
         let launch = kernel::Launch::new(
