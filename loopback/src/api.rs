@@ -1,0 +1,681 @@
+//! NCCL's C entry points (signatures from nccl.h): the ones libncclreshard and its GPU tests
+//! call. Each converts its arguments, calls the stand-in and converts the result; errors set
+//! the text `ncclGetLastError` returns and, inside a group, the group's error.
+
+use crate::comm::{self, Comm, UniqueId, UNIQUE_ID_BYTES};
+use crate::exchange::{Kind, Posted};
+use crate::group;
+use crate::report::{
+    self, fail, lock, misuse, NResult, NcclError, INVALID_ARGUMENT, INVALID_USAGE, IN_PROGRESS,
+    SUCCESS,
+};
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The NCCL API level the stand-in implements (`ncclGetVersion`): 2.29.7, whose revoke, shrink
+/// and grow libncclreshard uses.
+pub const NCCL_VERSION_CODE: c_int = 22907;
+
+/// `ncclUniqueId` (passed by value, 128 bytes).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct NcclUniqueId {
+    pub internal: UniqueId,
+}
+
+pub type NcclComm = *mut c_void;
+
+/// Runs an export: errors set the last-error text (and the open group's error).
+fn call(name: &str, body: impl FnOnce() -> NResult<i32>) -> c_int {
+    report::boundary(name, || match body() {
+        Ok(r) => r,
+        Err(e) => {
+            report::set_last_error(&e.message);
+            group::note_error(e.result, &e.message);
+            e.result
+        }
+    })
+}
+
+fn out<T>(ptr: *mut T, what: &str) -> NResult<*mut T> {
+    if ptr.is_null() {
+        fail(INVALID_ARGUMENT, format!("{what} argument is NULL"))
+    } else {
+        Ok(ptr)
+    }
+}
+
+fn comm_of(handle: NcclComm) -> NResult<Arc<Comm>> {
+    comm::get(handle as usize)
+}
+
+/// Present only in the stand-in: tests find it to know they run on it (N ranks may share a
+/// device). Returns 1.
+#[no_mangle]
+pub extern "C" fn ncclreshardLoopback() -> c_int {
+    1
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> c_int {
+    call("ncclGetVersion", || {
+        // SAFETY: non-NULL (checked); the caller passes a writable int.
+        unsafe { *out(version, "version")? = NCCL_VERSION_CODE };
+        Ok(SUCCESS)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclGetUniqueId(id: *mut NcclUniqueId) -> c_int {
+    call("ncclGetUniqueId", || {
+        // SAFETY: non-NULL (checked); the caller passes a writable ncclUniqueId.
+        unsafe {
+            *out(id, "uniqueId")? = NcclUniqueId {
+                internal: comm::new_unique_id(),
+            }
+        };
+        Ok(SUCCESS)
+    })
+}
+
+/// `blocking` of an `ncclConfig_t` (NULL: blocking), reading only what its size and version
+/// say it has, as NCCL does.
+///
+/// # Safety
+/// `config` is NULL or points at an `ncclConfig_t` (at least its 16-byte header, and the
+/// fields its `size` covers).
+unsafe fn config_blocking(config: *const c_void) -> NResult<bool> {
+    if config.is_null() {
+        return Ok(true);
+    }
+    // SAFETY: the header (size_t size; unsigned magic; unsigned version) is always there.
+    let (size, magic, version) = unsafe {
+        (
+            std::ptr::read_unaligned(config.cast::<usize>()),
+            std::ptr::read_unaligned(config.cast::<u8>().add(8).cast::<u32>()),
+            std::ptr::read_unaligned(config.cast::<u8>().add(12).cast::<u32>()),
+        )
+    };
+    if magic != 0xcafe_beef {
+        return misuse(
+            INVALID_ARGUMENT,
+            "ncclConfig_t argument not initialized via NCCL_CONFIG_INITIALIZER",
+        );
+    }
+    if size < 20 || version < 21400 {
+        return Ok(true);
+    }
+    // SAFETY: `size` says the int after the header is there.
+    match unsafe { std::ptr::read_unaligned(config.cast::<u8>().add(16).cast::<i32>()) } {
+        0 => Ok(false),
+        1 | i32::MIN => Ok(true),
+        v => misuse(
+            INVALID_ARGUMENT,
+            format!("Invalid config blocking attribute value {v}"),
+        ),
+    }
+}
+
+/// A child communicator's blocking mode: the config's, else (NULL) the parent's.
+unsafe fn child_blocking(parent: Option<&Comm>, config: *const c_void) -> NResult<bool> {
+    match (parent, config.is_null()) {
+        (Some(p), true) => Ok(p.blocking),
+        // SAFETY: the caller's contract for `config`.
+        _ => unsafe { config_blocking(config) },
+    }
+}
+
+fn refuse_in_group(what: &str) -> NResult<()> {
+    if group::depth() > 0 {
+        return misuse(
+            INVALID_USAGE,
+            format!("{what} inside ncclGroupStart/ncclGroupEnd: the loopback stand-in makes communicators outside groups only"),
+        );
+    }
+    Ok(())
+}
+
+fn init_rank(
+    comm_out: *mut NcclComm,
+    nranks: c_int,
+    id: NcclUniqueId,
+    rank: c_int,
+    blocking: bool,
+) -> NResult<i32> {
+    refuse_in_group("ncclCommInitRank")?;
+    let c = comm::join(id.internal, nranks, rank, blocking)?;
+    // SAFETY: checked non-NULL by the callers.
+    unsafe { *comm_out = c.handle as NcclComm };
+    comm::complete_init(c, || {})
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRank(
+    comm: *mut NcclComm,
+    nranks: c_int,
+    id: NcclUniqueId,
+    rank: c_int,
+) -> c_int {
+    call("ncclCommInitRank", || {
+        init_rank(out(comm, "comm")?, nranks, id, rank, true)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommInitRankConfig(
+    comm: *mut NcclComm,
+    nranks: c_int,
+    id: NcclUniqueId,
+    rank: c_int,
+    config: *mut c_void,
+) -> c_int {
+    call("ncclCommInitRankConfig", || {
+        // SAFETY: the caller's contract (nccl.h): NULL or an ncclConfig_t.
+        let blocking = unsafe { config_blocking(config)? };
+        init_rank(out(comm, "comm")?, nranks, id, rank, blocking)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommDestroy(comm: NcclComm) -> c_int {
+    call("ncclCommDestroy", || {
+        if comm.is_null() {
+            return Ok(SUCCESS);
+        }
+        let c = comm_of(comm)?;
+        // As NCCL's destroy finalizes first: the rank's operations complete (the watchdog
+        // speaks if they never do). A revoked communicator has nothing left to flush.
+        if !c.is_revoked() {
+            while !c.pending().is_empty() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        comm::unregister(c.handle);
+        Ok(SUCCESS)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommAbort(comm: NcclComm) -> c_int {
+    call("ncclCommAbort", || {
+        if comm.is_null() {
+            return Ok(SUCCESS);
+        }
+        let c = comm_of(comm)?;
+        comm::revoke(&c);
+        comm::unregister(c.handle);
+        Ok(SUCCESS)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommRevoke(comm: NcclComm, revoke_flags: c_int) -> c_int {
+    call("ncclCommRevoke", || {
+        let c = comm_of(comm)?;
+        if revoke_flags != 0 {
+            return misuse(
+                INVALID_ARGUMENT,
+                format!("revokeFlags is {revoke_flags}; it must be NCCL_REVOKE_DEFAULT (0)"),
+            );
+        }
+        comm::revoke(&c);
+        if c.blocking {
+            return Ok(SUCCESS);
+        }
+        // Quiescent once its operations are over (matched ones need their peers' streams).
+        c.set_async(IN_PROGRESS);
+        std::thread::spawn(move || {
+            while !c.pending().is_empty() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            c.set_async(SUCCESS);
+        });
+        Ok(IN_PROGRESS)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommShrink(
+    comm: NcclComm,
+    exclude_ranks: *mut c_int,
+    exclude_count: c_int,
+    newcomm: *mut NcclComm,
+    config: *mut c_void,
+    shrink_flags: c_int,
+) -> c_int {
+    call("ncclCommShrink", || {
+        refuse_in_group("ncclCommShrink")?;
+        let c = comm_of(comm)?;
+        let newcomm = out(newcomm, "newcomm")?;
+        if !(0..=1).contains(&shrink_flags) {
+            return misuse(
+                INVALID_ARGUMENT,
+                format!("shrinkFlags is {shrink_flags}; use NCCL_SHRINK_DEFAULT (0) or NCCL_SHRINK_ABORT (1)"),
+            );
+        }
+        let count = usize::try_from(exclude_count).map_err(|_| NcclError {
+            result: INVALID_ARGUMENT,
+            message: format!("excludeRanksCount is {exclude_count}"),
+        })?;
+        let mut list: Vec<i32> = if count == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: the caller passes `count` ints (nccl.h).
+            unsafe { std::slice::from_raw_parts(out(exclude_ranks, "excludeRanksList")?, count) }
+                .to_vec()
+        };
+        list.sort_unstable();
+        if let Some(&r) = list.iter().find(|&&r| r < 0 || r >= c.nranks) {
+            return misuse(
+                INVALID_ARGUMENT,
+                format!("excluded rank {r} is not a rank of {}", c.describe()),
+            );
+        }
+        if list.windows(2).any(|w| w[0] == w[1]) {
+            return misuse(INVALID_ARGUMENT, "excludeRanksList names a rank twice");
+        }
+        if list.binary_search(&c.rank).is_ok() {
+            return misuse(
+                INVALID_ARGUMENT,
+                format!(
+                    "rank {} is in excludeRanksList: only the ranks of the new communicator call ncclCommShrink",
+                    c.rank
+                ),
+            );
+        }
+        if shrink_flags == 0 {
+            c.require_idle("ncclCommShrink")?;
+        } else {
+            comm::revoke(&c);
+        }
+        // SAFETY: the caller's contract (nccl.h): NULL or an ncclConfig_t.
+        let blocking = unsafe { child_blocking(Some(&c), config)? };
+        let seq = {
+            let mut n = lock(&c.shrinks);
+            *n += 1;
+            *n
+        };
+        {
+            let mut shrinks = lock(&c.clique.shrinks);
+            match shrinks.get(&seq) {
+                Some((theirs, first)) if *theirs != list => report::fatal(format_args!(
+                    "ncclCommShrink #{seq} of clique {}: rank {} excludes {list:?} but rank {first} excluded {theirs:?}; every surviving rank must pass the same exclusion list",
+                    c.clique.serial, c.rank
+                )),
+                Some(_) => {}
+                None => {
+                    shrinks.insert(seq, (list.clone(), c.rank));
+                }
+            }
+        }
+        let id = comm::derived_id(&c.clique.id, seq, &list);
+        let rank = c.rank - list.iter().filter(|&&r| r < c.rank).count() as i32;
+        let nranks = c.nranks - list.len() as i32;
+        let child = {
+            let d = crate::cuda::driver()?;
+            let _current = d.push(c.context)?;
+            comm::join(id, nranks, rank, blocking)?
+        };
+        // SAFETY: checked non-NULL above.
+        unsafe { *newcomm = child.handle as NcclComm };
+        comm::complete_init(child, || {})
+    })
+}
+
+/// Grow identifiers not consumed yet: id → the parent's size.
+fn grow_parents() -> &'static Mutex<HashMap<UniqueId, i32>> {
+    static G: OnceLock<Mutex<HashMap<UniqueId, i32>>> = OnceLock::new();
+    G.get_or_init(Default::default)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGetUniqueId(
+    comm: NcclComm,
+    unique_id: *mut NcclUniqueId,
+) -> c_int {
+    call("ncclCommGetUniqueId", || {
+        let c = comm_of(comm)?;
+        let unique_id = out(unique_id, "uniqueId")?;
+        c.require_idle("ncclCommGetUniqueId")?;
+        let mut pending = lock(&c.clique.grow_id);
+        if pending.is_some() {
+            return misuse(
+                INVALID_USAGE,
+                "a grow identifier of this communicator has not been consumed yet (one grow at a time)",
+            );
+        }
+        let id = comm::new_unique_id();
+        *pending = Some(id);
+        c.clique.grow_ready.notify_all();
+        lock(grow_parents()).insert(id, c.nranks);
+        // SAFETY: non-NULL (checked); the caller passes a writable ncclUniqueId.
+        unsafe { *unique_id = NcclUniqueId { internal: id } };
+        Ok(SUCCESS)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGrow(
+    comm: NcclComm,
+    nranks: c_int,
+    unique_id: *const NcclUniqueId,
+    rank: c_int,
+    newcomm: *mut NcclComm,
+    config: *mut c_void,
+) -> c_int {
+    call("ncclCommGrow", || {
+        refuse_in_group("ncclCommGrow")?;
+        let newcomm = out(newcomm, "newcomm")?;
+        // SAFETY: NULL or the caller's ncclUniqueId (nccl.h).
+        let given = unsafe { unique_id.as_ref() }.map(|u| u.internal);
+        if comm.is_null() {
+            // A new rank: the coordinator's identifier and a rank from the parent's size on.
+            let Some(id) = given else {
+                return misuse(
+                    INVALID_ARGUMENT,
+                    "a new rank (comm NULL) needs the uniqueId the coordinator got from ncclCommGetUniqueId",
+                );
+            };
+            let Some(parent) = lock(grow_parents()).get(&id).copied() else {
+                return misuse(
+                    INVALID_ARGUMENT,
+                    "uniqueId is not an unconsumed grow identifier from ncclCommGetUniqueId",
+                );
+            };
+            if rank < parent || rank >= nranks {
+                return misuse(
+                    INVALID_ARGUMENT,
+                    format!(
+                        "rank {rank}: new ranks take ranks {parent} to {} (after the parent's)",
+                        nranks - 1
+                    ),
+                );
+            }
+            // SAFETY: the caller's contract (nccl.h): NULL or an ncclConfig_t.
+            let blocking = unsafe { child_blocking(None, config)? };
+            let child = comm::join(id, nranks, rank, blocking)?;
+            // SAFETY: checked non-NULL above.
+            unsafe { *newcomm = child.handle as NcclComm };
+            return comm::complete_init(child, || {});
+        }
+        let c = comm_of(comm)?;
+        if rank != -1 {
+            return misuse(
+                INVALID_ARGUMENT,
+                format!("rank is {rank}: existing ranks pass -1 (they keep their rank)"),
+            );
+        }
+        if nranks <= c.nranks {
+            return misuse(
+                INVALID_ARGUMENT,
+                format!(
+                    "nRanks is {nranks}: a grown communicator has more ranks than its parent's {}",
+                    c.nranks
+                ),
+            );
+        }
+        c.require_idle("ncclCommGrow")?;
+        // The coordinator names the identifier; the others learn it from the clique (NCCL
+        // coordinates internally): they wait for it.
+        let id = {
+            let mut pending = lock(&c.clique.grow_id);
+            if let Some(given) = given {
+                if *pending != Some(given) {
+                    return misuse(
+                        INVALID_ARGUMENT,
+                        "uniqueId is not the grow identifier ncclCommGetUniqueId made for this communicator",
+                    );
+                }
+            }
+            let _waiting = crate::watchdog::blocked_init(&c.clique, c.rank);
+            while pending.is_none() {
+                pending = c
+                    .clique
+                    .grow_ready
+                    .wait(pending)
+                    .unwrap_or_else(|p| p.into_inner());
+            }
+            pending.expect("set")
+        };
+        // SAFETY: the caller's contract (nccl.h): NULL or an ncclConfig_t.
+        let blocking = unsafe { child_blocking(Some(&c), config)? };
+        let child = {
+            let d = crate::cuda::driver()?;
+            let _current = d.push(c.context)?;
+            comm::join(id, nranks, c.rank, blocking)?
+        };
+        // SAFETY: checked non-NULL above.
+        unsafe { *newcomm = child.handle as NcclComm };
+        // The identifier is consumed once every rank has joined.
+        let clique = c.clique.clone();
+        comm::complete_init(child, move || {
+            let mut pending = lock(&clique.grow_id);
+            if *pending == Some(id) {
+                *pending = None;
+            }
+            lock(grow_parents()).remove(&id);
+        })
+    })
+}
+
+unsafe fn comm_int(
+    name: &str,
+    comm: NcclComm,
+    value: *mut c_int,
+    f: impl FnOnce(&Comm) -> i32,
+) -> c_int {
+    call(name, || {
+        let c = comm_of(comm)?;
+        let value = out(value, "value")?;
+        c.ensure_ready()?;
+        // SAFETY: non-NULL (checked); the caller passes a writable int.
+        unsafe { *value = f(&c) };
+        Ok(SUCCESS)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCount(comm: NcclComm, count: *mut c_int) -> c_int {
+    // SAFETY: forwards the caller's pointers.
+    unsafe { comm_int("ncclCommCount", comm, count, |c| c.nranks) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommUserRank(comm: NcclComm, rank: *mut c_int) -> c_int {
+    // SAFETY: forwards the caller's pointers.
+    unsafe { comm_int("ncclCommUserRank", comm, rank, |c| c.rank) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommCuDevice(comm: NcclComm, device: *mut c_int) -> c_int {
+    // SAFETY: forwards the caller's pointers.
+    unsafe { comm_int("ncclCommCuDevice", comm, device, |c| c.device) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclCommGetAsyncError(comm: NcclComm, result: *mut c_int) -> c_int {
+    call("ncclCommGetAsyncError", || {
+        let c = comm_of(comm)?;
+        let state = lock(&c.status).async_error;
+        // SAFETY: non-NULL (checked); the caller passes a writable ncclResult_t.
+        unsafe { *out(result, "asyncError")? = state };
+        Ok(SUCCESS)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGetErrorString(result: c_int) -> *const c_char {
+    report::boundary("ncclGetErrorString", || {
+        report::error_string(result).as_ptr()
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGetLastError(_comm: NcclComm) -> *const c_char {
+    report::boundary("ncclGetLastError", report::last_error)
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGroupStart() -> c_int {
+    call("ncclGroupStart", || {
+        group::start();
+        Ok(SUCCESS)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn ncclGroupEnd() -> c_int {
+    report::boundary("ncclGroupEnd", || match group::end() {
+        Ok(r) => r,
+        Err(e) => {
+            report::set_last_error(&e.message);
+            e.result
+        }
+    })
+}
+
+/// Bytes per element of an `ncclDataType_t` (nccl.h), None for an invalid one.
+fn element_bytes(datatype: c_int) -> Option<u64> {
+    Some(match datatype {
+        0 | 1 | 10 | 11 => 1,
+        6 | 9 => 2,
+        2 | 3 | 7 => 4,
+        4 | 5 | 8 => 8,
+        _ => return None,
+    })
+}
+
+/// Checks and posts a send or receive.
+fn post(
+    kind: Kind,
+    buf: *const c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: NcclComm,
+    stream: *mut c_void,
+) -> NResult<i32> {
+    let c = comm_of(comm)?;
+    let Some(size) = element_bytes(datatype) else {
+        return misuse(
+            INVALID_ARGUMENT,
+            format!("{}: invalid datatype {datatype}", kind.name()),
+        );
+    };
+    if peer < 0 || peer >= c.nranks {
+        return misuse(
+            INVALID_ARGUMENT,
+            format!(
+                "{} on {}: peer {peer} is out of range for a communicator of {} ranks",
+                kind.name(),
+                c.describe(),
+                c.nranks
+            ),
+        );
+    }
+    if c.is_revoked() {
+        return misuse(
+            INVALID_USAGE,
+            format!(
+                "{} on {}: the communicator was revoked (ncclCommRevoke); NCCL returns ncclInvalidUsage for new operations on it and allows only ncclCommDestroy, ncclCommAbort and ncclCommShrink",
+                kind.name(),
+                c.describe()
+            ),
+        );
+    }
+    c.ensure_ready()?;
+    let bytes = (count as u64).checked_mul(size).ok_or_else(|| NcclError {
+        result: INVALID_ARGUMENT,
+        message: format!("{}: count {count} overflows", kind.name()),
+    })?;
+    if bytes > 0 && buf.is_null() {
+        return misuse(
+            INVALID_ARGUMENT,
+            format!(
+                "{} on {}: buffer is NULL for {bytes} bytes",
+                kind.name(),
+                c.describe()
+            ),
+        );
+    }
+    // The stream must be one of the communicator's context (its device), as NCCL requires.
+    let d = crate::cuda::driver()?;
+    let owner = {
+        let _current = d.push(c.context)?;
+        d.stream_context(stream as usize)?
+    };
+    if owner != c.context {
+        return misuse(
+            INVALID_ARGUMENT,
+            format!(
+                "{} on {}: stream {stream:p} belongs to another CUDA context than the communicator's (the one current when the rank joined, device {})",
+                kind.name(),
+                c.describe(),
+                c.device
+            ),
+        );
+    }
+    group::post(Posted {
+        comm: c,
+        kind,
+        ptr: buf as u64,
+        bytes,
+        peer,
+        stream: stream as usize,
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclSend(
+    sendbuff: *const c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: NcclComm,
+    stream: *mut c_void,
+) -> c_int {
+    call("ncclSend", || {
+        post(Kind::Send, sendbuff, count, datatype, peer, comm, stream)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ncclRecv(
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: c_int,
+    peer: c_int,
+    comm: NcclComm,
+    stream: *mut c_void,
+) -> c_int {
+    call("ncclRecv", || {
+        post(Kind::Recv, recvbuff, count, datatype, peer, comm, stream)
+    })
+}
+
+/// Refused: the stand-in moves bytes with copies and has no reduction of its own (a kernel
+/// would not run on the emulator, which runs only libncclreshard's copy kernel).
+#[no_mangle]
+pub unsafe extern "C" fn ncclAllReduce(
+    _sendbuff: *const c_void,
+    _recvbuff: *mut c_void,
+    _count: usize,
+    _datatype: c_int,
+    _op: c_int,
+    comm: NcclComm,
+    _stream: *mut c_void,
+) -> c_int {
+    call("ncclAllReduce", || {
+        let c = comm_of(comm)?;
+        misuse(
+            INVALID_USAGE,
+            format!(
+                "ncclAllReduce on {}: the loopback stand-in implements point-to-point operations only (ncclSend/ncclRecv), no collectives",
+                c.describe()
+            ),
+        )
+    })
+}
+
+const _: () = assert!(std::mem::size_of::<NcclUniqueId>() == UNIQUE_ID_BYTES);
