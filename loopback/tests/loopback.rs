@@ -61,25 +61,28 @@ fn stream() -> CUstream {
     s
 }
 
-/// Device memory holding `bytes` (kept for the process's life: a free would wait for every
-/// rank's stream of the shared device).
-fn upload(bytes: &[u8]) -> CUdeviceptr {
+/// Device memory holding `bytes`, copied on `s` once it is idle (kept for the process's life: a
+/// free would wait for every rank's stream of the shared device).
+fn upload(bytes: &[u8], s: CUstream) -> CUdeviceptr {
     device();
     let mut p = 0;
-    // SAFETY: an allocation and a synchronous copy of `bytes` into it.
+    // SAFETY: an allocation and a copy of `bytes` into it on our stream, waited for.
     unsafe {
         ck(sys::cuMemAlloc_v2(&mut p, bytes.len().max(1)), "alloc");
-        let s = stream();
+        sync(s);
         ck(
             sys::cuMemcpyHtoDAsync_v2(p, bytes.as_ptr().cast(), bytes.len(), s),
             "upload",
         );
-        ck(sys::cuStreamSynchronize(s), "sync");
     }
+    sync(s);
     p
 }
 
+/// `len` bytes at `p`, copied on `s` once it is idle (a copy to pageable memory that waited for
+/// a stream held by peers could hold up the driver's staging buffers other ranks need).
 fn download(p: CUdeviceptr, len: usize, s: CUstream) -> Vec<u8> {
+    sync(s);
     let mut out = vec![0u8; len];
     // SAFETY: `out` is writable; the copy is ordered on `s` and waited for.
     unsafe {
@@ -87,8 +90,8 @@ fn download(p: CUdeviceptr, len: usize, s: CUstream) -> Vec<u8> {
             sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr().cast(), p, len, s),
             "download",
         );
-        ck(sys::cuStreamSynchronize(s), "sync");
     }
+    sync(s);
     out
 }
 
@@ -214,10 +217,14 @@ fn all_to_all_rounds_are_byte_exact_matched_in_issue_order() {
     ranks(N, |r, comm| {
         let s = stream();
         let sends: Vec<Vec<CUdeviceptr>> = (0..3)
-            .map(|round| (0..N).map(|p| upload(&pattern(r, p, round, LEN))).collect())
+            .map(|round| {
+                (0..N)
+                    .map(|p| upload(&pattern(r, p, round, LEN), s))
+                    .collect()
+            })
             .collect();
         let recvs: Vec<Vec<CUdeviceptr>> = (0..3)
-            .map(|_| (0..N).map(|_| upload(&[0u8; LEN])).collect())
+            .map(|_| (0..N).map(|_| upload(&[0u8; LEN], s)).collect())
             .collect();
         start.wait();
         for round in 0..3 {
@@ -289,13 +296,20 @@ fn the_copy_waits_for_both_streams_and_each_stream_for_the_copy() {
     ranks(2, |r, comm| {
         let s = stream();
         if r == 0 {
-            let data = upload(&vec![0xee; LEN]);
-            let fresh = pattern(0, 1, 9, LEN);
+            let data = upload(&vec![0xee; LEN], s);
+            // Pinned, so the copy from it waits for the stream without holding up the host.
+            let mut fresh: *mut c_void = std::ptr::null_mut();
+            // SAFETY: LEN bytes of pinned memory (kept for the process's life), filled before
+            // any stream uses them.
+            unsafe {
+                ck(sys::cuMemHostAlloc(&mut fresh, LEN, 0), "pinned");
+                let bytes = pattern(0, 1, 9, LEN);
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), fresh.cast::<u8>(), LEN);
+            }
             gate.hold(s);
-            // SAFETY: device memory of LEN bytes; `fresh` outlives the stream's use of it
-            // (synchronised below).
+            // SAFETY: device memory of LEN bytes and pinned memory that outlives the copy.
             ck(
-                unsafe { sys::cuMemcpyHtoDAsync_v2(data, fresh.as_ptr().cast(), LEN, s) },
+                unsafe { sys::cuMemcpyHtoDAsync_v2(data, fresh, LEN, s) },
                 "fill",
             );
             nc(send(data, LEN, 1, comm, s), "send");
@@ -304,8 +318,8 @@ fn the_copy_waits_for_both_streams_and_each_stream_for_the_copy() {
             gate.open();
             sync(s);
         } else {
-            let got = upload(&[0u8; LEN]);
-            let after = upload(&[0u8; LEN]);
+            let got = upload(&[0u8; LEN], s);
+            let after = upload(&[0u8; LEN], s);
             posted.wait();
             nc(recv(got, LEN, 0, comm, s), "recv");
             // SAFETY: device memory of this context, ordered after the receive.
@@ -334,8 +348,8 @@ fn captured_exchanges_replay_at_every_launch() {
     ranks(2, |r, comm| {
         let s = stream();
         let peer = 1 - r;
-        let out = upload(&[0u8; LEN]);
-        let inp = upload(&[0u8; LEN]);
+        let out = upload(&[0u8; LEN], s);
+        let inp = upload(&[0u8; LEN], s);
         // SAFETY: capture on our stream (thread-local: the other rank allocates meanwhile);
         // graph handles destroyed below.
         unsafe {
@@ -408,8 +422,8 @@ fn nonblocking_communicators_report_progress_through_the_async_error() {
                 };
                 assert_eq!(r0, IN_PROGRESS, "a nonblocking init is in progress");
                 settle(comm, r0);
-                let data = upload(&pattern(r, 1 - r, 0, LEN));
-                let got = upload(&[0u8; LEN]);
+                let data = upload(&pattern(r, 1 - r, 0, LEN), s);
+                let got = upload(&[0u8; LEN], s);
                 nc(ncclGroupStart(), "start");
                 nc(send(data, LEN, 1 - r, comm, s), "send");
                 nc(recv(got, LEN, 1 - r, comm, s), "recv");
@@ -435,7 +449,7 @@ fn a_revoke_ends_an_unmatched_operation_and_refuses_new_ones_and_shrink_and_grow
     let offered = Barrier::new(2);
     let outcome = ranks(2, |r, comm| {
         let s = stream();
-        let buf = upload(&[r as u8; LEN]);
+        let buf = upload(&[r as u8; LEN], s);
         if r == 0 {
             // A receive no send will match: the stream waits until the revoke releases it.
             nc(recv(buf, LEN, 1, comm, s), "recv");
@@ -534,7 +548,7 @@ fn a_revoke_ends_an_unmatched_operation_and_refuses_new_ones_and_shrink_and_grow
 fn refusals_are_clear_errors() {
     ranks(2, |r, comm| {
         let s = stream();
-        let buf = upload(&[0u8; 16]);
+        let buf = upload(&[0u8; 16], s);
         assert_eq!(
             send(buf, 16, 2, comm, s),
             INVALID_ARGUMENT,
@@ -603,7 +617,7 @@ fn what_nccl_would_hang_on_aborts_with_a_report() {
     if let Some(scenario) = child() {
         ranks(2, |r, comm| {
             let s = stream();
-            let buf = upload(&[0u8; 64]);
+            let buf = upload(&[0u8; 64], s);
             match (scenario.as_str(), r) {
                 ("size mismatch", 0) => nc(send(buf, 64, 1, comm, s), "send"),
                 ("size mismatch", _) => {

@@ -255,6 +255,10 @@ impl Device {
         );
     }
 
+    /// Device memory holding `bytes`, copied on our stream once it is idle: a copy from or to
+    /// pageable memory goes through the driver's staging buffers, and one that waited for a
+    /// stream held there by NCCL peers could hold up another rank's thread that needs them
+    /// (ranks are threads of one process here).
     pub fn upload(&self, bytes: &[u8]) -> u64 {
         self.current();
         let mut ptr = 0;
@@ -264,6 +268,7 @@ impl Device {
                 sys::cuMemAlloc_v2(&mut ptr, bytes.len().max(1)),
                 "cuMemAlloc",
             );
+            self.sync();
             if !bytes.is_empty() {
                 ck(
                     sys::cuMemcpyHtoDAsync_v2(ptr, bytes.as_ptr().cast(), bytes.len(), self.stream),
@@ -275,8 +280,10 @@ impl Device {
         ptr
     }
 
+    /// `len` bytes at `ptr`, copied once our stream is idle (see [`Device::upload`]).
     pub fn download(&self, ptr: u64, len: usize) -> Vec<u8> {
         self.current();
+        self.sync();
         let mut out = vec![0u8; len];
         // SAFETY: `ptr` holds at least `len` bytes; the copy is ordered on our stream and
         // waited for.
