@@ -45,6 +45,7 @@ pub struct Driver {
     stream_is_capturing: unsafe extern "C" fn(RawStream, *mut c_uint) -> CuResult,
     exchange_capture_mode: unsafe extern "C" fn(*mut c_uint) -> CuResult,
     mem_host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult,
+    host_device_pointer: unsafe extern "C" fn(*mut DevicePtr, *mut c_void, c_uint) -> CuResult,
     wait_value: unsafe extern "C" fn(RawStream, DevicePtr, u32, c_uint) -> CuResult,
     write_value: unsafe extern "C" fn(RawStream, DevicePtr, u32, c_uint) -> CuResult,
     memcpy_async: unsafe extern "C" fn(DevicePtr, DevicePtr, usize, RawStream) -> CuResult,
@@ -104,6 +105,7 @@ fn load() -> Result<Driver, String> {
         stream_is_capturing: sym!("cuStreamIsCapturing"),
         exchange_capture_mode: sym!("cuThreadExchangeStreamCaptureMode"),
         mem_host_alloc: sym!("cuMemHostAlloc"),
+        host_device_pointer: sym!("cuMemHostGetDevicePointer_v2"),
         wait_value: sym!("cuStreamWaitValue32_v2"),
         write_value: sym!("cuStreamWriteValue32_v2"),
         memcpy_async: sym!("cuMemcpyAsync"),
@@ -220,8 +222,10 @@ impl Driver {
 
     /// Pinned, portable, device-mapped host memory (current context), with the thread's
     /// capture mode relaxed for the call so that a capture elsewhere is neither broken by it
-    /// nor breaks it.
-    pub fn host_alloc(&self, bytes: usize) -> NResult<usize> {
+    /// nor breaks it: (host address, device address). The stream memory operations take device
+    /// pointers (cuda.h), which `cuMemHostGetDevicePointer` gives for mapped memory (with
+    /// unified addressing, the host address).
+    pub fn host_alloc(&self, bytes: usize) -> NResult<(usize, DevicePtr)> {
         let mut mode = CAPTURE_MODE_RELAXED;
         // SAFETY: swaps the thread's mode; restored below.
         let relaxed = unsafe { (self.exchange_capture_mode)(&mut mode) } == 0;
@@ -233,7 +237,13 @@ impl Driver {
             unsafe { (self.exchange_capture_mode)(&mut mode) };
         }
         self.check(r, || format!("cuMemHostAlloc({bytes} bytes)"))?;
-        Ok(p as usize)
+        let mut device: DevicePtr = 0;
+        // SAFETY: `p` is mapped pinned memory just allocated; writes one pointer.
+        self.check(
+            unsafe { (self.host_device_pointer)(&mut device, p, 0) },
+            || "cuMemHostGetDevicePointer".into(),
+        )?;
+        Ok((p as usize, device))
     }
 
     /// Enqueues a wait until `*addr == value` on `stream`.

@@ -120,7 +120,13 @@ impl Exchange {
             }),
         });
         if !captured {
-            lock(live()).push(e.clone());
+            let mut live = lock(live());
+            // As in the communicators' lists: the finished ones go whenever the list has doubled
+            // (the watchdog, when on, sweeps every 100 ms too).
+            if live.len() >= 1024 && live.len().is_power_of_two() {
+                live.retain(|e| !e.complete_for(true));
+            }
+            live.push(e.clone());
         }
         e
     }

@@ -27,7 +27,10 @@ fn capacity() -> u32 {
 const SLOT_BYTES: usize = 8;
 
 pub struct Pool {
-    base: usize,
+    /// The pool's host address (for the host's reads and writes).
+    host: usize,
+    /// Its device address (for the streams' operations).
+    device: DevicePtr,
     slots: u32,
     free: Mutex<Vec<u32>>,
 }
@@ -55,14 +58,15 @@ pub fn ensure(ctx: Context) -> NResult<&'static Pool> {
         let d = driver().map_err(|e| e.message)?;
         let slots = capacity();
         let bytes = slots as usize * SLOT_BYTES;
-        let base = {
+        let (host, device) = {
             let _current = d.push(ctx).map_err(|e| e.message)?;
             d.host_alloc(bytes).map_err(|e| e.message)?
         };
         // SAFETY: `bytes` fresh writable bytes, not yet shared with any device work.
-        unsafe { std::ptr::write_bytes(base as *mut u8, 0, bytes) };
+        unsafe { std::ptr::write_bytes(host as *mut u8, 0, bytes) };
         Ok(Pool {
-            base,
+            host,
+            device,
             slots,
             free: Mutex::new((0..slots).rev().collect()),
         })
@@ -98,17 +102,22 @@ impl Pool {
         self.slots
     }
 
-    /// The word's address, for the device (unified addressing: the host address).
-    pub fn address(&self, slot: u32, word: Word) -> DevicePtr {
+    /// The word's offset in the pool.
+    fn offset(&self, slot: u32, word: Word) -> usize {
         assert!(slot < self.slots, "slot {slot} outside the pool");
-        (self.base + slot as usize * SLOT_BYTES + if word == Word::Done { 4 } else { 0 }) as u64
+        slot as usize * SLOT_BYTES + if word == Word::Done { 4 } else { 0 }
+    }
+
+    /// The word's device address, for stream memory operations.
+    pub fn address(&self, slot: u32, word: Word) -> DevicePtr {
+        self.device + self.offset(slot, word) as u64
     }
 
     fn atomic(&self, slot: u32, word: Word) -> &AtomicU32 {
         // SAFETY: the address is inside the pool (asserted), 4-byte aligned (the pool is
         // page-aligned, words at multiples of 4), mapped for the process's life; devices write
         // it too, so every host access is atomic.
-        unsafe { AtomicU32::from_ptr(self.address(slot, word) as *mut u32) }
+        unsafe { AtomicU32::from_ptr((self.host + self.offset(slot, word)) as *mut u32) }
     }
 
     /// What the word holds now.

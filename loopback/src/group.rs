@@ -226,7 +226,13 @@ fn match_all(posted: Vec<Posted>, captured: &[bool]) -> NResult<Vec<Issued>> {
             fatal(format_args!("{} ({})", e.message, op.comm.describe()))
         });
         if !captured {
-            lock(&op.comm.ops).push((exchange.clone(), role == Role::First));
+            let mut ops = lock(&op.comm.ops);
+            // Forget the completed ones whenever the list has doubled, so that a communicator
+            // used for many calls keeps only what may still be pending.
+            if ops.len() >= 1024 && ops.len().is_power_of_two() {
+                ops.retain(|(e, first)| !e.complete_for(*first));
+            }
+            ops.push((exchange.clone(), role == Role::First));
         }
         issued.push(Issued { op, exchange, role });
     }

@@ -545,6 +545,52 @@ fn a_revoke_ends_an_unmatched_operation_and_refuses_new_ones_and_shrink_and_grow
 
 #[test]
 #[ignore = "needs a CUDA driver (the emulator's: scripts/emulated-gpu-tests.sh)"]
+fn a_destroy_waits_for_the_ranks_operations_as_nccls_finalize_does() {
+    const LEN: usize = 512;
+    let id = unique_id();
+    let late = Duration::from_millis(300);
+    let waited = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2usize)
+            .map(|r| {
+                scope.spawn(move || {
+                    device();
+                    let s = stream();
+                    let mut comm = std::ptr::null_mut();
+                    // SAFETY: writes one handle.
+                    nc(
+                        unsafe { ncclCommInitRank(&mut comm, 2, id, r as c_int) },
+                        "init",
+                    );
+                    let buf = upload(&pattern(r, 1 - r, 3, LEN), s);
+                    if r == 1 {
+                        std::thread::sleep(late);
+                        nc(recv(buf, LEN, 0, comm, s), "recv");
+                        sync(s);
+                        assert_eq!(download(buf, LEN, s), pattern(0, 1, 3, LEN));
+                    } else {
+                        nc(send(buf, LEN, 1, comm, s), "send");
+                    }
+                    let started = Instant::now();
+                    // SAFETY: our communicator, destroyed once (rank 0's send still pending).
+                    nc(unsafe { ncclCommDestroy(comm) }, "destroy");
+                    started.elapsed()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    assert!(
+        waited[0] >= late / 2,
+        "rank 0's destroy returned before its send was received ({:?})",
+        waited[0]
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA driver (the emulator's: scripts/emulated-gpu-tests.sh)"]
 fn refusals_are_clear_errors() {
     ranks(2, |r, comm| {
         let s = stream();
