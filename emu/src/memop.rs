@@ -77,7 +77,7 @@ fn written() -> &'static (Mutex<u64>, Condvar) {
 
 /// How long a blocked wait sleeps at most before it reads the word again: host threads write
 /// pinned memory without telling the emulator.
-const POLL: Duration = Duration::from_micros(500);
+const POLL: Duration = Duration::from_millis(1);
 
 /// The host address of the word at `addr`, checked in bounds of live memory the stream's
 /// device may access, with its allocation. A fault is reported (strict) and becomes the
