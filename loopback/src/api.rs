@@ -79,50 +79,12 @@ pub unsafe extern "C" fn ncclGetUniqueId(id: *mut NcclUniqueId) -> c_int {
     })
 }
 
-/// `blocking` of an `ncclConfig_t` (NULL: blocking), reading only what its size and version
-/// say it has, as NCCL does.
-///
-/// # Safety
-/// `config` is NULL or points at an `ncclConfig_t` (at least its 16-byte header, and the
-/// fields its `size` covers).
-unsafe fn config_blocking(config: *const c_void) -> NResult<bool> {
-    if config.is_null() {
-        return Ok(true);
-    }
-    // SAFETY: the header (size_t size; unsigned magic; unsigned version) is always there.
-    let (size, magic, version) = unsafe {
-        (
-            std::ptr::read_unaligned(config.cast::<usize>()),
-            std::ptr::read_unaligned(config.cast::<u8>().add(8).cast::<u32>()),
-            std::ptr::read_unaligned(config.cast::<u8>().add(12).cast::<u32>()),
-        )
-    };
-    if magic != 0xcafe_beef {
-        return misuse(
-            INVALID_ARGUMENT,
-            "ncclConfig_t argument not initialized via NCCL_CONFIG_INITIALIZER",
-        );
-    }
-    if size < 20 || version < 21400 {
-        return Ok(true);
-    }
-    // SAFETY: `size` says the int after the header is there.
-    match unsafe { std::ptr::read_unaligned(config.cast::<u8>().add(16).cast::<i32>()) } {
-        0 => Ok(false),
-        1 | i32::MIN => Ok(true),
-        v => misuse(
-            INVALID_ARGUMENT,
-            format!("Invalid config blocking attribute value {v}"),
-        ),
-    }
-}
-
 /// A child communicator's blocking mode: the config's, else (NULL) the parent's.
 unsafe fn child_blocking(parent: Option<&Comm>, config: *const c_void) -> NResult<bool> {
     match (parent, config.is_null()) {
         (Some(p), true) => Ok(p.blocking),
         // SAFETY: the caller's contract for `config`.
-        _ => unsafe { config_blocking(config) },
+        _ => unsafe { ncclreshard_nccl_api::config_blocking(config) },
     }
 }
 
@@ -172,7 +134,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
 ) -> c_int {
     call("ncclCommInitRankConfig", || {
         // SAFETY: the caller's contract (nccl.h): NULL or an ncclConfig_t.
-        let blocking = unsafe { config_blocking(config)? };
+        let blocking = unsafe { ncclreshard_nccl_api::config_blocking(config)? };
         init_rank(out(comm, "comm")?, nranks, id, rank, blocking)
     })
 }
@@ -248,46 +210,23 @@ pub unsafe extern "C" fn ncclCommShrink(
         refuse_in_group("ncclCommShrink")?;
         let c = comm_of(comm)?;
         let newcomm = out(newcomm, "newcomm")?;
-        if !(0..=1).contains(&shrink_flags) {
-            return misuse(
-                INVALID_ARGUMENT,
-                format!("shrinkFlags is {shrink_flags}; use NCCL_SHRINK_DEFAULT (0) or NCCL_SHRINK_ABORT (1)"),
-            );
-        }
+        let abort = ncclreshard_nccl_api::shrink_abort(shrink_flags)?;
         let count = usize::try_from(exclude_count).map_err(|_| NcclError {
             result: INVALID_ARGUMENT,
             message: format!("excludeRanksCount is {exclude_count}"),
         })?;
-        let mut list: Vec<i32> = if count == 0 {
-            Vec::new()
+        let raw: &[i32] = if count == 0 {
+            &[]
         } else {
             // SAFETY: the caller passes `count` ints (nccl.h).
             unsafe { std::slice::from_raw_parts(out(exclude_ranks, "excludeRanksList")?, count) }
-                .to_vec()
         };
-        list.sort_unstable();
-        if let Some(&r) = list.iter().find(|&&r| r < 0 || r >= c.nranks) {
-            return misuse(
-                INVALID_ARGUMENT,
-                format!("excluded rank {r} is not a rank of {}", c.describe()),
-            );
-        }
-        if list.windows(2).any(|w| w[0] == w[1]) {
-            return misuse(INVALID_ARGUMENT, "excludeRanksList names a rank twice");
-        }
-        if list.binary_search(&c.rank).is_ok() {
-            return misuse(
-                INVALID_ARGUMENT,
-                format!(
-                    "rank {} is in excludeRanksList: only the ranks of the new communicator call ncclCommShrink",
-                    c.rank
-                ),
-            );
-        }
-        if shrink_flags == 0 {
-            c.require_idle("ncclCommShrink")?;
-        } else {
+        let (list, rank, nranks) =
+            ncclreshard_nccl_api::shrink(raw, c.rank, c.nranks, &c.describe())?;
+        if abort {
             comm::revoke(&c);
+        } else {
+            c.require_idle("ncclCommShrink")?;
         }
         // SAFETY: the caller's contract (nccl.h): NULL or an ncclConfig_t.
         let blocking = unsafe { child_blocking(Some(&c), config)? };
@@ -310,8 +249,6 @@ pub unsafe extern "C" fn ncclCommShrink(
             }
         }
         let id = comm::derived_id(&c.clique.id, seq, &list);
-        let rank = c.rank - list.iter().filter(|&&r| r < c.rank).count() as i32;
-        let nranks = c.nranks - list.len() as i32;
         let child = {
             let d = crate::cuda::driver()?;
             let _current = d.push(c.context)?;
@@ -383,15 +320,7 @@ pub unsafe extern "C" fn ncclCommGrow(
                     "uniqueId is not an unconsumed grow identifier from ncclCommGetUniqueId",
                 );
             };
-            if rank < parent || rank >= nranks {
-                return misuse(
-                    INVALID_ARGUMENT,
-                    format!(
-                        "rank {rank}: new ranks take ranks {parent} to {} (after the parent's)",
-                        nranks - 1
-                    ),
-                );
-            }
+            ncclreshard_nccl_api::grow_new_rank(rank, nranks, parent)?;
             // SAFETY: the caller's contract (nccl.h): NULL or an ncclConfig_t.
             let blocking = unsafe { child_blocking(None, config)? };
             let child = comm::join(id, nranks, rank, blocking)?;
@@ -400,21 +329,7 @@ pub unsafe extern "C" fn ncclCommGrow(
             return comm::complete_init(child, || {});
         }
         let c = comm_of(comm)?;
-        if rank != -1 {
-            return misuse(
-                INVALID_ARGUMENT,
-                format!("rank is {rank}: existing ranks pass -1 (they keep their rank)"),
-            );
-        }
-        if nranks <= c.nranks {
-            return misuse(
-                INVALID_ARGUMENT,
-                format!(
-                    "nRanks is {nranks}: a grown communicator has more ranks than its parent's {}",
-                    c.nranks
-                ),
-            );
-        }
+        ncclreshard_nccl_api::grow_existing_rank(rank, nranks, c.nranks)?;
         c.require_idle("ncclCommGrow")?;
         // The coordinator names the identifier; the others learn it from the clique (NCCL
         // coordinates internally): they wait for it.
@@ -535,17 +450,6 @@ pub extern "C" fn ncclGroupEnd() -> c_int {
     })
 }
 
-/// Bytes per element of an `ncclDataType_t` (nccl.h), None for an invalid one.
-fn element_bytes(datatype: c_int) -> Option<u64> {
-    Some(match datatype {
-        0 | 1 | 10 | 11 => 1,
-        6 | 9 => 2,
-        2 | 3 | 7 => 4,
-        4 | 5 | 8 => 8,
-        _ => return None,
-    })
-}
-
 /// Checks and posts a send or receive.
 fn post(
     kind: Kind,
@@ -557,7 +461,7 @@ fn post(
     stream: *mut c_void,
 ) -> NResult<i32> {
     let c = comm_of(comm)?;
-    let Some(size) = element_bytes(datatype) else {
+    let Some(size) = ncclreshard_nccl_api::dtype::size_of(datatype) else {
         return misuse(
             INVALID_ARGUMENT,
             format!("{}: invalid datatype {datatype}", kind.name()),

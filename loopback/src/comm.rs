@@ -13,11 +13,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::ThreadId;
 
-pub const UNIQUE_ID_BYTES: usize = 128;
-pub type UniqueId = [u8; UNIQUE_ID_BYTES];
+pub use ncclreshard_nccl_api::{UniqueId, UNIQUE_ID_BYTES};
 
 /// What every id the stand-in makes starts with.
-const MAGIC: &[u8; 8] = b"NCCLLOOP";
+const MARK: &[u8; 8] = b"NCCLLOOP";
 
 /// The ranks of one unique id and the matching of their operations.
 pub struct Clique {
@@ -184,45 +183,21 @@ pub fn unregister(handle: usize) {
     lock(registry()).remove(&handle);
 }
 
-/// A fresh unique id: the stand-in's mark, a process-unique number and this process's id.
+/// A fresh unique id of the stand-in.
 pub fn new_unique_id() -> UniqueId {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    let mut id = [0u8; UNIQUE_ID_BYTES];
-    id[..8].copy_from_slice(MAGIC);
-    id[8..16].copy_from_slice(&NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
-    id[16..20].copy_from_slice(&std::process::id().to_le_bytes());
-    id
+    ncclreshard_nccl_api::new_unique_id(MARK)
 }
 
-/// The id of a shrink of a clique (by its number and exclusion list): the same on every
-/// survivor, unlike any other id.
+/// The id of a shrink of a clique (by its number and exclusion list).
 pub fn derived_id(parent: &UniqueId, seq: u64, list: &[i32]) -> UniqueId {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |x: u64| {
-        h ^= x;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    };
-    parent.iter().for_each(|&b| eat(u64::from(b)));
-    eat(seq);
-    list.iter().for_each(|&r| eat(r as u64));
-    let mut id = [0u8; UNIQUE_ID_BYTES];
-    id[..8].copy_from_slice(MAGIC);
-    id[8..16].copy_from_slice(&h.to_le_bytes());
-    id[16..24].copy_from_slice(b"shrunk\0\0");
-    id[24..32].copy_from_slice(&seq.to_le_bytes());
-    id
+    ncclreshard_nccl_api::derived_id(MARK, parent, seq, list)
 }
 
 /// Adds rank `rank` of `nranks` to the clique of `id`, on the calling thread's context (the
 /// rank's device), without waiting for the others.
 pub fn join(id: UniqueId, nranks: i32, rank: i32, blocking: bool) -> NResult<Arc<Comm>> {
-    if nranks < 1 || rank < 0 || rank >= nranks {
-        return misuse(
-            INVALID_ARGUMENT,
-            format!("rank {rank} / nranks {nranks}: rank must be in [0, nranks)"),
-        );
-    }
-    if !id.starts_with(MAGIC) {
+    ncclreshard_nccl_api::check_rank(rank, nranks)?;
+    if !id.starts_with(MARK) {
         return misuse(
             INVALID_ARGUMENT,
             "the unique id does not come from this process's loopback stand-in (ncclGetUniqueId, ncclCommGetUniqueId): its ranks are threads of one process",
