@@ -228,21 +228,50 @@ pub fn sweep() -> Vec<Arc<Exchange>> {
     live.clone()
 }
 
-/// A free slot: from the pool, else after giving back those of finished exchanges.
-fn take_slot() -> NResult<u32> {
-    let pool = flags::pool();
-    if let Some(s) = pool.take() {
-        return Ok(s);
+/// Flag slots taken for one group before it is matched (running out in the middle would leave
+/// the peers already matched waiting); what the group does not use goes back when dropped.
+pub struct Reserved(Vec<u32>);
+
+impl Reserved {
+    /// `n` slots, giving back those of finished exchanges first if needed.
+    pub fn take(n: usize) -> NResult<Reserved> {
+        let pool = flags::pool();
+        let mut reserved = Reserved(Vec::with_capacity(n));
+        while reserved.0.len() < n {
+            if let Some(s) = pool.take() {
+                reserved.0.push(s);
+                continue;
+            }
+            let pending = sweep();
+            if pool.free() == 0 {
+                return crate::report::misuse(
+                    crate::report::INTERNAL_ERROR,
+                    format!(
+                        "a group of {n} operations needs as many flag slots, but only {} of the loopback stand-in's {} were free ({} exchanges in flight, the rest held by captured graphs); raise NCCL_LOOPBACK_SLOTS",
+                        reserved.0.len(),
+                        pool.capacity(),
+                        pending.len()
+                    ),
+                );
+            }
+        }
+        Ok(reserved)
     }
-    let pending = sweep();
-    pool.take().ok_or_else(|| crate::report::NcclError {
-        result: crate::report::INTERNAL_ERROR,
-        message: format!(
-            "the loopback stand-in's {} flag slots are all in use ({} exchanges in flight, the rest held by captured graphs); raise NCCL_LOOPBACK_SLOTS",
-            pool.capacity(),
-            pending.len()
-        ),
-    })
+
+    fn next(&mut self) -> u32 {
+        self.0
+            .pop()
+            .expect("a group reserves a slot for each of its operations")
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        let pool = flags::pool();
+        for s in self.0.drain(..) {
+            pool.give(s);
+        }
+    }
 }
 
 /// Sends and receives of one (sender, receiver) pair not matched yet, and how many were issued.
@@ -262,9 +291,14 @@ pub struct Matcher {
 
 impl Matcher {
     /// Issues `op` (its clique's matcher locked by the caller): it meets the oldest unmatched
-    /// operation of the other direction on its channel, or waits for it. `captured`: its
-    /// stream is being captured.
-    pub fn issue(&mut self, op: Posted, captured: bool) -> NResult<(Arc<Exchange>, Role)> {
+    /// operation of the other direction on its channel, or waits for it with a slot from
+    /// `slots`. `captured`: its stream is being captured.
+    pub fn issue(
+        &mut self,
+        op: Posted,
+        captured: bool,
+        slots: &mut Reserved,
+    ) -> (Arc<Exchange>, Role) {
         let rank = op.comm.rank;
         let key = match op.kind {
             Kind::Send => (rank, op.peer),
@@ -284,23 +318,23 @@ impl Matcher {
         let kind = op.kind;
         let side = Side { op, seq };
         let Some(theirs) = theirs else {
-            let e = Exchange::new(side, take_slot()?, captured, false);
+            let e = Exchange::new(side, slots.next(), captured, false);
             let ch = self.channels.get_mut(&key).expect("entered above");
             match kind {
                 Kind::Send => ch.waiting_sends.push_back(e.clone()),
                 Kind::Recv => ch.waiting_recvs.push_back(e.clone()),
             }
-            return Ok((e, Role::First));
+            return (e, Role::First);
         };
         let mut st = lock(&theirs.state);
         if st.cancelled {
             drop(st);
             // NCCL would leave it waiting for a peer that abandoned it; so does the stand-in,
             // until this rank's own revoke releases it.
-            return Ok((
-                Exchange::new(side, take_slot()?, captured, true),
+            return (
+                Exchange::new(side, slots.next(), captured, true),
                 Role::First,
-            ));
+            );
         }
         let first = &st.first;
         if first.op.bytes != side.op.bytes {
@@ -329,6 +363,6 @@ impl Matcher {
         }
         st.second = Some(side);
         drop(st);
-        Ok((theirs, Role::Second))
+        (theirs, Role::Second)
     }
 }

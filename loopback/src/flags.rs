@@ -102,6 +102,11 @@ impl Pool {
         self.slots
     }
 
+    /// Slots free now.
+    pub fn free(&self) -> usize {
+        lock(&self.free).len()
+    }
+
     /// The word's offset in the pool.
     fn offset(&self, slot: u32, word: Word) -> usize {
         assert!(slot < self.slots, "slot {slot} outside the pool");

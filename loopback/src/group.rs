@@ -194,8 +194,8 @@ fn issue(posted: Vec<Posted>) -> NResult<()> {
     Ok(())
 }
 
-/// Matches every operation of a group, all its cliques locked (in serial order), after
-/// checking that none of its communicators was revoked and that flag slots suffice.
+/// Matches every operation of a group, all its cliques locked (in serial order), after taking
+/// a flag slot for each and checking that none of its communicators was revoked.
 fn match_all(posted: Vec<Posted>, captured: &[bool]) -> NResult<Vec<Issued>> {
     let mut cliques: Vec<Arc<comm::Clique>> = Vec::new();
     for p in &posted {
@@ -204,6 +204,7 @@ fn match_all(posted: Vec<Posted>, captured: &[bool]) -> NResult<Vec<Issued>> {
         }
     }
     cliques.sort_by_key(|c| c.serial);
+    let mut slots = crate::exchange::Reserved::take(posted.len())?;
     let mut matchers: Vec<_> = cliques.iter().map(|c| lock(&c.matcher)).collect();
     if let Some(p) = posted.iter().find(|p| p.comm.is_revoked()) {
         return crate::report::misuse(
@@ -221,10 +222,7 @@ fn match_all(posted: Vec<Posted>, captured: &[bool]) -> NResult<Vec<Issued>> {
             .iter()
             .position(|c| c.serial == op.comm.clique.serial)
             .expect("collected above");
-        let (exchange, role) = matchers[k].issue(op.clone(), captured).unwrap_or_else(|e| {
-            // Operations of this group matched before it would leave their peers waiting.
-            fatal(format_args!("{} ({})", e.message, op.comm.describe()))
-        });
+        let (exchange, role) = matchers[k].issue(op.clone(), captured, &mut slots);
         if !captured {
             let mut ops = lock(&op.comm.ops);
             // Forget the completed ones whenever the list has doubled, so that a communicator

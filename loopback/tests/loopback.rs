@@ -658,6 +658,53 @@ fn refusals_are_clear_errors() {
 
 #[test]
 #[ignore = "needs a CUDA driver (the emulator's: scripts/emulated-gpu-tests.sh)"]
+fn a_group_larger_than_the_flag_pool_is_refused_whole() {
+    const TEST: &str = "a_group_larger_than_the_flag_pool_is_refused_whole";
+    if child().is_none() {
+        let out = run_child(TEST, "pool of 4", &[("NCCL_LOOPBACK_SLOTS", "4")]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        assert!(stderr.contains("raise NCCL_LOOPBACK_SLOTS"), "{stderr}");
+        return;
+    }
+    const LEN: usize = 32;
+    let refused = Barrier::new(2);
+    ranks(2, |r, comm| {
+        let s = stream();
+        let bufs: Vec<CUdeviceptr> = (0..5)
+            .map(|k| upload(&pattern(r, 1 - r, k, LEN), s))
+            .collect();
+        if r == 0 {
+            nc(ncclGroupStart(), "start");
+            for &b in &bufs {
+                nc(send(b, LEN, 1, comm, s), "send");
+            }
+            assert_eq!(
+                ncclGroupEnd(),
+                3,
+                "ncclInternalError: 5 operations, 4 slots"
+            );
+            refused.wait();
+            // Nothing of the refused group was matched: the next sends are the pair's first.
+            nc(ncclGroupStart(), "start");
+            nc(send(bufs[3], LEN, 1, comm, s), "send");
+            nc(send(bufs[4], LEN, 1, comm, s), "send");
+            nc(ncclGroupEnd(), "end");
+            sync(s);
+        } else {
+            refused.wait();
+            nc(ncclGroupStart(), "start");
+            nc(recv(bufs[0], LEN, 0, comm, s), "recv");
+            nc(recv(bufs[1], LEN, 0, comm, s), "recv");
+            nc(ncclGroupEnd(), "end");
+            assert_eq!(download(bufs[0], LEN, s), pattern(0, 1, 3, LEN));
+            assert_eq!(download(bufs[1], LEN, s), pattern(0, 1, 4, LEN));
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA driver (the emulator's: scripts/emulated-gpu-tests.sh)"]
 fn what_nccl_would_hang_on_aborts_with_a_report() {
     const TEST: &str = "what_nccl_would_hang_on_aborts_with_a_report";
     if let Some(scenario) = child() {
