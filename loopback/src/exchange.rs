@@ -18,7 +18,6 @@ use crate::comm::Comm;
 use crate::flags::{self, Word, RETIRED};
 use crate::report::{fatal, lock, NResult};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,7 +96,6 @@ pub struct State {
 
 /// One rendezvous: a flag slot and the operations on it.
 pub struct Exchange {
-    pub id: u64,
     pub slot: u32,
     /// Issued during a stream capture: it runs at each replay, and its slot is the graph's.
     pub captured: bool,
@@ -106,9 +104,7 @@ pub struct Exchange {
 
 impl Exchange {
     fn new(first: Side, slot: u32, captured: bool, orphan: bool) -> Arc<Exchange> {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
         let e = Arc::new(Exchange {
-            id: NEXT.fetch_add(1, Ordering::Relaxed),
             slot,
             captured,
             state: Mutex::new(State {
