@@ -62,11 +62,19 @@ pub fn attribute(attr: u32, device: i32) -> CuResult<i32> {
         48 << 10
     } else if is(A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)
         || is(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)
+        || is(A::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR)
         || is(A::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY)
         || is(A::CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS)
     {
         1
     } else if is(A::CU_DEVICE_ATTRIBUTE_INTEGRATED)
+        // Stream memory operations: the v2 32-bit calls only (not the v1 API, 64-bit words or
+        // flushes of remote writes).
+        || is(A::CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES)
+        || is(A::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS)
+        || is(A::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1)
+        || is(A::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS_V1)
+        || is(A::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR_V1)
         || is(A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY)
         || is(A::CU_DEVICE_ATTRIBUTE_COMPUTE_MODE)
         || is(A::CU_DEVICE_ATTRIBUTE_ECC_ENABLED)

@@ -2,10 +2,11 @@
 //! and NCCL's API. A real GPU has no such symbols, so a test finds them with `dlsym` and skips
 //! where they are missing.
 //!
-//! - `ncclreshardEmuFailLaunch(device, nth)` makes the `nth` (1-based) `cuLaunchKernel` on
-//!   `device` from now on fail as a driver refuses a launch (nothing is enqueued,
+//! - `ncclreshardEmuFailLaunchOnStream(stream, nth)` makes the `nth` (1-based) `cuLaunchKernel`
+//!   on `stream` from now on fail as a driver refuses a launch (nothing is enqueued,
 //!   `CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES`): a library call which fails half-way must still leave
-//!   no peer waiting.
+//!   no peer waiting. By stream, not device, so that it hits one rank also where ranks share a
+//!   device (the loopback NCCL stand-in).
 //! - `ncclreshardEmuStopRank(comm, after)`: the rank dies after `after` more operations (its
 //!   later ones never run), before a call (0) or in the middle of a round's group.
 //! - `ncclreshardEmuDelayRank(comm, ms)`: the rank is slow but alive.
@@ -15,36 +16,42 @@ use std::collections::HashMap;
 use std::ffi::c_int;
 use std::sync::{Mutex, OnceLock};
 
-fn planned() -> &'static Mutex<HashMap<i32, u64>> {
-    static PLANNED: OnceLock<Mutex<HashMap<i32, u64>>> = OnceLock::new();
+/// Launches left before the failure, by stream (the resolved stream's handle).
+fn planned() -> &'static Mutex<HashMap<usize, u64>> {
+    static PLANNED: OnceLock<Mutex<HashMap<usize, u64>>> = OnceLock::new();
     PLANNED.get_or_init(Default::default)
 }
 
-/// Arms a failure of the `nth` launch on `device` from now on (`nth` ≤ 0 disarms it). Returns 0,
-/// or -1 for a negative device.
+/// Arms a failure of the `nth` launch on `stream` from now on (`nth` ≤ 0 disarms it); the
+/// calling thread's current context resolves NULL and the per-thread handle. Returns 0, or -1
+/// for a stream the emulator does not know.
 #[no_mangle]
-pub extern "C" fn ncclreshardEmuFailLaunch(device: c_int, nth: c_int) -> c_int {
-    if device < 0 {
+pub extern "C" fn ncclreshardEmuFailLaunchOnStream(
+    stream: *mut std::ffi::c_void,
+    nth: c_int,
+) -> c_int {
+    let Ok(s) = crate::stream::resolve(stream as usize) else {
         return -1;
-    }
+    };
     let mut planned = planned().lock().unwrap_or_else(|e| e.into_inner());
     if nth <= 0 {
-        planned.remove(&device);
+        planned.remove(&s.handle);
     } else {
-        planned.insert(device, nth as u64);
+        planned.insert(s.handle, nth as u64);
     }
     0
 }
 
-/// Counts a launch on `device`; true when it is the one armed to fail (which disarms it).
-pub fn launch_fails(device: i32) -> bool {
+/// Counts a launch on the stream with handle `stream`; true when it is the one armed to fail
+/// (which disarms it).
+pub fn launch_fails(stream: usize) -> bool {
     let mut planned = planned().lock().unwrap_or_else(|e| e.into_inner());
-    let Some(left) = planned.get_mut(&device) else {
+    let Some(left) = planned.get_mut(&stream) else {
         return false;
     };
     *left -= 1;
     if *left == 0 {
-        planned.remove(&device);
+        planned.remove(&stream);
         return true;
     }
     false

@@ -8,7 +8,7 @@
 //!
 //! What it models and what it does not is in emu/README.md. Layout: the emulated machine
 //! (`device`, `memory`, `context`, `stream`, `transfer`, `event`, `capture`, `graph`, `pool`,
-//! `module`, `kernel`, `nccl`, `watchdog`), injected faults for tests (`faults`), its plumbing (`config`, `diag` for reports and the
+//! `module`, `kernel`, `memop`, `nccl`, `watchdog`), injected faults for tests (`faults`), its plumbing (`config`, `diag` for reports and the
 //! panic boundary, `errors`, `handles`, `completion`), and the C entry points over it
 //! (`api::driver`, `api::cudart`, `nccl::api`), which only convert arguments and results.
 //!
@@ -29,6 +29,7 @@ pub mod faults;
 pub mod graph;
 pub mod handles;
 pub mod kernel;
+pub mod memop;
 pub mod memory;
 pub mod module;
 pub mod nccl;

@@ -15,7 +15,7 @@ use crate::context::{self, Context};
 use crate::errors::{err, CuResult};
 use crate::handles::{self, lock, Registry};
 use crate::memory::Allocation;
-use crate::{graph, kernel, nccl, pool, transfer};
+use crate::{graph, kernel, memop, nccl, pool, transfer};
 use cudarc::driver::sys::CUresult;
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -63,6 +63,10 @@ pub enum Work {
     FreeReached(Arc<pool::Freed>),
     /// A graph launch: the graph's work in order.
     Graph(Arc<graph::Replay>),
+    /// `cuStreamWaitValue32_v2`: blocks the stream until a word in memory meets a condition.
+    WaitValue(Arc<memop::WaitValue>),
+    /// `cuStreamWriteValue32_v2`.
+    WriteValue(Arc<memop::WriteValue>),
 }
 
 /// What the work in flight belongs to, for reports.
@@ -95,6 +99,8 @@ impl Work {
             Work::AllocReached(a) => pool::reached_alloc(a),
             Work::FreeReached(f) => f.run(),
             Work::Graph(r) => r.run(exec),
+            Work::WaitValue(w) => w.run(exec),
+            Work::WriteValue(w) => w.run(exec),
         }
     }
 }

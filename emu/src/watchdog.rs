@@ -1,10 +1,13 @@
-//! The deadlock detector: when an NCCL operation or a communicator init is waiting and nothing
-//! anywhere in the emulated machine has made progress for NCCL_RESHARD_EMU_DEADLOCK_SECONDS, it
-//! prints every rank's pending operations and aborts (a hang in CI becomes a report).
+//! The deadlock detector: when an NCCL operation, a communicator init or a stream memory wait
+//! (`cuStreamWaitValue32_v2`) is waiting and nothing anywhere in the emulated machine has made
+//! progress for NCCL_RESHARD_EMU_DEADLOCK_SECONDS, it prints every rank's pending operations and
+//! every blocked wait (its stream, address, condition and the value the word holds) and aborts
+//! (a hang in CI becomes a report).
 
 use crate::completion::progress_count;
 use crate::config::config;
 use crate::handles::lock;
+use crate::memop::{self, Blocked};
 use crate::nccl::comm::Comm;
 use crate::nccl::ops::Op;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,14 +67,31 @@ pub fn start() {
     });
 }
 
-fn waiting() -> (Vec<Arc<Op>>, Vec<Arc<Comm>>) {
+/// What is waiting now: NCCL operations, inits, blocked stream memory waits.
+struct Waiting {
+    ops: Vec<Arc<Op>>,
+    inits: Vec<Arc<Comm>>,
+    waits: Vec<Arc<Blocked>>,
+}
+
+impl Waiting {
+    fn is_empty(&self) -> bool {
+        self.ops.is_empty() && self.inits.is_empty() && self.waits.is_empty()
+    }
+}
+
+fn waiting() -> Waiting {
     let ops: Vec<Arc<Op>> = lock(ops())
         .iter()
         .filter_map(Weak::upgrade)
         .filter(|o| !o.done.is_done())
         .collect();
     let inits = lock(inits()).iter().map(|(_, c)| c.clone()).collect();
-    (ops, inits)
+    Waiting {
+        ops,
+        inits,
+        waits: memop::blocked_waits(),
+    }
 }
 
 fn watch() {
@@ -83,23 +103,28 @@ fn watch() {
     loop {
         std::thread::sleep(tick);
         let now = progress_count();
-        let (ops, inits) = waiting();
-        if now != last.0 || (ops.is_empty() && inits.is_empty()) {
+        let waiting = waiting();
+        if now != last.0 || waiting.is_empty() {
             last = (now, Instant::now());
             continue;
         }
         if last.1.elapsed() >= limit {
-            report(&ops, &inits, limit);
+            report(&waiting, limit);
         }
     }
 }
 
-fn report(ops: &[Arc<Op>], inits: &[Arc<Comm>], limit: Duration) -> ! {
+fn report(waiting: &Waiting, limit: Duration) -> ! {
     let mut text = format!(
-        "deadlock: NCCL work is waiting and nothing has progressed for {:.1} s (NCCL_RESHARD_EMU_DEADLOCK_SECONDS). Pending:",
+        "deadlock: {} waiting and nothing has progressed for {:.1} s (NCCL_RESHARD_EMU_DEADLOCK_SECONDS). Pending:",
+        if waiting.ops.is_empty() && waiting.inits.is_empty() {
+            "stream work is"
+        } else {
+            "NCCL work is"
+        },
         limit.as_secs_f64()
     );
-    for c in inits {
+    for c in &waiting.inits {
         text.push_str(&format!(
             "\n    ncclCommInit of rank {} on {}: waiting for rank(s) {:?} to join",
             c.rank,
@@ -107,10 +132,13 @@ fn report(ops: &[Arc<Op>], inits: &[Arc<Comm>], limit: Duration) -> ! {
             c.clique.missing()
         ));
     }
-    let mut ops = ops.to_vec();
+    let mut ops = waiting.ops.clone();
     ops.sort_by_key(|o| (o.comm.rank, o.order));
     for o in ops {
         text.push_str(&format!("\n    rank {}: {}", o.comm.rank, o.describe()));
+    }
+    for w in &waiting.waits {
+        text.push_str(&format!("\n    {}", w.describe()));
     }
     crate::diag::fatal(text)
 }

@@ -1,6 +1,10 @@
 //! What the GPU tests share (tests/gpu.rs, tests/faults.rs): NCCL as the tests call it
 //! themselves, devices and ranks as threads with their communicators, and each rank's buffers
 //! for a plan with the view offsets the plans are made with.
+//!
+//! NCCL puts one rank per GPU; the loopback stand-in (loopback/, found by its
+//! `ncclreshardLoopback` symbol) runs any number of ranks on one device, so under it the
+//! multi-rank tests use 8 ranks whatever the device count, rank r on device r modulo the count.
 #![allow(dead_code)]
 
 use cudarc::driver::sys::{self, CUresult};
@@ -139,6 +143,36 @@ pub fn settle(comm: Comm, result: c_int, what: &str) {
     assert_eq!(state, 0, "{what}");
 }
 
+/// The symbol `name` in the NCCL the tests use (and its dependencies), if it has one.
+fn nccl_symbol(name: &str) -> Option<*mut c_void> {
+    nccl();
+    let path = std::env::var("NCCL_RESHARD_NCCL_LIBRARY").unwrap_or_else(|_| "libnccl.so.2".into());
+    symbol_in(&path, name)
+}
+
+/// The symbol `name` in the already loaded library `library` (and its dependencies), if any.
+fn symbol_in(library: &str, name: &str) -> Option<*mut c_void> {
+    let library = CString::new(library).unwrap();
+    let name = CString::new(name).unwrap();
+    // SAFETY: RTLD_NOLOAD only finds a library already loaded; a lookup in it and its
+    // dependencies.
+    unsafe {
+        let handle = libc::dlopen(library.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        let p = if handle.is_null() {
+            std::ptr::null_mut()
+        } else {
+            libc::dlsym(handle, name.as_ptr())
+        };
+        (!p.is_null()).then_some(p)
+    }
+}
+
+/// Whether NCCL is the loopback stand-in (ranks as threads on shared devices).
+pub fn loopback() -> bool {
+    static LOOPBACK: OnceLock<bool> = OnceLock::new();
+    *LOOPBACK.get_or_init(|| nccl_symbol("ncclreshardLoopback").is_some())
+}
+
 /// Every device's primary context (retained; the driver initialised once).
 pub fn contexts() -> &'static [usize] {
     static CONTEXTS: OnceLock<Vec<usize>> = OnceLock::new();
@@ -161,9 +195,25 @@ pub fn contexts() -> &'static [usize] {
     })
 }
 
-/// Ranks the multi-rank tests use: one per device, at most 8.
+/// Ranks the multi-rank tests use: one per device, at most 8; 8 under the loopback stand-in.
 pub fn world() -> usize {
-    contexts().len().min(8)
+    if loopback() {
+        8
+    } else {
+        contexts().len().min(8)
+    }
+}
+
+/// The context of the device rank `ordinal` uses: device `ordinal` (one rank per device, as NCCL
+/// requires), or under the loopback stand-in device `ordinal` modulo the device count.
+fn rank_context(ordinal: usize) -> sys::CUcontext {
+    let all = contexts();
+    let ordinal = if loopback() {
+        ordinal % all.len()
+    } else {
+        ordinal
+    };
+    all[ordinal] as sys::CUcontext
 }
 
 /// One device as a rank's thread uses it: its primary context, made current, and a stream.
@@ -177,7 +227,7 @@ impl Device {
     /// Device `ordinal`'s primary context made current on this thread, with a new
     /// non-blocking stream (as PyTorch's side streams are).
     pub fn new(ordinal: usize) -> Device {
-        let context = contexts()[ordinal] as sys::CUcontext;
+        let context = rank_context(ordinal);
         // SAFETY: a retained primary context.
         ck(unsafe { sys::cuCtxSetCurrent(context) }, "cuCtxSetCurrent");
         let mut stream = std::ptr::null_mut();
@@ -201,7 +251,7 @@ impl Device {
     /// The same context with the calling thread's per-thread default stream
     /// (`cudaStreamPerThread`).
     pub fn per_thread(ordinal: usize) -> Device {
-        let context = contexts()[ordinal] as sys::CUcontext;
+        let context = rank_context(ordinal);
         // SAFETY: a retained primary context.
         ck(unsafe { sys::cuCtxSetCurrent(context) }, "cuCtxSetCurrent");
         Device {
@@ -219,6 +269,10 @@ impl Device {
         );
     }
 
+    /// Device memory holding `bytes`, copied on our stream once it is idle: a copy from or to
+    /// pageable memory goes through the driver's staging buffers, and one that waited for a
+    /// stream held there by NCCL peers could hold up another rank's thread that needs them
+    /// (ranks are threads of one process here).
     pub fn upload(&self, bytes: &[u8]) -> u64 {
         self.current();
         let mut ptr = 0;
@@ -228,6 +282,7 @@ impl Device {
                 sys::cuMemAlloc_v2(&mut ptr, bytes.len().max(1)),
                 "cuMemAlloc",
             );
+            self.sync();
             if !bytes.is_empty() {
                 ck(
                     sys::cuMemcpyHtoDAsync_v2(ptr, bytes.as_ptr().cast(), bytes.len(), self.stream),
@@ -239,8 +294,10 @@ impl Device {
         ptr
     }
 
+    /// `len` bytes at `ptr`, copied once our stream is idle (see [`Device::upload`]).
     pub fn download(&self, ptr: u64, len: usize) -> Vec<u8> {
         self.current();
+        self.sync();
         let mut out = vec![0u8; len];
         // SAFETY: `ptr` holds at least `len` bytes; the copy is ordered on our stream and
         // waited for.
@@ -256,12 +313,23 @@ impl Device {
         out
     }
 
+    /// Frees memory from `upload` once the stream is done with it. Under the loopback stand-in
+    /// ranks share a device, and `cuMemFree` waits for all of the device's work (CUDA's
+    /// implicit synchronisation), other ranks' included, which may wait for this rank's next
+    /// call: the free is deferred until no rank runs ([`free_deferred`]).
     pub fn free(&self, ptr: u64) {
         self.current();
         // SAFETY: frees memory from `upload` once the stream is done with it.
         unsafe {
             ck(sys::cuStreamSynchronize(self.stream), "sync");
-            ck(sys::cuMemFree_v2(ptr), "cuMemFree");
+            if loopback() {
+                deferred()
+                    .lock()
+                    .unwrap()
+                    .push((self.context as usize, ptr));
+            } else {
+                ck(sys::cuMemFree_v2(ptr), "cuMemFree");
+            }
         }
     }
 
@@ -282,6 +350,28 @@ impl Drop for Device {
                 sys::cuStreamSynchronize(self.stream);
                 sys::cuStreamDestroy_v2(self.stream);
             }
+        }
+    }
+}
+
+/// Frees deferred by [`Device::free`]: (context, pointer).
+fn deferred() -> &'static std::sync::Mutex<Vec<(usize, u64)>> {
+    static DEFERRED: OnceLock<std::sync::Mutex<Vec<(usize, u64)>>> = OnceLock::new();
+    DEFERRED.get_or_init(Default::default)
+}
+
+/// Frees what [`Device::free`] deferred; call it once every rank's thread has ended
+/// ([`with_ranks`] does).
+pub fn free_deferred() {
+    let frees = std::mem::take(&mut *deferred().lock().unwrap());
+    for (context, ptr) in frees {
+        // SAFETY: memory from `upload` in that (retained) context, unused by every stream now.
+        unsafe {
+            ck(
+                sys::cuCtxSetCurrent(context as sys::CUcontext),
+                "cuCtxSetCurrent",
+            );
+            ck(sys::cuMemFree_v2(ptr), "cuMemFree");
         }
     }
 }
@@ -356,10 +446,12 @@ pub fn with_ranks<T: Send>(n: usize, blocking: bool, f: impl Fn(&Rank) -> T + Sy
                 })
             })
             .collect();
-        handles
+        let outcome = handles
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
+            .collect();
+        free_deferred();
+        outcome
     })
 }
 
@@ -551,26 +643,24 @@ pub fn config(mode: Mode) -> Config {
 }
 
 /// One of the emulator's fault-injection controls (`ncclreshardEmu*`, emu/README.md), found
-/// through the NCCL library (the emulator's shim depends on it); absent on a GPU.
+/// through the NCCL library (the emulator's shim depends on it); absent on a GPU and under the
+/// loopback stand-in (whose communicators the emulator's NCCL controls would not know).
 pub fn emu_control<F: Copy>(name: &str) -> Option<F> {
-    nccl();
-    let path = std::env::var("NCCL_RESHARD_NCCL_LIBRARY").unwrap_or_else(|_| "libnccl.so.2".into());
-    let path = CString::new(path).unwrap();
-    let name = CString::new(name).unwrap();
-    // SAFETY: a handle of the library `nccl()` loaded, and a lookup in it and its dependencies;
-    // the caller names the emulator's symbol with its C signature.
-    unsafe {
-        let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
-        let p = if handle.is_null() {
-            std::ptr::null_mut()
-        } else {
-            libc::dlsym(handle, name.as_ptr())
-        };
-        (!p.is_null()).then(|| std::mem::transmute_copy::<*mut c_void, F>(&p))
-    }
+    // SAFETY: the caller names the emulator's symbol with its C signature.
+    nccl_symbol(name).map(|p| unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
 }
 
-/// `ncclreshardEmuFailLaunch`.
-pub fn fail_launch() -> Option<unsafe extern "C" fn(c_int, c_int) -> c_int> {
-    emu_control("ncclreshardEmuFailLaunch")
+/// `ncclreshardEmuFailLaunchOnStream(stream, nth)`.
+pub type FailLaunchFn = unsafe extern "C" fn(sys::CUstream, c_int) -> c_int;
+
+/// `ncclreshardEmuFailLaunchOnStream`: a CUDA fault, found through the CUDA driver (the
+/// emulator's shim depends on it) whichever NCCL runs; absent on a GPU.
+pub fn fail_launch() -> Option<FailLaunchFn> {
+    contexts();
+    let name = "ncclreshardEmuFailLaunchOnStream";
+    ["libcuda.so", "libcuda.so.1"]
+        .iter()
+        .find_map(|library| symbol_in(library, name))
+        // SAFETY: the emulator's control, with this C signature (emu/README.md).
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, FailLaunchFn>(p) })
 }

@@ -910,6 +910,71 @@ pub unsafe extern "C" fn cuStreamWaitEvent(h: CUstream, ev: CUevent, flags: c_ui
     })
 }
 
+/// A stream memory operation's word: 4-byte aligned, and (now) inside an allocation that is not
+/// freed; whether the stream's device may access it is checked when the work runs.
+fn check_word(api: &str, addr: CUdeviceptr) -> CuResult<()> {
+    if addr % 4 != 0 {
+        return Err(diag::strict(
+            format!("{api}: address {addr:#x} is not 4-byte aligned"),
+            CuError(CUresult::CUDA_ERROR_INVALID_VALUE),
+        ));
+    }
+    transfer::check_range(api, "addr", addr, 4)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamWaitValue32_v2(
+    h: CUstream,
+    addr: CUdeviceptr,
+    value: c_uint,
+    flags: c_uint,
+) -> CUresult {
+    cu_init("cuStreamWaitValue32_v2", || {
+        let s = stream::resolve(h as usize)?;
+        if flags & crate::memop::WAIT_FLUSH != 0 {
+            return Err(not_supported(
+                "cuStreamWaitValue32_v2 with CU_STREAM_WAIT_VALUE_FLUSH (the emulated devices report CU_DEVICE_ATTRIBUTE_CAN_FLUSH_REMOTE_WRITES = 0)",
+            ));
+        }
+        let condition = crate::memop::Condition::from_flags(flags)
+            .ok_or(CuError(CUresult::CUDA_ERROR_INVALID_VALUE))?;
+        check_word("cuStreamWaitValue32_v2", addr)?;
+        stream::submit(
+            &s,
+            Work::WaitValue(Arc::new(crate::memop::WaitValue {
+                api: "cuStreamWaitValue32_v2",
+                addr,
+                value,
+                condition,
+            })),
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamWriteValue32_v2(
+    h: CUstream,
+    addr: CUdeviceptr,
+    value: c_uint,
+    flags: c_uint,
+) -> CUresult {
+    cu_init("cuStreamWriteValue32_v2", || {
+        let s = stream::resolve(h as usize)?;
+        if flags & !crate::memop::WRITE_NO_MEMORY_BARRIER != 0 {
+            return err(CUresult::CUDA_ERROR_INVALID_VALUE);
+        }
+        check_word("cuStreamWriteValue32_v2", addr)?;
+        stream::submit(
+            &s,
+            Work::WriteValue(Arc::new(crate::memop::WriteValue {
+                api: "cuStreamWriteValue32_v2",
+                addr,
+                value,
+            })),
+        )
+    })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamGetFlags(h: CUstream, flags: *mut c_uint) -> CUresult {
     cu_init("cuStreamGetFlags", || {
@@ -1590,7 +1655,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if params.is_null() {
             return err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        if crate::faults::launch_fails(s.context.device) {
+        if crate::faults::launch_fails(s.handle) {
             return err(CUresult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES);
         }
         let launch = kernel::Launch::new(

@@ -8,6 +8,7 @@ use super::{fail, NResult, INVALID_ARGUMENT, INVALID_USAGE, IN_PROGRESS, SUCCESS
 use crate::config::config;
 use crate::diag;
 use crate::handles::lock;
+use ncclreshard_nccl_api::config_blocking;
 use std::ffi::{c_char, c_int, c_void};
 
 /// `ncclUniqueId` (passed by value, 128 bytes).
@@ -55,34 +56,6 @@ pub unsafe extern "C" fn ncclGetUniqueId(id: *mut NcclUniqueId) -> c_int {
         };
         Ok(SUCCESS)
     })
-}
-
-/// Reads `blocking` from an `ncclConfig_t`, honoring its size/magic/version header as NCCL does.
-unsafe fn config_blocking(config: *const c_void) -> NResult<bool> {
-    if config.is_null() {
-        return Ok(true);
-    }
-    let size = std::ptr::read_unaligned(config.cast::<usize>());
-    let magic = std::ptr::read_unaligned(config.cast::<u8>().add(8).cast::<u32>());
-    let version = std::ptr::read_unaligned(config.cast::<u8>().add(12).cast::<u32>());
-    if magic != 0xcafe_beef {
-        return fail(
-            INVALID_ARGUMENT,
-            "ncclConfig_t argument not initialized via NCCL_CONFIG_INITIALIZER",
-        );
-    }
-    // `blocking` is the int after the 16-byte header; older configs predate it.
-    if size < 20 || version < 21400 {
-        return Ok(true);
-    }
-    match std::ptr::read_unaligned(config.cast::<u8>().add(16).cast::<i32>()) {
-        0 => Ok(false),
-        1 | i32::MIN => Ok(true),
-        v => fail(
-            INVALID_ARGUMENT,
-            format!("Invalid config blocking attribute value {v}"),
-        ),
-    }
 }
 
 fn init_rank(
@@ -344,47 +317,25 @@ pub unsafe extern "C" fn ncclCommShrink(
         requires("ncclCommShrink", 22703)?;
         let c = comm_of(comm)?;
         let newcomm = out(newcomm, "newcomm")?;
-        if !(0..=1).contains(&shrink_flags) {
-            return fail(
-                INVALID_ARGUMENT,
-                format!("shrinkFlags is {shrink_flags}; use NCCL_SHRINK_DEFAULT (0) or NCCL_SHRINK_ABORT (1)"),
-            );
-        }
+        let abort = ncclreshard_nccl_api::shrink_abort(shrink_flags)?;
         let count = usize::try_from(exclude_count).map_err(|_| super::NcclError {
             result: INVALID_ARGUMENT,
             message: format!("excludeRanksCount is {exclude_count}"),
         })?;
-        let mut list: Vec<i32> = if count == 0 {
-            Vec::new()
+        let raw: &[i32] = if count == 0 {
+            &[]
         } else {
-            std::slice::from_raw_parts(out(exclude_ranks, "excludeRanksList")?, count).to_vec()
+            std::slice::from_raw_parts(out(exclude_ranks, "excludeRanksList")?, count)
         };
-        list.sort_unstable();
-        if let Some(&r) = list.iter().find(|&&r| r < 0 || r >= c.nranks) {
-            return fail(
-                INVALID_ARGUMENT,
-                format!("excluded rank {r} is not a rank of {}", c.describe()),
-            );
-        }
-        if list.windows(2).any(|w| w[0] == w[1]) {
-            return fail(INVALID_ARGUMENT, "excludeRanksList names a rank twice");
-        }
-        if list.binary_search(&c.rank).is_ok() {
-            return fail(
-                INVALID_ARGUMENT,
-                format!(
-                    "rank {} is in excludeRanksList: only the ranks of the new communicator call ncclCommShrink",
-                    c.rank
-                ),
-            );
-        }
+        let (list, rank, nranks) =
+            ncclreshard_nccl_api::shrink(raw, c.rank, c.nranks, &c.describe())?;
         if lock(&c.status).aborted {
             return fail(INVALID_USAGE, "communicator was aborted");
         }
-        if shrink_flags == 0 {
-            require_idle(&c, "ncclCommShrink")?;
-        } else {
+        if abort {
             super::ops::abandon(&c);
+        } else {
+            require_idle(&c, "ncclCommShrink")?;
         }
         let blocking = child_blocking(Some(&c), config)?;
         let seq = {
@@ -406,8 +357,6 @@ pub unsafe extern "C" fn ncclCommShrink(
             }
         }
         let id = comm::derived_id(&c.clique.id, seq, &list);
-        let rank = c.rank - list.iter().filter(|&&r| r < c.rank).count() as i32;
-        let nranks = c.nranks - list.len() as i32;
         let child = comm::join(id, nranks, rank, c.device, blocking)?;
         *newcomm = child.handle as NcclComm;
         complete_init(child, "non-blocking ncclCommShrink", || {})
@@ -476,36 +425,14 @@ pub unsafe extern "C" fn ncclCommGrow(
                     "uniqueId is not an unconsumed grow identifier from ncclCommGetUniqueId",
                 );
             };
-            if rank < parent || rank >= nranks {
-                return fail(
-                    INVALID_ARGUMENT,
-                    format!(
-                        "rank {rank}: new ranks take ranks {parent} to {} (after the parent's)",
-                        nranks - 1
-                    ),
-                );
-            }
+            ncclreshard_nccl_api::grow_new_rank(rank, nranks, parent)?;
             let blocking = child_blocking(None, config)?;
             let child = comm::join(id, nranks, rank, comm::calling_device(), blocking)?;
             *newcomm = child.handle as NcclComm;
             return complete_init(child, "non-blocking ncclCommGrow", || {});
         }
         let c = comm_of(comm)?;
-        if rank != -1 {
-            return fail(
-                INVALID_ARGUMENT,
-                format!("rank is {rank}: existing ranks pass -1 (they keep their rank)"),
-            );
-        }
-        if nranks <= c.nranks {
-            return fail(
-                INVALID_ARGUMENT,
-                format!(
-                    "nRanks is {nranks}: a grown communicator has more ranks than its parent's {}",
-                    c.nranks
-                ),
-            );
-        }
+        ncclreshard_nccl_api::grow_existing_rank(rank, nranks, c.nranks)?;
         require_idle(&c, "ncclCommGrow")?;
         // The coordinator names the identifier; the others learn it from the clique (NCCL
         // coordinates internally): they wait for it.

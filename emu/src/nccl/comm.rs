@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::ThreadId;
 use std::time::Duration;
 
-pub const UNIQUE_ID_BYTES: usize = 128;
+pub use ncclreshard_nccl_api::UNIQUE_ID_BYTES;
 
 /// The ranks of one unique id, and the matching state of their operations.
 pub struct Clique {
@@ -182,37 +182,17 @@ pub fn get(handle: usize) -> NResult<Arc<Comm>> {
     )
 }
 
-/// A fresh unique id: a process-unique number and this process's id, so ids never collide.
+/// What the emulator's unique ids start with.
+pub const MARK: &[u8; 8] = b"EMUNCCL\0";
+
+/// A fresh unique id of the emulator.
 pub fn new_unique_id() -> [u8; UNIQUE_ID_BYTES] {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    let mut id = [0u8; UNIQUE_ID_BYTES];
-    id[..8].copy_from_slice(b"EMUNCCL\0");
-    id[8..16].copy_from_slice(
-        &NEXT
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            .to_le_bytes(),
-    );
-    id[16..20].copy_from_slice(&std::process::id().to_le_bytes());
-    id
+    ncclreshard_nccl_api::new_unique_id(MARK)
 }
 
-/// A clique id made from another (a shrink of a clique, by its number and exclusion list):
-/// the same on every rank that derives it from the same inputs, and unlike any other id.
+/// A clique id made from another (a shrink of a clique, by its number and exclusion list).
 pub fn derived_id(parent: &[u8; UNIQUE_ID_BYTES], seq: u64, list: &[i32]) -> [u8; UNIQUE_ID_BYTES] {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |x: u64| {
-        h ^= x;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    };
-    parent.iter().for_each(|&b| eat(u64::from(b)));
-    eat(seq);
-    list.iter().for_each(|&r| eat(r as u64));
-    let mut id = [0u8; UNIQUE_ID_BYTES];
-    id[..8].copy_from_slice(b"EMUNCCL\0");
-    id[8..16].copy_from_slice(&h.to_le_bytes());
-    id[16..24].copy_from_slice(b"shrunk\0\0");
-    id[24..32].copy_from_slice(&seq.to_le_bytes());
-    id
+    ncclreshard_nccl_api::derived_id(MARK, parent, seq, list)
 }
 
 /// Adds rank `rank` on `device` to the clique of `id` (created by its first rank), without
@@ -224,13 +204,8 @@ pub fn join(
     device: i32,
     blocking: bool,
 ) -> NResult<Arc<Comm>> {
-    if nranks < 1 || rank < 0 || rank >= nranks {
-        return fail(
-            INVALID_ARGUMENT,
-            format!("rank {rank} / nranks {nranks}: rank must be in [0, nranks)"),
-        );
-    }
-    if !id.starts_with(b"EMUNCCL\0") {
+    ncclreshard_nccl_api::check_rank(rank, nranks)?;
+    if !id.starts_with(MARK) {
         return fail(
             INVALID_ARGUMENT,
             "the unique id does not come from ncclGetUniqueId of this process",

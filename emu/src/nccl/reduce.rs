@@ -1,19 +1,10 @@
 //! NCCL data types and reduction operators, computed on the host. Half and bfloat16 values are
 //! converted to f32, combined, and rounded back to nearest-even once.
 
-/// `ncclDataType_t` values (nccl.h).
-pub const INT8: i32 = 0;
-pub const UINT8: i32 = 1;
-pub const INT32: i32 = 2;
-pub const UINT32: i32 = 3;
-pub const INT64: i32 = 4;
-pub const UINT64: i32 = 5;
-pub const FLOAT16: i32 = 6;
-pub const FLOAT32: i32 = 7;
-pub const FLOAT64: i32 = 8;
-pub const BFLOAT16: i32 = 9;
-pub const FLOAT8E4M3: i32 = 10;
-pub const FLOAT8E5M2: i32 = 11;
+pub use ncclreshard_nccl_api::dtype::{
+    size_of, BFLOAT16, FLOAT16, FLOAT32, FLOAT64, FLOAT8E4M3, FLOAT8E5M2, INT32, INT64, INT8,
+    UINT32, UINT64, UINT8,
+};
 
 /// `ncclRedOp_t` values.
 pub const SUM: i32 = 0;
@@ -21,17 +12,6 @@ pub const PROD: i32 = 1;
 pub const MAX: i32 = 2;
 pub const MIN: i32 = 3;
 pub const AVG: i32 = 4;
-
-/// Bytes per element, None for an invalid type.
-pub fn size_of(dtype: i32) -> Option<u64> {
-    Some(match dtype {
-        INT8 | UINT8 | FLOAT8E4M3 | FLOAT8E5M2 => 1,
-        FLOAT16 | BFLOAT16 => 2,
-        INT32 | UINT32 | FLOAT32 => 4,
-        INT64 | UINT64 | FLOAT64 => 8,
-        _ => return None,
-    })
-}
 
 /// Whether the emulator can reduce this type (fp8 types only move).
 pub fn reducible(dtype: i32) -> bool {
