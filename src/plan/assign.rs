@@ -84,14 +84,16 @@ pub(crate) struct Prepared {
     /// The regions assignments move: `[0]` the unit's region, then the relay chunks, then the
     /// parts legs are split into.
     pub regions: Vec<Vec<IndexRuns>>,
-    /// Each region's smallest multi-index ([`Assignment::corner`]).
-    pub corners: Vec<Vec<u64>>,
+    /// Each region's smallest multi-index ([`Assignment::corner`]), `ndim` words per region
+    /// ([`Prepared::corner`]).
+    corners: Vec<u64>,
+    ndim: usize,
     /// Receivers that copy locally, in receiver order.
     locals: Vec<u32>,
     /// On-node deals and relay forwards, in receiver-group order.
     steps: Vec<Step>,
     /// Relay groups' members, by node.
-    relay_groups: Vec<Vec<u32>>,
+    relay_groups: Groups,
     /// Relay chunks: regions `1..=chunks`.
     chunks: u32,
     /// The share of chunks forwarded between receiving nodes, in 1/[`FORWARD_SCALE`] (0:
@@ -118,10 +120,10 @@ enum Step {
 }
 
 /// A part of a unit bound for one receiver, with the regions it is dealt as (one, or its
-/// split parts, one per sender).
+/// split parts, one per sender): region ids `parts`, consecutive.
 struct Leg {
     to: LegTo,
-    parts: Vec<u32>,
+    parts: std::ops::Range<u32>,
 }
 
 #[derive(Clone, Copy)]
@@ -138,39 +140,49 @@ enum LegTo {
     },
 }
 
-impl Prepared {
-    /// Prepares the unit of `spec` between the source shard at `src_coords` and the
-    /// destination shard at `dst_coords`, overlapping in `region`, for a plan of `rounds`
-    /// rounds.
+/// Who holds and who needs one unit's data, grouped as its assignments are dealt: the source
+/// shard's replicas (by node) and the destination shard's replicas in groups of first
+/// appearance (receivers that copy locally, per node with replicas, per node for relays, the
+/// network). It depends only on the two shards' replicas and the topology, so units of
+/// tensors on the same layouts share it (the core caches it per rank); at thousands of ranks
+/// a replicated destination has thousands of receivers per unit.
+pub(crate) struct Grouping {
+    /// The source shard's replicas, in mesh order, and sorted.
+    senders: Vec<u32>,
+    sorted_senders: Vec<u32>,
+    /// Replicas by node, sorted by (node, rank), when the topology is known.
+    by_node: Vec<(u32, u32)>,
+    /// Relays are on (relay mode, not groupable, known topology).
+    relay: bool,
+    /// Receivers that hold a replica of the source shard (they copy locally).
+    locals: Vec<u32>,
+    /// Each group's node with replicas (`None`: over the network) and its members, a range of
+    /// `members_of`.
+    groups: Vec<(Option<u32>, std::ops::Range<u32>)>,
+    members_of: Vec<u32>,
+}
+
+impl Grouping {
+    /// The grouping of the unit between the source shard at `src_coords` and the destination
+    /// shard at `dst_coords` of `spec`'s layouts.
     pub fn new(
         spec: &TensorSpec,
         src_coords: &[&[u64]],
         dst_coords: &[&[u64]],
-        region: Vec<IndexRuns>,
         config: &Config,
-        rounds: u32,
-        loads: &Loads,
-    ) -> Prepared {
+    ) -> Grouping {
         let senders = spec.src.replicas(src_coords);
         let receivers = spec.dst.replicas(dst_coords);
         let mut sorted_senders = senders.clone();
         sorted_senders.sort_unstable();
-        let coords: Vec<u64> = src_coords
-            .iter()
-            .flat_map(|c| c.iter().copied())
-            .chain([u64::MAX])
-            .chain(dst_coords.iter().flat_map(|c| c.iter().copied()))
-            .collect();
-        // Replicas by node, sorted by (node, rank), when the topology is known.
         let mut by_node: Vec<(u32, u32)> = senders
             .iter()
             .filter_map(|&s| config.topology.node(s).map(|n| (n, s)))
             .collect();
         by_node.sort_unstable();
-        let on_node = |n: u32| -> &[(u32, u32)] {
+        let on_node = |n: u32| -> bool {
             let lo = by_node.partition_point(|&(m, _)| m < n);
-            let hi = by_node.partition_point(|&(m, _)| m <= n);
-            &by_node[lo..hi]
+            by_node.get(lo).is_some_and(|&(m, _)| m == n)
         };
         let relay = config.relay && config.mode != Mode::Groupable && !by_node.is_empty();
         // Receiver groups in order of first appearance. The key is (node with replicas, or
@@ -188,28 +200,101 @@ impl Prepared {
                 continue;
             }
             let node = config.topology.node(r);
-            let key = match node.filter(|&n| !on_node(n).is_empty()) {
+            let key = match node.filter(|&n| on_node(n)) {
                 Some(n) => (Some(n), None),
                 None if relay => (None, node),
                 None => (None, None),
             };
-            let index = *group_of.entry(key).or_insert_with(|| {
-                keys.push(key);
-                keys.len() as u32 - 1
-            });
+            // Receivers come in mesh order, so keys mostly rise: a key above every earlier one
+            // is a new group without a lookup; the map is filled only once keys fall back.
+            let index = match keys.last() {
+                Some(last) if *last == key => keys.len() as u32 - 1,
+                Some(last) if key > *last && group_of.is_empty() => {
+                    keys.push(key);
+                    keys.len() as u32 - 1
+                }
+                None => {
+                    keys.push(key);
+                    0
+                }
+                Some(_) => {
+                    if group_of.is_empty() {
+                        group_of.extend(keys.iter().enumerate().map(|(i, &k)| (k, i as u32)));
+                    }
+                    *group_of.entry(key).or_insert_with(|| {
+                        keys.push(key);
+                        keys.len() as u32 - 1
+                    })
+                }
+            };
             keyed.push((index, r));
         }
         keyed.sort_by_key(|&(group, _)| group);
         let members_of: Vec<u32> = keyed.iter().map(|&(_, r)| r).collect();
-        let groups = keyed
-            .chunk_by(|a, b| a.0 == b.0)
-            .scan(0usize, |at, run| {
-                let members = &members_of[*at..*at + run.len()];
-                *at += run.len();
-                Some((keys[run[0].0 as usize].0, members))
-            })
-            .collect::<Vec<(Option<u32>, &[u32])>>();
+        let mut groups = Vec::with_capacity(keys.len());
+        let mut at = 0u32;
+        for run in keyed.chunk_by(|a, b| a.0 == b.0) {
+            let end = at + run.len() as u32;
+            groups.push((keys[run[0].0 as usize].0, at..end));
+            at = end;
+        }
+        Grouping {
+            senders,
+            sorted_senders,
+            by_node,
+            relay,
+            locals,
+            groups,
+            members_of,
+        }
+    }
+}
 
+impl Prepared {
+    /// Prepares the unit of `spec` between the source shard at `src_coords` and the
+    /// destination shard at `dst_coords`, overlapping in `region`, for a plan of `rounds`
+    /// rounds; `grouping` is [`Grouping::new`] of the same shards.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        spec: &TensorSpec,
+        src_coords: &[&[u64]],
+        dst_coords: &[&[u64]],
+        region: Vec<IndexRuns>,
+        grouping: &Grouping,
+        config: &Config,
+        rounds: u32,
+        loads: &Loads,
+    ) -> Prepared {
+        let coords: Vec<u64> = src_coords
+            .iter()
+            .flat_map(|c| c.iter().copied())
+            .chain([u64::MAX])
+            .chain(dst_coords.iter().flat_map(|c| c.iter().copied()))
+            .collect();
+        let Grouping {
+            senders,
+            sorted_senders,
+            by_node,
+            relay,
+            locals,
+            groups,
+            members_of,
+        } = grouping;
+        let relay = *relay;
+        let on_node = |n: u32| -> &[(u32, u32)] {
+            let lo = by_node.partition_point(|&(m, _)| m < n);
+            let hi = by_node.partition_point(|&(m, _)| m <= n);
+            &by_node[lo..hi]
+        };
+        let groups: Vec<(Option<u32>, &[u32])> = groups
+            .iter()
+            .map(|(node, members)| {
+                (
+                    *node,
+                    &members_of[members.start as usize..members.end as usize],
+                )
+            })
+            .collect();
         let elem_size = u64::from(spec.elem_size());
         let bytes_of = |region: &[IndexRuns]| -> u64 {
             region.iter().map(IndexRuns::len).product::<u64>() * elem_size
@@ -217,7 +302,7 @@ impl Prepared {
         // Forwarding between receiving nodes: how much, from the senders' load.
         let network_groups = groups.iter().filter(|(node, _)| node.is_none()).count() as u64;
         let forward_share = if relay && rounds >= 2 && network_groups >= 2 {
-            loads.forward_fraction(&sorted_senders, network_groups)
+            loads.forward_fraction(sorted_senders, network_groups)
         } else {
             0
         };
@@ -244,9 +329,10 @@ impl Prepared {
             rotates: false,
             regions: vec![region],
             corners: Vec::new(),
-            locals,
+            ndim: spec.shape.len(),
+            locals: locals.clone(),
             steps: Vec::new(),
-            relay_groups: Vec::new(),
+            relay_groups: Groups::default(),
             chunks: chunks.len() as u32,
             forward_share,
             network: Vec::new(),
@@ -274,7 +360,7 @@ impl Prepared {
                 continue;
             }
             let group = prepared.relay_groups.len() as u32;
-            prepared.relay_groups.push(members.to_vec());
+            prepared.relay_groups.push(members);
             prepared.steps.push(Step::Relay(group));
             prepared.rotates = true;
             network.extend(
@@ -286,11 +372,12 @@ impl Prepared {
         }
         prepared.network = prepared.split_legs(&network, senders.len() as u64, config, &bytes_of);
         prepared.rotates |= senders.len() > 1 && !prepared.network.is_empty();
-        prepared.senders = senders;
+        prepared.senders = senders.clone();
+        let ndim = prepared.ndim;
         prepared.corners = prepared
             .regions
             .iter()
-            .map(|region| region.iter().map(|r| r.first().unwrap_or(0)).collect())
+            .flat_map(|region| (0..ndim).map(|d| region[d].first().unwrap_or(0)))
             .collect();
         prepared
     }
@@ -306,7 +393,7 @@ impl Prepared {
     ) -> Vec<Leg> {
         let l = legs.len() as u64;
         // Legs of one group share the unit's region: split it once.
-        let mut last_split: Option<(u32, u64, Vec<u32>)> = None;
+        let mut last_split: Option<(u32, u64, std::ops::Range<u32>)> = None;
         legs.iter()
             .map(|&(to, region)| {
                 let parts_wanted = if l >= k {
@@ -319,7 +406,7 @@ impl Prepared {
                 if parts_wanted == 1 {
                     return Leg {
                         to,
-                        parts: vec![region],
+                        parts: region..region + 1,
                     };
                 }
                 let parts = match &last_split {
@@ -329,7 +416,7 @@ impl Prepared {
                     _ => {
                         let split = split_region(&self.regions[region as usize], parts_wanted);
                         let first = self.regions.len() as u32;
-                        let ids: Vec<u32> = (first..first + split.len() as u32).collect();
+                        let ids = first..first + split.len() as u32;
                         self.regions.extend(split);
                         last_split = Some((region, parts_wanted, ids.clone()));
                         ids
@@ -338,6 +425,12 @@ impl Prepared {
                 Leg { to, parts }
             })
             .collect()
+    }
+
+    /// Region `region`'s smallest multi-index ([`Assignment::corner`]).
+    pub fn corner(&self, region: u32) -> &[u64] {
+        let at = region as usize * self.ndim;
+        &self.corners[at..at + self.ndim]
     }
 
     /// True when some choice depends on the rotation.
@@ -374,12 +467,7 @@ impl Prepared {
             #[cfg(test)]
             View::All => (true, None),
             View::Sender(_) => (false, None),
-            View::Receiver(rank) => (
-                true,
-                self.relay_groups
-                    .iter()
-                    .position(|members| members.contains(&rank)),
-            ),
+            View::Receiver(rank) => (true, self.relay_groups.position(rank)),
         };
         #[cfg(test)]
         let mine_only = view != View::All;
@@ -388,13 +476,13 @@ impl Prepared {
         for step in &self.steps {
             match step {
                 Step::OnNode { candidates, legs } => {
-                    self.deal_legs(legs, candidates, turn, emit);
+                    self.deal_legs(legs, candidates, turn, view, mine, emit);
                 }
                 Step::Relay(group) => {
                     if !relays || (mine_only && mine != Some(*group as usize)) {
                         continue;
                     }
-                    let members = &self.relay_groups[*group as usize];
+                    let members = self.relay_groups.get(*group);
                     for chunk in 0..self.chunks {
                         if self.forwarded(chunk, turn) {
                             continue;
@@ -412,7 +500,8 @@ impl Prepared {
         for chunk in (0..self.chunks).filter(|&c| relays && self.forwarded(c, turn)) {
             let (hub_group, hub, round) = self.hub(chunk, turn);
             let hub_is_me = matches!(view, View::Receiver(rank) if rank == hub);
-            for (g, members) in self.relay_groups.iter().enumerate() {
+            for g in 0..self.relay_groups.len() {
+                let members = self.relay_groups.get(g as u32);
                 if mine_only && !hub_is_me && mine != Some(g) {
                     continue;
                 }
@@ -430,7 +519,7 @@ impl Prepared {
                 }
             }
         }
-        self.deal_legs(&self.network, &self.senders, turn, emit);
+        self.deal_legs(&self.network, &self.senders, turn, view, mine, emit);
     }
 
     /// Whether relay chunk `chunk` is forwarded between receiving nodes under `rotation`.
@@ -452,7 +541,7 @@ impl Prepared {
     /// Independent offsets for round and member: in any round, the units' chunks land on all
     /// members alike.
     fn relay_leg(&self, group: u32, chunk: u32, turn: Turn) -> (u32, u32) {
-        let members = &self.relay_groups[group as usize];
+        let members = self.relay_groups.get(group);
         let g = members.len() as u64;
         let slot = turn.slot.wrapping_add(u64::from(chunk));
         let round = ((slot / g) % u64::from(self.rounds)) as u32;
@@ -461,40 +550,107 @@ impl Prepared {
     }
 
     /// Deals `legs` to `candidates` round-robin from a rotated start.
-    fn deal_legs(&self, legs: &[Leg], candidates: &[u32], turn: Turn, emit: &mut Emit<'_>) {
+    /// `mine`: the relay group a receiving `view` is in. Legs `view` cannot keep are counted
+    /// (the round-robin position moves on) but not worked out.
+    fn deal_legs(
+        &self,
+        legs: &[Leg],
+        candidates: &[u32],
+        turn: Turn,
+        view: View,
+        mine: Option<usize>,
+        emit: &mut Emit<'_>,
+    ) {
         let k = candidates.len() as u64;
         if k == 0 || legs.is_empty() {
             return;
         }
         let start = turn.rotation % k;
+        // A sender's slot among the candidates: it sends the parts dealt at that position.
+        let my_slot = match view {
+            View::Sender(rank) => match candidates.iter().position(|&c| c == rank) {
+                Some(slot) => Some(slot as u64),
+                // Not a candidate here: nothing of these legs is this rank's.
+                None => return,
+            },
+            _ => None,
+        };
         let mut next = 0u64;
         for leg in legs {
+            let skipped = match leg.to {
+                LegTo::Receiver(_) => false,
+                LegTo::Relay { chunk, .. } => self.forwarded(chunk, turn),
+                LegTo::Forward { chunk } => !self.forwarded(chunk, turn),
+            };
+            if skipped {
+                continue;
+            }
+            let n = u64::from(leg.parts.end - leg.parts.start);
+            let relevant = match (view, leg.to) {
+                (View::Sender(_), _) => {
+                    let slot = my_slot.unwrap_or(0);
+                    // The parts at positions next + start .. + n (mod k) include the slot.
+                    n >= k || ((slot + k - (next + start) % k) % k) < n
+                }
+                (View::Receiver(rank), LegTo::Receiver(r)) => r == rank,
+                (View::Receiver(_), LegTo::Relay { group, .. }) => mine == Some(group as usize),
+                _ => true,
+            };
+            if !relevant {
+                next += n;
+                continue;
+            }
             let (to, round) = match leg.to {
                 LegTo::Receiver(r) => (r, None),
                 LegTo::Relay { group, chunk } => {
-                    if self.forwarded(chunk, turn) {
-                        continue;
-                    }
                     let (member, round) = self.relay_leg(group, chunk, turn);
                     // A lone member (a group only because of forwarding) forwards nothing:
                     // its data is spread over rounds like any pair's.
-                    let alone = self.relay_groups[group as usize].len() == 1;
+                    let alone = self.relay_groups.get(group).len() == 1;
                     (member, (!alone).then_some(round))
                 }
                 LegTo::Forward { chunk } => {
-                    if !self.forwarded(chunk, turn) {
-                        continue;
-                    }
                     let (_, hub, round) = self.hub(chunk, turn);
                     (hub, Some(round))
                 }
             };
-            for &part in &leg.parts {
+            for part in leg.parts.clone() {
                 let from = candidates[((next + start) % k) as usize];
                 next += 1;
                 emit(from, to, part, round, false);
             }
         }
+    }
+}
+
+/// Relay groups' members, one slice per group, in one allocation (a unit may have a group per
+/// receiving node: hundreds at thousands of ranks).
+#[derive(Default)]
+struct Groups {
+    members: Vec<u32>,
+    ends: Vec<u32>,
+}
+
+impl Groups {
+    fn push(&mut self, members: &[u32]) {
+        self.members.extend_from_slice(members);
+        self.ends.push(self.members.len() as u32);
+    }
+
+    fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    fn get(&self, group: u32) -> &[u32] {
+        let g = group as usize;
+        let start = if g == 0 { 0 } else { self.ends[g - 1] as usize };
+        &self.members[start..self.ends[g] as usize]
+    }
+
+    /// The group `rank` is a member of.
+    fn position(&self, rank: u32) -> Option<usize> {
+        let at = self.members.iter().position(|&r| r == rank)? as u32;
+        Some(self.ends.partition_point(|&end| end <= at))
     }
 }
 

@@ -8,7 +8,7 @@
 //! overlapping its source shard — found per dim by intersecting index runs, so a rank in
 //! neither mesh does no work for a tensor and a participant never loops over rank pairs.
 
-use super::assign::{Assignment, Prepared, View};
+use super::assign::{Assignment, Grouping, Prepared, View};
 use super::blocks::{assignment_blocks, Block, Move, Moved, Movement};
 use super::config::{
     Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_MESSAGES_PER_RANK, ROUND_TARGET_BYTES,
@@ -359,6 +359,8 @@ impl CorePlanner {
                 &self.config,
                 self.rounds,
                 &self.loads,
+                [src_id, dst_id],
+                &mut cache.groupings,
             );
             (!units.is_empty()).then(|| Rc::new(units))
         });
@@ -769,7 +771,7 @@ impl Sides {
     }
 
     fn corner(&self, pick: &Pick) -> &[u64] {
-        &self.unit(pick).corners[pick.region as usize]
+        self.unit(pick).corner(pick.region)
     }
 }
 
@@ -803,7 +805,14 @@ struct RankCache<'a> {
     blocks: FxHashMap<BlockKey, Range<u32>>,
     /// Blocks as the first tensor of their class has them.
     templates: Vec<Block>,
+    /// Units' groupings by (layout ids, shard coordinates): tensors on the same layouts
+    /// share them.
+    groupings: FxHashMap<GroupingKey, Rc<Grouping>>,
 }
+
+/// The source and destination layout ids and the unit's coordinates (source, `u64::MAX`,
+/// destination).
+type GroupingKey = ([u32; 2], Vec<u64>);
 
 #[derive(Clone)]
 enum ClassPicks {
@@ -822,6 +831,7 @@ impl RankCache<'_> {
             resolved: vec![None; classes],
             templates: Vec::new(),
             blocks: FxHashMap::default(),
+            groupings: FxHashMap::default(),
         }
     }
 }
@@ -839,6 +849,8 @@ fn units(
     config: &Config,
     rounds: u32,
     loads: &Loads,
+    layout_ids: [u32; 2],
+    groupings: &mut FxHashMap<GroupingKey, Rc<Grouping>>,
 ) -> Vec<Prepared> {
     let ndim = spec.shape.len();
     let mut out = Vec::new();
@@ -875,8 +887,18 @@ fn units(
         } else {
             (&own_refs, &other_refs)
         };
+        let key: Vec<u64> = src_coords
+            .iter()
+            .flat_map(|c| c.iter().copied())
+            .chain([u64::MAX])
+            .chain(dst_coords.iter().flat_map(|c| c.iter().copied()))
+            .collect();
+        let grouping = groupings
+            .entry((layout_ids, key))
+            .or_insert_with(|| Rc::new(Grouping::new(spec, src_coords, dst_coords, config)))
+            .clone();
         out.push(Prepared::new(
-            spec, src_coords, dst_coords, region, config, rounds, loads,
+            spec, src_coords, dst_coords, region, &grouping, config, rounds, loads,
         ));
         if !next_index(&mut choice, |d| overlaps[d].len()) {
             return out;
