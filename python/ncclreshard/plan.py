@@ -61,7 +61,13 @@ class Transfer:
     point of the ``count`` grid: read at ``src_offset + Σ i[k]·src_stride[k]`` of the sender's
     view of ``tensor``, written at ``dst_offset + Σ i[k]·dst_stride[k]`` of the receiver's
     destination view; a transfer of ``round`` r may start once this rank's receives of earlier
-    rounds are done."""
+    rounds are done.
+
+    A ``"convert"`` transfer converts the box of ``count`` elements (``src_stride`` and
+    ``dst_stride`` between elements, in bytes) and writes the scale of each of its blocks at
+    ``scale_offset + Σ b[k]·scale_stride[k]`` of ``scale_view`` (``"scales"`` on a sender,
+    ``"destination"``, the rank's scale view, on a receiver); other transfers leave the three
+    ``scale_*`` fields at their defaults."""
 
     kind: str
     peer: int
@@ -82,6 +88,23 @@ class Transfer:
     dst_view: str = "destination"
     src_dtype: Optional[torch.dtype] = None
     dst_dtype: Optional[torch.dtype] = None
+    scale_view: str = "destination"
+    scale_offset: int = 0
+    scale_stride: Tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScaleView:
+    """The scales of one quantized tensor (docs/quantization.md): the plan's tensor `tensor`,
+    the global scale tensor's `shape` and `layout` (``Quant.scale_layout``, else the tensor's
+    destination mesh and placements, dense), the `dtype` of scale views (float32, or uint8
+    for E8M0) and this rank's `local_shape` of them (None: it holds none)."""
+
+    tensor: int
+    shape: Tuple[int, ...]
+    layout: Layout
+    dtype: torch.dtype
+    local_shape: Optional[Tuple[int, ...]]
 
 
 TensorOrNone = Optional[torch.Tensor]
@@ -251,6 +274,70 @@ class Plan:
         src, dst = self._shapes[tensor]
         return {"src": src, "dst": dst}[side]
 
+    def scale_views(self) -> List[ScaleView]:
+        """One entry per quantized tensor, in the order ``reshard(scales=…)`` takes their
+        views: what this rank's scale view of each must be (to allocate them)."""
+        out = []
+        for i, spec in enumerate(self.tensors):
+            quant = spec.quant
+            if quant is None or quant.scheme == "none":
+                continue
+            layout = quant.scale_layout or Layout(spec.dst.mesh_shape, spec.dst.ranks, spec.dst.placements)
+            shape = quant.scale_shape(spec.shape)
+            held = self.original_rank in layout.ranks
+            out.append(ScaleView(
+                i, shape, layout, quant.scale_dtype,
+                local_shape(layout, shape, self.original_rank) if held else None,
+            ))
+        return out
+
+    def check_scales(self, scales: Sequence[TensorOrNone]) -> List[Tuple[str, torch.Tensor]]:
+        """Checks the scale views against the plan (one per quantized tensor, None where the
+        rank holds none; dtype, local shape and strides as :meth:`scale_views` says) and
+        returns the present ones with their names. Raises ValueError/TypeError naming the
+        view and what is wrong."""
+        views = self.scale_views()
+        if isinstance(scales, torch.Tensor) or not hasattr(scales, "__len__"):
+            raise TypeError(f"scales must be a sequence of {len(views)} tensors or None")
+        if len(scales) != len(views):
+            raise ValueError(
+                f"scales has {len(scales)} entries; the plan has {len(views)} quantized tensors"
+            )
+        present = []
+        for k, (given, view) in enumerate(zip(scales, views)):
+            spec = self.tensors[view.tensor]
+            what = f"scales[{k}] (of {spec.label(view.tensor)})"
+            if view.local_shape is None:
+                if given is not None:
+                    raise ValueError(
+                        f"{what}: rank {self.original_rank} holds none of these scales (their "
+                        f"mesh is {list(view.layout.ranks)}); pass None"
+                    )
+                continue
+            if given is None:
+                raise ValueError(
+                    f"{what} is None but rank {self.original_rank} holds scales of shape "
+                    f"{list(view.local_shape)}"
+                )
+            if not isinstance(given, torch.Tensor):
+                raise TypeError(f"{what} must be a torch.Tensor or None, got {type(given).__name__}")
+            allowed = [view.dtype]
+            if view.dtype == torch.uint8 and hasattr(torch, "float8_e8m0fnu"):
+                allowed.append(torch.float8_e8m0fnu)
+            if given.dtype not in allowed:
+                raise ValueError(
+                    f"{what}: dtype is {given.dtype}; {spec.quant.scale_format} scales are "
+                    + " or ".join(str(d) for d in allowed)
+                )
+            if tuple(given.shape) != view.local_shape:
+                raise ValueError(
+                    f"{what}: shape is {list(given.shape)}; rank {self.original_rank}'s local "
+                    f"shape of the scales is {list(view.local_shape)}"
+                )
+            self._check_strides(given, view.layout, what)
+            present.append((what, given))
+        return present
+
     def transfers(self) -> List[Transfer]:
         """Every byte this rank sends, receives or copies, as strided copies with their rounds
         (``ncclReshardPlanGetTransfers``): enough for another transport to run the plan."""
@@ -278,6 +365,9 @@ class Plan:
                 dst_view=_VIEWS.get(c.dstView, str(c.dstView)),
                 src_dtype=dtypes.from_nccl_code(c.srcDtype),
                 dst_dtype=dtypes.from_nccl_code(c.dstDtype),
+                scale_view=_VIEWS.get(c.scaleView, str(c.scaleView)),
+                scale_offset=c.scaleOffset,
+                scale_stride=tuple(c.scaleStride[:k]) if c.kind == 3 else (),
             ))
         return out
 
@@ -386,15 +476,15 @@ class Plan:
         A plan with quantized tensors also writes their scales: `scales` holds one view per
         such tensor (``info.scale_tensors``, in tensor order; None where this rank holds none).
 
-        Checks every tensor first (:meth:`check_tensors`): nothing reaches NCCL when one is
-        wrong. Raises ValueError/TypeError for a wrong tensor, comm or stream, ValueError for a
+        Checks every tensor first (:meth:`check_tensors`, :meth:`check_scales`): nothing
+        reaches NCCL when one is wrong. Raises ValueError/TypeError for a wrong tensor, comm or stream, ValueError for a
         closed plan, NcclReshardError for what the library refuses or NCCL/CUDA failures.
         """
         device = self.check_tensors(src, dst)
-        scales = self._scale_entries(scales)
-        for i, t in enumerate(scales):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise TypeError(f"scales[{i}] must be a torch.Tensor or None, got {type(t).__name__}")
+        for what, t in self.check_scales(scales):
+            if t.device.type != "cuda" or (device is not None and t.device != device):
+                raise ValueError(f"{what}: on {t.device}; the scale views go with the tensors on {device or 'a CUDA device'}")
+        scales = list(scales)
         handle = _comm_handle(comm)
         stream_handle, torch_stream = _stream_handle(stream, device)
         n = len(self.tensors)
