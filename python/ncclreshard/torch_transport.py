@@ -367,10 +367,11 @@ class TorchTransport:
 
         # Fingerprints first, one per peer each way, as the library's NCCL transport sends
         # them: a peer that planned something else is caught before any data moves (with
-        # check), and otherwise the two ends still post the same operations.
+        # check; a peer without check may then have posted data no one receives), and
+        # otherwise the two ends still post the same operations.
         fingerprint_works: List[Tuple[Any, int]] = []
-        theirs = torch.zeros(len(self.peers), dtype=torch.int64, device=device)
         if self.peers:
+            theirs = torch.zeros(len(self.peers), dtype=torch.int64, device=device)
             fp = self._fingerprint - (1 << 64) if self._fingerprint >= 1 << 63 else self._fingerprint
             mine = torch.full((1,), fp, dtype=torch.int64, device=device)
             ops = []
@@ -542,8 +543,11 @@ class TorchTransport:
         grid = tuple(-(-c // b) for c, b in zip(count, block))
         padded = tuple(g * b for g, b in zip(grid, block))
         # Trailing blocks are short: pad them with zeros, which no amax (≥ 0) notices.
-        xp = x.new_zeros(padded)
-        xp[tuple(slice(0, c) for c in count)] = x
+        if padded == count:
+            xp = x
+        else:
+            xp = x.new_zeros(padded)
+            xp[tuple(slice(0, c) for c in count)] = x
         # (g0, b0, g1, b1, ...): each block's elements along the odd dims.
         split = tuple(v for g, b in zip(grid, block) for v in (g, b))
         magnitude = torch.where(torch.isnan(xp), torch.zeros_like(xp), xp.abs())
