@@ -110,6 +110,21 @@ class ScaleView:
 TensorOrNone = Optional[torch.Tensor]
 
 
+def _one_device(present: Sequence[Tuple[str, torch.Tensor]], cuda: bool) -> Optional[torch.device]:
+    """The one device of the named tensors (None for none), checked after every view fits the
+    plan, so a tensor that does not fit is named before a device mix-up."""
+    device: Optional[torch.device] = None
+    first = ""
+    for what, tensor in present:
+        if cuda and tensor.device.type != "cuda":
+            raise ValueError(f"{what}: on {tensor.device}; reshard needs CUDA tensors")
+        if device is None:
+            device, first = tensor.device, what
+        elif tensor.device != device:
+            raise ValueError(f"{what}: on {tensor.device} but {first} is on {device}")
+    return device
+
+
 def _dense(shape: Sequence[int]) -> Tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
@@ -305,37 +320,14 @@ class Plan:
             )
         present = []
         for k, (given, view) in enumerate(zip(scales, views)):
-            spec = self.tensors[view.tensor]
-            what = f"scales[{k}] (of {spec.label(view.tensor)})"
-            if view.local_shape is None:
-                if given is not None:
-                    raise ValueError(
-                        f"{what}: rank {self.original_rank} holds none of these scales (their "
-                        f"mesh is {list(view.layout.ranks)}); pass None"
-                    )
-                continue
-            if given is None:
-                raise ValueError(
-                    f"{what} is None but rank {self.original_rank} holds scales of shape "
-                    f"{list(view.local_shape)}"
-                )
-            if not isinstance(given, torch.Tensor):
-                raise TypeError(f"{what} must be a torch.Tensor or None, got {type(given).__name__}")
-            allowed = [view.dtype]
+            what = f"scales[{k}] (of {self.tensors[view.tensor].label(view.tensor)})"
+            dtypes = [view.dtype]
             if view.dtype == torch.uint8 and hasattr(torch, "float8_e8m0fnu"):
-                allowed.append(torch.float8_e8m0fnu)
-            if given.dtype not in allowed:
-                raise ValueError(
-                    f"{what}: dtype is {given.dtype}; {spec.quant.scale_format} scales are "
-                    + " or ".join(str(d) for d in allowed)
-                )
-            if tuple(given.shape) != view.local_shape:
-                raise ValueError(
-                    f"{what}: shape is {list(given.shape)}; rank {self.original_rank}'s local "
-                    f"shape of the scales is {list(view.local_shape)}"
-                )
-            self._check_strides(given, view.layout, what)
-            present.append((what, given))
+                dtypes.append(torch.float8_e8m0fnu)  # E8M0's own dtype, where torch has it
+            if self._check_view(
+                given, what, view.local_shape, view.layout, dtypes, "the scales' mesh", "a scale view"
+            ):
+                present.append((what, given))
         return present
 
     def transfers(self) -> List[Transfer]:
@@ -383,6 +375,22 @@ class Plan:
         the others (not checked with ``devices=False``, for views of memory torch does not
         own). Raises ValueError (TypeError for a non-tensor) naming the tensor and field.
         """
+        present = self._check_tensor_views(src, dst)
+        return _one_device(present, cuda=True) if devices else None
+
+    def check_views(
+        self, src: Sequence[TensorOrNone], dst: Sequence[TensorOrNone],
+        scales: Sequence[TensorOrNone] = (), *, cuda: bool = True,
+    ) -> Optional[torch.device]:
+        """:meth:`check_tensors` and :meth:`check_scales` together: every view, then one device
+        for all (a CUDA device unless `cuda` is False), which it returns (None when the rank
+        passes none). Raises ValueError/TypeError naming the view and what is wrong."""
+        present = self._check_tensor_views(src, dst) + self.check_scales(scales)
+        return _one_device(present, cuda)
+
+    def _check_tensor_views(
+        self, src: Sequence[TensorOrNone], dst: Sequence[TensorOrNone]
+    ) -> List[Tuple[str, torch.Tensor]]:
         self._live()
         n = len(self.tensors)
         for side, entries in (("src", src), ("dst", dst)):
@@ -390,46 +398,48 @@ class Plan:
                 raise TypeError(f"{side} must be a sequence of {n} tensors or None, one per plan tensor")
             if len(entries) != n:
                 raise ValueError(f"{side} has {len(entries)} entries; the plan has {n} tensors")
-        device: Optional[torch.device] = None
-        first = ""
         present: List[Tuple[str, torch.Tensor]] = []
         for i, spec in enumerate(self.tensors):
             for side, given, layout in (("src", src[i], spec.src), ("dst", dst[i], spec.dst)):
                 what = f"{side}[{i}] ({spec.name!r})" if spec.name else f"{side}[{i}]"
-                expected = self.local_shape(i, side)
-                if expected is None:
-                    if given is not None:
-                        raise ValueError(
-                            f"{what}: rank {self.original_rank} is not in this tensor's {side} mesh "
-                            f"{list(layout.ranks)}; pass None"
-                        )
-                    continue
-                if given is None:
-                    raise ValueError(
-                        f"{what} is None but rank {self.original_rank} holds a {side} view of shape "
-                        f"{list(expected)}"
-                    )
-                if not isinstance(given, torch.Tensor):
-                    raise TypeError(f"{what} must be a torch.Tensor or None, got {type(given).__name__}")
                 want = spec.dst_dtype if side == "dst" and spec.dst_dtype is not None else spec.dtype
-                if given.dtype != want:
-                    raise ValueError(f"{what}: dtype is {given.dtype}; the plan says {want}")
-                if tuple(given.shape) != expected:
-                    raise ValueError(
-                        f"{what}: shape is {list(given.shape)}; rank {self.original_rank}'s local shape "
-                        f"is {list(expected)}"
-                    )
-                self._check_strides(given, layout, what)
-                present.append((what, given))
-        # Devices last: a tensor that does not fit the plan is named before a device mix-up.
-        for what, tensor in present if devices else []:
-            if tensor.device.type != "cuda":
-                raise ValueError(f"{what}: on {tensor.device}; reshard needs CUDA tensors")
-            if device is None:
-                device, first = tensor.device, what
-            elif tensor.device != device:
-                raise ValueError(f"{what}: on {tensor.device} but {first} is on {device}")
-        return device
+                if self._check_view(
+                    given, what, self.local_shape(i, side), layout, [want],
+                    f"this tensor's {side} mesh", f"a {side} view",
+                ):
+                    present.append((what, given))
+        return present
+
+    def _check_view(
+        self, given: Any, what: str, expected: Optional[Tuple[int, ...]], layout: Layout,
+        dtypes: Sequence[torch.dtype], mesh: str, held: str,
+    ) -> bool:
+        """One view against the plan: None exactly where the rank holds none (`expected` is
+        None), else a tensor of one of `dtypes`, this rank's local shape and the layout's
+        strides. True when the view is present."""
+        if expected is None:
+            if given is not None:
+                raise ValueError(
+                    f"{what}: rank {self.original_rank} is not in {mesh} {list(layout.ranks)}; pass None"
+                )
+            return False
+        if given is None:
+            raise ValueError(
+                f"{what} is None but rank {self.original_rank} holds {held} of shape {list(expected)}"
+            )
+        if not isinstance(given, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor or None, got {type(given).__name__}")
+        if given.dtype not in dtypes:
+            raise ValueError(
+                f"{what}: dtype is {given.dtype}; the plan says {' or '.join(str(d) for d in dtypes)}"
+            )
+        if tuple(given.shape) != expected:
+            raise ValueError(
+                f"{what}: shape is {list(given.shape)}; rank {self.original_rank}'s local shape "
+                f"is {list(expected)}"
+            )
+        self._check_strides(given, layout, what)
+        return True
 
     @staticmethod
     def _check_strides(tensor: torch.Tensor, layout: Layout, what: str) -> None:
@@ -476,14 +486,11 @@ class Plan:
         A plan with quantized tensors also writes their scales: `scales` holds one view per
         such tensor (``info.scale_tensors``, in tensor order; None where this rank holds none).
 
-        Checks every tensor first (:meth:`check_tensors`, :meth:`check_scales`): nothing
-        reaches NCCL when one is wrong. Raises ValueError/TypeError for a wrong tensor, comm or stream, ValueError for a
+        Checks every view first (:meth:`check_views`): nothing reaches NCCL when one is
+        wrong. Raises ValueError/TypeError for a wrong tensor, comm or stream, ValueError for a
         closed plan, NcclReshardError for what the library refuses or NCCL/CUDA failures.
         """
-        device = self.check_tensors(src, dst)
-        for what, t in self.check_scales(scales):
-            if t.device.type != "cuda" or (device is not None and t.device != device):
-                raise ValueError(f"{what}: on {t.device}; the scale views go with the tensors on {device or 'a CUDA device'}")
+        device = self.check_views(src, dst, scales)
         scales = list(scales)
         handle = _comm_handle(comm)
         stream_handle, torch_stream = _stream_handle(stream, device)

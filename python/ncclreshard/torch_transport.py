@@ -287,24 +287,11 @@ class TorchTransport:
     def check_tensors(
         self, src: Sequence[TensorOrNone], dst: Sequence[TensorOrNone], scales: Sequence[TensorOrNone] = ()
     ) -> Optional[torch.device]:
-        """Checks every tensor against the plan as :meth:`Plan.check_tensors` does (dtype,
-        local shape, strides, None where the rank holds no view), and the scale views; all on
-        one device (CPU or CUDA), which it returns (None when the rank passes none). Raises
-        ValueError/TypeError naming the tensor and what is wrong."""
-        self.plan.check_tensors(src, dst, devices=False)
-        present: List[Tuple[str, torch.Tensor]] = [
-            (f"{side}[{i}]", t) for side, ts in (("src", src), ("dst", dst))
-            for i, t in enumerate(ts) if t is not None
-        ]
-        present += self.plan.check_scales(scales)
-        device: Optional[torch.device] = None
-        first = ""
-        for what, tensor in present:
-            if device is None:
-                device, first = tensor.device, what
-            elif tensor.device != device:
-                raise ValueError(f"{what}: on {tensor.device} but {first} is on {device}")
-        return device
+        """Checks every view against the plan as :meth:`Plan.check_views` does (dtype, local
+        shape, strides, None where the rank holds no view, scale views), all on one device,
+        CPU or CUDA, which it returns (None when the rank passes none). Raises
+        ValueError/TypeError naming the view and what is wrong."""
+        return self.plan.check_views(src, dst, scales, cuda=False)
 
     # -- the call -------------------------------------------------------------------------
 

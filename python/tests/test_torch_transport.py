@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import ncclreshard as nr
 from ncclreshard import recipes
+from ncclreshard.plan import _dense
 from conftest import REPO, fake_rank, gather, run_cli
 from test_json import _random_case
 from test_recipes import HEAD_DIM, HIDDEN, _hf, megatron_qkv, vllm_qkv
@@ -43,14 +44,6 @@ def _extent(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
     if any(n == 0 for n in shape):
         return 0
     return (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * itemsize
-
-
-def _dense(shape: Sequence[int]) -> Tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
 
 
 def _views(plan: nr.Plan) -> List[Tuple[str, Tuple[int, ...], Tuple[int, ...], torch.dtype]]:
@@ -461,9 +454,9 @@ def test_bad_input_raises_before_anything_is_sent(monkeypatch: pytest.MonkeyPatc
         ([torch.zeros(8, 3).t(), src[1]], [None, None], scales, r"src\[0\] \('w'\): not contiguous"),
         ([None, src[1]], [None, None], scales, r"src\[0\] \('w'\) is None but rank 0 holds a src view of shape \[3, 8\]"),
         (src, [torch.zeros(6, 4), None], scales, r"dst\[0\] \('w'\): rank 0 is not in this tensor's dst mesh"),
-        (src, [None, None], [torch.zeros(4, 2, dtype=torch.uint8)], r"scales\[0\] \(of tensors\[1\] \('q'\)\): rank 0 holds none"),
+        (src, [None, None], [torch.zeros(4, 2, dtype=torch.uint8)], r"scales\[0\] \(of tensors\[1\] \('q'\)\): rank 0 is not in the scales' mesh \[2, 3\]; pass None"),
         ([src[0], torch.zeros(2, 64, dtype=torch.bfloat16, device="meta")], [None, None], scales,
-         r"src\[1\]: on meta but src\[0\] is on cpu"),
+         r"src\[1\] \('q'\): on meta but src\[0\] \('w'\) is on cpu"),
         (src, [None], scales, r"dst has 1 entries; the plan has 2 tensors"),
     ]
     with fake_rank(0, 4):
@@ -480,10 +473,10 @@ def test_bad_input_raises_before_anything_is_sent(monkeypatch: pytest.MonkeyPatc
         # A destination rank: its scale view's dtype, shape and strides.
         receiver = nr.TorchTransport(nr.Plan([WEIGHT, SCALED], 2))
         for scale, message in [
-            (torch.zeros(4, 2), r"scales\[0\] \(of tensors\[1\] \('q'\)\): dtype is torch.float32; e8m0 scales are torch.uint8"),
-            (torch.zeros(4, 3, dtype=torch.uint8), r"shape is \[4, 3\]; rank 2's local shape of the scales is \[4, 2\]"),
+            (torch.zeros(4, 2), r"scales\[0\] \(of tensors\[1\] \('q'\)\): dtype is torch.float32; the plan says torch.uint8"),
+            (torch.zeros(4, 3, dtype=torch.uint8), r"scales\[0\] \(of tensors\[1\] \('q'\)\): shape is \[4, 3\]; rank 2's local shape is \[4, 2\]"),
             (torch.zeros(2, 4, dtype=torch.uint8).t(), r"scales\[0\] \(of tensors\[1\] \('q'\)\): not contiguous"),
-            (None, r"scales\[0\] \(of tensors\[1\] \('q'\)\) is None but rank 2 holds scales of shape \[4, 2\]"),
+            (None, r"scales\[0\] \(of tensors\[1\] \('q'\)\) is None but rank 2 holds a scale view of shape \[4, 2\]"),
         ]:
             with pytest.raises(ValueError, match=message):
                 receiver.reshard([None, None], dst, [scale])
