@@ -14,8 +14,9 @@ is caught by the fingerprints."""
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
 import random
+import re
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -500,7 +501,6 @@ def _failing_rank(rank: int, world: int, how: str, check: bool) -> Optional[str]
     plan = nr.Plan([spec], rank, nr.Config(mode="staged", timeout_ms=1000))
     if rank == 2:
         if how == "dead":
-            import os
             os._exit(0)
         time.sleep(3)
         return None
@@ -517,10 +517,9 @@ def _failing_rank(rank: int, world: int, how: str, check: bool) -> Optional[str]
     ("stalled", True, r"the fingerprint exchange with peers \[2\] had not completed within its deadline of 1000 ms"),
     ("stalled", False, r"round 0 \(the rank's 1 of 1\) with peers \[2\] had not completed within its deadline of 1000 ms"),
     ("dead", False, r"round 0 \(the rank's 1 of 1\) with peers \[2\] failed; torch said: .*(reset|closed)"),
-])
+], ids=["stalled-fingerprints", "stalled-round", "dead"])
 def test_a_stalled_or_dead_peer_ends_the_call_by_remote_error(how: str, check: bool, stage: str) -> None:
     results = run_world(3, _failing_rank, [(how, check)] * 3, barrier=False, dying=[2] if how == "dead" else [])
-    import re
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: {stage}", results[rank]), results[rank]
         assert "Config(failed_ranks=...)" in results[rank]
