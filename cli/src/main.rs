@@ -22,6 +22,7 @@ Usage: ncclreshard <COMMAND> [OPTIONS]
 
 Commands:
   check       Plan, run on the host executor and verify every case of case files
+  execute     Run one case on the host executor on given view bytes, write what it leaves
   layout      Show every rank's local shard (shape and global index runs)
   plan        Summarise rank programs and the traffic between ranks
   simulate    Estimate a model refit on a cluster: reshard vs NCCL M2N vs gather+broadcast

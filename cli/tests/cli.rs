@@ -261,6 +261,71 @@ fn bench_plan_reports_timings() {
     }
 }
 
+#[test]
+fn execute_runs_the_callers_bytes_and_writes_the_destinations() {
+    // [4] float32 over ranks 0-1 (two elements each) -> rank 2 whole, in a strided view
+    // (every element followed by a gap element the executor must leave alone).
+    let case = scratch_file(
+        "execute.json",
+        r#"{"name": "gather", "shape": [4], "dtype": "float32", "config": {"mode": "staged"},
+            "src": {"mesh": [2], "placements": ["Shard(0)"]},
+            "dst": {"mesh": [1], "first_rank": 2, "placements": ["Replicate"], "strides": [2]}}"#,
+    );
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cli-tests/execute");
+    let (input, output) = (dir.join("in"), dir.join("out"));
+    std::fs::create_dir_all(&input).unwrap();
+    let floats = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    std::fs::write(input.join("0.src.0"), floats(&[1.0, 2.0])).unwrap();
+    std::fs::write(input.join("1.src.0"), floats(&[3.0, 4.0])).unwrap();
+    // The destination's extent: 7 elements (4 values, 3 gaps between them).
+    std::fs::write(input.join("2.dst.0"), floats(&[-1.0; 7])).unwrap();
+    let args = |input: &Path| {
+        vec![
+            "execute".to_string(),
+            case.clone(),
+            "--input".to_string(),
+            input.to_string_lossy().into_owned(),
+            "--output".to_string(),
+            output.to_string_lossy().into_owned(),
+        ]
+    };
+    let run = |args: Vec<String>| ncclreshard(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let out = run(args(&input));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("executed gather  ranks=3 bytes_in=44 bytes_out=28"),
+        "{}",
+        stdout(&out)
+    );
+    let got = std::fs::read(output.join("2.dst.0")).unwrap();
+    assert_eq!(got, floats(&[1.0, -1.0, 2.0, -1.0, 3.0, -1.0, 4.0]));
+
+    // A view of the wrong size, and a missing one: exit 2 naming the file.
+    std::fs::write(input.join("1.src.0"), floats(&[3.0])).unwrap();
+    let out = run(args(&input));
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("1.src.0: 4 bytes; the view's extent is 8"),
+        "{}",
+        stderr(&out)
+    );
+    std::fs::remove_file(input.join("1.src.0")).unwrap();
+    let out = run(args(&input));
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("1.src.0: cannot read"),
+        "{}",
+        stderr(&out)
+    );
+    let out = ncclreshard(&["execute", &case, "--input", "x"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--output DIR is required"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 /// A broken file must exit 2 with a message that names the file and the key, and never panic.
 fn assert_rejected(name: &str, text: &str, needles: &[&str]) {
     let path = scratch_file(name, text);
@@ -417,6 +482,7 @@ fn help_and_version() {
     assert!(out.status.success());
     for command in [
         "check",
+        "execute",
         "layout",
         "plan",
         "simulate",

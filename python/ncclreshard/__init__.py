@@ -28,8 +28,9 @@ from .comm import (
 from .layout import Layout, local_runs, local_shape
 from .nccl import NcclLibrary, nccl_library
 from .placements import Placement, Replicate, Shard, StridedShard
-from .plan import Plan, PlanCache, PlanInfo, Transfer
+from .plan import Plan, PlanCache, PlanInfo, ScaleView, Transfer
 from .spec import Case, Config, Quant, TensorSpec
+from .torch_transport import TorchTransport
 
 try:
     from ._version import __version__
@@ -51,9 +52,11 @@ __all__ = [
     "Quant",
     "RemoteError",
     "Replicate",
+    "ScaleView",
     "Shard",
     "StridedShard",
     "TensorSpec",
+    "TorchTransport",
     "Transfer",
     "comm_from_process_group",
     "comm_from_pynccl",

@@ -61,7 +61,13 @@ class Transfer:
     point of the ``count`` grid: read at ``src_offset + Σ i[k]·src_stride[k]`` of the sender's
     view of ``tensor``, written at ``dst_offset + Σ i[k]·dst_stride[k]`` of the receiver's
     destination view; a transfer of ``round`` r may start once this rank's receives of earlier
-    rounds are done."""
+    rounds are done.
+
+    A ``"convert"`` transfer converts the box of ``count`` elements (``src_stride`` and
+    ``dst_stride`` between elements, in bytes) and writes the scale of each of its blocks at
+    ``scale_offset + Σ b[k]·scale_stride[k]`` of ``scale_view`` (``"scales"`` on a sender,
+    ``"destination"``, the rank's scale view, on a receiver); other transfers leave the three
+    ``scale_*`` fields at their defaults."""
 
     kind: str
     peer: int
@@ -82,9 +88,41 @@ class Transfer:
     dst_view: str = "destination"
     src_dtype: Optional[torch.dtype] = None
     dst_dtype: Optional[torch.dtype] = None
+    scale_view: str = "destination"
+    scale_offset: int = 0
+    scale_stride: Tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScaleView:
+    """The scales of one quantized tensor (docs/quantization.md): the plan's tensor `tensor`,
+    the global scale tensor's `shape` and `layout` (``Quant.scale_layout``, else the tensor's
+    destination mesh and placements, dense), the `dtype` of scale views (float32, or uint8
+    for E8M0) and this rank's `local_shape` of them (None: it holds none)."""
+
+    tensor: int
+    shape: Tuple[int, ...]
+    layout: Layout
+    dtype: torch.dtype
+    local_shape: Optional[Tuple[int, ...]]
 
 
 TensorOrNone = Optional[torch.Tensor]
+
+
+def _one_device(present: Sequence[Tuple[str, torch.Tensor]], cuda: bool) -> Optional[torch.device]:
+    """The one device of the named tensors (None for none), checked after every view fits the
+    plan, so a tensor that does not fit is named before a device mix-up."""
+    device: Optional[torch.device] = None
+    first = ""
+    for what, tensor in present:
+        if cuda and tensor.device.type != "cuda":
+            raise ValueError(f"{what}: on {tensor.device}; reshard needs CUDA tensors")
+        if device is None:
+            device, first = tensor.device, what
+        elif tensor.device != device:
+            raise ValueError(f"{what}: on {tensor.device} but {first} is on {device}")
+    return device
 
 
 def _dense(shape: Sequence[int]) -> Tuple[int, ...]:
@@ -251,6 +289,47 @@ class Plan:
         src, dst = self._shapes[tensor]
         return {"src": src, "dst": dst}[side]
 
+    def scale_views(self) -> List[ScaleView]:
+        """One entry per quantized tensor, in the order ``reshard(scales=…)`` takes their
+        views: what this rank's scale view of each must be (to allocate them)."""
+        out = []
+        for i, spec in enumerate(self.tensors):
+            quant = spec.quant
+            if quant is None or quant.scheme == "none":
+                continue
+            layout = quant.scale_layout or Layout(spec.dst.mesh_shape, spec.dst.ranks, spec.dst.placements)
+            shape = quant.scale_shape(spec.shape)
+            held = self.original_rank in layout.ranks
+            out.append(ScaleView(
+                i, shape, layout, quant.scale_dtype,
+                local_shape(layout, shape, self.original_rank) if held else None,
+            ))
+        return out
+
+    def check_scales(self, scales: Sequence[TensorOrNone]) -> List[Tuple[str, torch.Tensor]]:
+        """Checks the scale views against the plan (one per quantized tensor, None where the
+        rank holds none; dtype, local shape and strides as :meth:`scale_views` says) and
+        returns the present ones with their names. Raises ValueError/TypeError naming the
+        view and what is wrong."""
+        views = self.scale_views()
+        if isinstance(scales, torch.Tensor) or not hasattr(scales, "__len__"):
+            raise TypeError(f"scales must be a sequence of {len(views)} tensors or None")
+        if len(scales) != len(views):
+            raise ValueError(
+                f"scales has {len(scales)} entries; the plan has {len(views)} quantized tensors"
+            )
+        present = []
+        for k, (given, view) in enumerate(zip(scales, views)):
+            what = f"scales[{k}] (of {self.tensors[view.tensor].label(view.tensor)})"
+            dtypes = [view.dtype]
+            if view.dtype == torch.uint8 and hasattr(torch, "float8_e8m0fnu"):
+                dtypes.append(torch.float8_e8m0fnu)  # E8M0's own dtype, where torch has it
+            if self._check_view(
+                given, what, view.local_shape, view.layout, dtypes, "the scales' mesh", "a scale view"
+            ):
+                present.append((what, given))
+        return present
+
     def transfers(self) -> List[Transfer]:
         """Every byte this rank sends, receives or copies, as strided copies with their rounds
         (``ncclReshardPlanGetTransfers``): enough for another transport to run the plan."""
@@ -278,6 +357,9 @@ class Plan:
                 dst_view=_VIEWS.get(c.dstView, str(c.dstView)),
                 src_dtype=dtypes.from_nccl_code(c.srcDtype),
                 dst_dtype=dtypes.from_nccl_code(c.dstDtype),
+                scale_view=_VIEWS.get(c.scaleView, str(c.scaleView)),
+                scale_offset=c.scaleOffset,
+                scale_stride=tuple(c.scaleStride[:k]) if c.kind == 3 else (),
             ))
         return out
 
@@ -293,6 +375,22 @@ class Plan:
         the others (not checked with ``devices=False``, for views of memory torch does not
         own). Raises ValueError (TypeError for a non-tensor) naming the tensor and field.
         """
+        present = self._check_tensor_views(src, dst)
+        return _one_device(present, cuda=True) if devices else None
+
+    def check_views(
+        self, src: Sequence[TensorOrNone], dst: Sequence[TensorOrNone],
+        scales: Sequence[TensorOrNone] = (), *, cuda: bool = True,
+    ) -> Optional[torch.device]:
+        """:meth:`check_tensors` and :meth:`check_scales` together: every view, then one device
+        for all (a CUDA device unless `cuda` is False), which it returns (None when the rank
+        passes none). Raises ValueError/TypeError naming the view and what is wrong."""
+        present = self._check_tensor_views(src, dst) + self.check_scales(scales)
+        return _one_device(present, cuda)
+
+    def _check_tensor_views(
+        self, src: Sequence[TensorOrNone], dst: Sequence[TensorOrNone]
+    ) -> List[Tuple[str, torch.Tensor]]:
         self._live()
         n = len(self.tensors)
         for side, entries in (("src", src), ("dst", dst)):
@@ -300,46 +398,48 @@ class Plan:
                 raise TypeError(f"{side} must be a sequence of {n} tensors or None, one per plan tensor")
             if len(entries) != n:
                 raise ValueError(f"{side} has {len(entries)} entries; the plan has {n} tensors")
-        device: Optional[torch.device] = None
-        first = ""
         present: List[Tuple[str, torch.Tensor]] = []
         for i, spec in enumerate(self.tensors):
             for side, given, layout in (("src", src[i], spec.src), ("dst", dst[i], spec.dst)):
                 what = f"{side}[{i}] ({spec.name!r})" if spec.name else f"{side}[{i}]"
-                expected = self.local_shape(i, side)
-                if expected is None:
-                    if given is not None:
-                        raise ValueError(
-                            f"{what}: rank {self.original_rank} is not in this tensor's {side} mesh "
-                            f"{list(layout.ranks)}; pass None"
-                        )
-                    continue
-                if given is None:
-                    raise ValueError(
-                        f"{what} is None but rank {self.original_rank} holds a {side} view of shape "
-                        f"{list(expected)}"
-                    )
-                if not isinstance(given, torch.Tensor):
-                    raise TypeError(f"{what} must be a torch.Tensor or None, got {type(given).__name__}")
                 want = spec.dst_dtype if side == "dst" and spec.dst_dtype is not None else spec.dtype
-                if given.dtype != want:
-                    raise ValueError(f"{what}: dtype is {given.dtype}; the plan says {want}")
-                if tuple(given.shape) != expected:
-                    raise ValueError(
-                        f"{what}: shape is {list(given.shape)}; rank {self.original_rank}'s local shape "
-                        f"is {list(expected)}"
-                    )
-                self._check_strides(given, layout, what)
-                present.append((what, given))
-        # Devices last: a tensor that does not fit the plan is named before a device mix-up.
-        for what, tensor in present if devices else []:
-            if tensor.device.type != "cuda":
-                raise ValueError(f"{what}: on {tensor.device}; reshard needs CUDA tensors")
-            if device is None:
-                device, first = tensor.device, what
-            elif tensor.device != device:
-                raise ValueError(f"{what}: on {tensor.device} but {first} is on {device}")
-        return device
+                if self._check_view(
+                    given, what, self.local_shape(i, side), layout, [want],
+                    f"this tensor's {side} mesh", f"a {side} view",
+                ):
+                    present.append((what, given))
+        return present
+
+    def _check_view(
+        self, given: Any, what: str, expected: Optional[Tuple[int, ...]], layout: Layout,
+        dtypes: Sequence[torch.dtype], mesh: str, held: str,
+    ) -> bool:
+        """One view against the plan: None exactly where the rank holds none (`expected` is
+        None), else a tensor of one of `dtypes`, this rank's local shape and the layout's
+        strides. True when the view is present."""
+        if expected is None:
+            if given is not None:
+                raise ValueError(
+                    f"{what}: rank {self.original_rank} is not in {mesh} {list(layout.ranks)}; pass None"
+                )
+            return False
+        if given is None:
+            raise ValueError(
+                f"{what} is None but rank {self.original_rank} holds {held} of shape {list(expected)}"
+            )
+        if not isinstance(given, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor or None, got {type(given).__name__}")
+        if given.dtype not in dtypes:
+            raise ValueError(
+                f"{what}: dtype is {given.dtype}; the plan says {' or '.join(str(d) for d in dtypes)}"
+            )
+        if tuple(given.shape) != expected:
+            raise ValueError(
+                f"{what}: shape is {list(given.shape)}; rank {self.original_rank}'s local shape "
+                f"is {list(expected)}"
+            )
+        self._check_strides(given, layout, what)
+        return True
 
     @staticmethod
     def _check_strides(tensor: torch.Tensor, layout: Layout, what: str) -> None:
@@ -386,15 +486,12 @@ class Plan:
         A plan with quantized tensors also writes their scales: `scales` holds one view per
         such tensor (``info.scale_tensors``, in tensor order; None where this rank holds none).
 
-        Checks every tensor first (:meth:`check_tensors`): nothing reaches NCCL when one is
+        Checks every view first (:meth:`check_views`): nothing reaches NCCL when one is
         wrong. Raises ValueError/TypeError for a wrong tensor, comm or stream, ValueError for a
         closed plan, NcclReshardError for what the library refuses or NCCL/CUDA failures.
         """
-        device = self.check_tensors(src, dst)
-        scales = self._scale_entries(scales)
-        for i, t in enumerate(scales):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise TypeError(f"scales[{i}] must be a torch.Tensor or None, got {type(t).__name__}")
+        device = self.check_views(src, dst, scales)
+        scales = list(scales)
         handle = _comm_handle(comm)
         stream_handle, torch_stream = _stream_handle(stream, device)
         n = len(self.tensors)

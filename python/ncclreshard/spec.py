@@ -59,6 +59,30 @@ class Quant:
         if self.scale_layout is not None and not isinstance(self.scale_layout, Layout):
             raise TypeError(f"Quant.scale_layout must be a Layout, got {type(self.scale_layout).__name__}")
 
+    def block_shape(self, shape: Sequence[int]) -> Tuple[int, ...]:
+        """A block's extent along each dim of a tensor of global `shape` (docs/quantization.md
+        §3; trailing blocks are short): 1 everywhere for a plain cast, the whole tensor per
+        tensor, the last dim per channel, ``block`` on the last two dims (a 1-D tensor: cols)."""
+        n = len(shape)
+        rows, cols = self.block if self.block is not None else (128, 128)
+        whole = [max(int(d), 1) for d in shape]
+        if self.scheme == "none":
+            return (1,) * n
+        if self.scheme == "per_tensor":
+            return tuple(whole)
+        if self.scheme == "per_channel":
+            return tuple(whole[d] if d == n - 1 else 1 for d in range(n))
+        return tuple(cols if d == n - 1 else rows if d == n - 2 else 1 for d in range(n))
+
+    def scale_shape(self, shape: Sequence[int]) -> Tuple[int, ...]:
+        """The scale tensor's global shape: the number of blocks along each dim."""
+        return tuple(-(-int(n) // b) for n, b in zip(shape, self.block_shape(shape)))
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The dtype of scale views: float32, or uint8 for E8M0 (one biased exponent byte)."""
+        return torch.uint8 if self.scale_format == "e8m0" else torch.float32
+
     def to_json(self) -> dict:
         """The case-file ``quant`` object (defaults left out)."""
         out: dict = {"scheme": self.scheme}

@@ -4,6 +4,7 @@ mod bench;
 mod bench_plan;
 mod calibrate;
 mod check;
+mod execute;
 mod layout;
 mod plan;
 mod refit;
@@ -24,8 +25,9 @@ pub struct Command {
     pub run: fn(&Parsed) -> Result<u8, Failure>,
 }
 
-const COMMANDS: [Command; 8] = [
+const COMMANDS: [Command; 9] = [
     check::COMMAND,
+    execute::COMMAND,
     layout::COMMAND,
     plan::COMMAND,
     simulate::COMMAND,
