@@ -617,7 +617,9 @@ def expected_pieces(model: str, record: ParamRecord) -> List[Piece]:
         return [(name, (slice(None), _rows(g["tp_rank"] * n, n)), everything)]
 
     if kind in ("FusedMoE", "SharedFusedMoE", "RoutedExperts"):
-        layer_prefix = prefix[: -len(".experts")] if prefix.endswith(".experts") else prefix
+        # vLLM keeps the experts under `<mlp>.experts.routed_experts`; the checkpoint under
+        # `<mlp>.experts.<global expert id>`.
+        layer_prefix = name.split(".experts.")[0]
         tp_rank, tp_size = g["moe_tp_rank"], g["moe_tp_size"]
         pieces = []
         for local_e, global_e in enumerate(g["local_to_global_experts"]):
