@@ -44,8 +44,9 @@ import torch
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 # Tiny Hugging Face configs. Sizes are chosen so that the interesting cases show at TP 1, 2 and 4:
-# two KV heads (replicated at TP 4), a vocabulary of 1000 (padded to 1024, so the last rank of
-# every TP size holds padding rows), eight experts (split 2/4 ways under EP).
+# two KV heads (replicated at TP 4); a vocabulary of 1100, which vLLM pads to 1152 (a multiple of
+# 64, not of 64 x TP: 288 rows a rank at TP 4, the last one with 52 rows of padding); eight
+# experts (4 or 2 a rank under EP).
 _QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -55,7 +56,7 @@ _QWEN3 = {
     "num_attention_heads": 8,
     "num_key_value_heads": 2,
     "head_dim": 16,
-    "vocab_size": 1000,
+    "vocab_size": 1100,
     "max_position_embeddings": 256,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
@@ -91,7 +92,7 @@ MODELS: Dict[str, Dict[str, Any]] = {
         "num_hidden_layers": 2,
         "num_attention_heads": 8,
         "num_key_value_heads": 2,
-        "vocab_size": 1000,
+        "vocab_size": 1100,
         "max_position_embeddings": 256,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
@@ -545,6 +546,34 @@ def m2n_coverage(ctx: Context) -> M2NCoverage:
     )
 
 
+def post_load_changes(ctx: Context) -> Dict[str, str]:
+    """Load the checkpoint, then run vLLM's `process_weights_after_loading` as its model loader
+    does after `load_weights`, and say what it did to each parameter: a backend that writes
+    into live parameters writes into the processed ones. Returns {name: change}; parameters left
+    byte-identical are omitted."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model = ctx.model
+    model.load_weights(iter(checkpoint(ctx.model_name, ctx.seed).items()))
+    before = {n: (p, p.data.clone()) for n, p in model.named_parameters()}
+    process_weights_after_loading(model, ctx.vllm_config.model_config, torch.device("cpu"))
+    after = dict(model.named_parameters())
+    changes: Dict[str, str] = {}
+    for name, (param, data) in before.items():
+        now = after.get(name)
+        if now is None:
+            changes[name] = "removed"
+        elif now is not param:
+            changes[name] = f"replaced: {tuple(data.shape)} -> {tuple(now.shape)} {now.dtype}"
+        elif tuple(now.shape) != tuple(data.shape) or now.dtype != data.dtype:
+            changes[name] = f"reshaped: {tuple(data.shape)} -> {tuple(now.shape)} {now.dtype}"
+        elif not torch.equal(now.data, data):
+            changes[name] = "values changed"
+    for name in sorted(set(after) - set(before)):
+        changes[name] = f"added: {tuple(after[name].shape)} {after[name].dtype}"
+    return changes
+
+
 def parameters_and_m2n(ctx: Context) -> Tuple[RankResult, M2NCoverage]:
     """Both jobs in one start of the processes (importing vLLM is most of a run's time)."""
     return collect_parameters(ctx), m2n_coverage(ctx)
@@ -715,8 +744,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--rank", default="0", help="which rank's table to print, or 'all'")
     ap.add_argument("--check", action="store_true", help="compare with the stated layouts")
     ap.add_argument("--m2n", action="store_true", help="vLLM's nccl_m2n direct byte coverage")
+    ap.add_argument(
+        "--post-load", action="store_true",
+        help="only run vLLM's process_weights_after_loading and list what it changed",
+    )
     ap.add_argument("--timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
+
+    if args.post_load:
+        changes = run(
+            args.model, args.tp, ep=args.ep, seed=args.seed, timeout=args.timeout,
+            job=post_load_changes,
+        )
+        for rank, ch in enumerate(changes):
+            print(f"== rank {rank}: process_weights_after_loading changed {len(ch)} parameters")
+            for name, what in ch.items():
+                print(f"{name}: {what}")
+        return 0
 
     t0 = time.perf_counter()
     both = run(
