@@ -316,6 +316,12 @@ def _worker(
         torch.save({"error": traceback.format_exc()}, out)
 
 
+def _load(path: Path) -> Dict[str, Any]:
+    # A rank writes its file once, after its job; a missing file is a rank still working or one
+    # that died without a word.
+    return torch.load(path, weights_only=False) if path.exists() else {}
+
+
 def run(
     model: str,
     tp: int,
@@ -329,8 +335,9 @@ def run(
     in rank order (by default `collect_parameters`: a RankResult per rank).
 
     `job` must be a module-level function (it is pickled into spawned processes) and its result
-    must be picklable by torch.save. A failing rank raises here with its traceback; ranks still
-    running after `timeout` seconds are killed and reported, never waited on forever."""
+    must be picklable by torch.save. A failing rank raises here with its traceback, and the ranks
+    it leaves waiting are stopped 10 s later; ranks still running after `timeout` seconds are
+    killed and reported, never waited on forever."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; known: {sorted(MODELS)}")
     if tp < 1:
@@ -350,21 +357,31 @@ def run(
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        failed_at: Optional[float] = None
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            # A rank that failed leaves the others waiting in a collective: give them a few
+            # seconds to fail on their own, then stop them instead of waiting for the timeout.
+            if failed_at is None and any(
+                not p.is_alive()
+                and (p.exitcode != 0 or "error" in _load(Path(workdir) / f"rank{rank}.pt"))
+                for rank, p in enumerate(procs)
+            ):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > 10:
+                break
+            time.sleep(0.2)
         hung = [p for p in procs if p.is_alive()]
         for p in hung:
             p.kill()
             p.join()
         results, errors = [], []
         for rank, p in enumerate(procs):
-            path = Path(workdir) / f"rank{rank}.pt"
-            payload = torch.load(path, weights_only=False) if path.exists() else None
-            if payload is not None and "error" in payload:
+            payload = _load(Path(workdir) / f"rank{rank}.pt")
+            if "error" in payload:
                 errors.append(f"rank {rank}:\n{payload['error']}")
             elif p in hung:
-                errors.append(f"rank {rank}: still running after {timeout:.0f} s, killed")
-            elif payload is None or p.exitcode != 0:
+                errors.append(f"rank {rank}: still running, killed")
+            elif "ok" not in payload or p.exitcode != 0:
                 errors.append(f"rank {rank}: exit code {p.exitcode} and no result")
             else:
                 results.append(payload["ok"])
@@ -701,8 +718,7 @@ def check(model: str, results: Sequence[RankResult], seed: int = 0) -> Tuple[int
                     f"rank {r.rank} {name}: pieces cover {int((covered == 0).sum())} elements "
                     f"0 times and {int((covered > 1).sum())} more than once"
                 )
-            same = expect.view(torch.uint8 if expect.dtype.itemsize == 1 else torch.int16)
-            got = rec.tensor.view(same.dtype)
+            same, got = expect.view(torch.uint8), rec.tensor.view(torch.uint8)
             if not torch.equal(same, got):
                 bad = (same != got).nonzero()[0].tolist()
                 raise AssertionError(
