@@ -15,10 +15,11 @@ tp/ep rank and size, the module's head/vocab/expert geometry).
 `expected_pieces` states, independently of vLLM's code, which slice of which checkpoint tensor
 lands where in a rank's parameter (docs/vllm-notes.md explains each case); `check` compares it
 byte for byte with what `load_weights` wrote. `m2n_coverage` runs vLLM's own `nccl_m2n`
-destination resolution (`m2n_layout.resolve_parameter_destinations`) on the live model.
+destination resolution (`m2n_layout.resolve_parameter_destinations`) on the live model, and
+`post_load_changes` vLLM's `process_weights_after_loading`.
 
-CLI: python python/tests/vllm_harness.py --model qwen3 --tp 2 [--ep] [--rank all] [--check]
-[--m2n]
+CLI (target/vllm-venv/bin/python): python/tests/vllm_harness.py --model qwen3 --tp 2 [--ep]
+[--rank all] [--check] [--m2n] | [--post-load]
 """
 
 from __future__ import annotations
@@ -751,6 +752,36 @@ def _table(result: RankResult) -> str:
     return "\n".join("  ".join(col.ljust(w) for col, w in zip(row, widths)) for row in rows)
 
 
+def _sweep(seed: int, timeout: float) -> int:
+    failed = 0
+    for model in MODELS:
+        for tp, ep in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+            if ep and "num_experts" not in MODELS[model]:
+                continue
+            label = f"{model} TP {tp}{' EP' if ep else ''}"
+            t0 = time.perf_counter()
+            try:
+                both = run(model, tp, ep=ep, seed=seed, timeout=timeout, job=parameters_and_m2n)
+                n, nbytes = check(model, [b[0] for b in both], seed)
+                cov = both[0][1]
+                if any(b[1].direct != cov.direct for b in both):
+                    raise AssertionError("ranks resolved different nccl_m2n destinations")
+            except Exception as e:  # noqa: BLE001 - a sweep reports every failure and goes on
+                failed += 1
+                print(f"{label}: FAILED {e}", flush=True)
+                continue
+            print(
+                f"{label}: {n} parameters, {nbytes} bytes equal the stated layouts; nccl_m2n "
+                f"direct {len(cov.direct)}/{len(cov.direct) + len(cov.fallback)} parameters, "
+                f"{cov.direct_bytes}/{cov.total_bytes} bytes "
+                f"({100 * cov.direct_bytes / cov.total_bytes:.1f} %); "
+                f"build {max(b[0].seconds_build for b in both):.1f} s, load_weights "
+                f"{max(b[0].seconds_load for b in both):.2f} s, {time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
+    return 1 if failed else 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="qwen3")
@@ -764,9 +795,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--post-load", action="store_true",
         help="only run vLLM's process_weights_after_loading and list what it changed",
     )
+    ap.add_argument(
+        "--sweep", action="store_true",
+        help="every model at TP 1, 2, 4 (MoE also with EP 2, 4): --check and --m2n, one line each",
+    )
     ap.add_argument("--timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
 
+    if args.sweep:
+        return _sweep(args.seed, args.timeout)
     if args.post_load:
         changes = run(
             args.model, args.tp, ep=args.ep, seed=args.seed, timeout=args.timeout,
