@@ -281,6 +281,9 @@ def _build(model_name: str, tp: int, ep: bool, rank: int, port: int, workdir: Pa
 
 def _teardown() -> None:
     # vLLM's groups hold shared-memory broadcast queues; released here, not by the tracker.
+    # Nothing to release when vLLM never got imported (a rank that failed before that).
+    if "vllm.distributed" not in sys.modules:
+        return
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 
     destroy_model_parallel()
@@ -312,9 +315,10 @@ def _worker(
         with set_current_vllm_config(vllm_config):
             result = job(ctx)
         torch.save({"ok": result}, out)
-        _teardown()
     except BaseException:  # noqa: BLE001 - the parent raises it, with this traceback
         torch.save({"error": traceback.format_exc()}, out)
+    finally:
+        _teardown()
 
 
 def _load(path: Path) -> Dict[str, Any]:
