@@ -302,7 +302,8 @@ def _worker(
 ) -> None:
     out = Path(workdir) / f"rank{rank}.pt"
     try:
-        # Two cores are shared by all ranks: one intra-op thread each keeps them from fighting.
+        # The ranks share the machine's cores: one intra-op thread each keeps them from
+        # oversubscribing it.
         torch.set_num_threads(1)
         from vllm.config import set_current_vllm_config
 
@@ -805,6 +806,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     ap.add_argument("--timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
+    if args.tp < 1:
+        ap.error(f"--tp must be at least 1, got {args.tp}")
+    if args.rank != "all" and not (args.rank.isdigit() and int(args.rank) < args.tp):
+        ap.error(f"--rank must be 'all' or a rank below --tp {args.tp}, got {args.rank!r}")
 
     if args.sweep:
         return _sweep(args.seed, args.timeout)
