@@ -142,7 +142,8 @@
 #define NCCL_RESHARD_MAX_DIMS 8
 
 /**
- * How a tensor is placed along one mesh axis (torch `Replicate`, `Shard`, `_StridedShard`).
+ * How a tensor is placed along one mesh axis (torch `Replicate`, `Shard`, `_StridedShard`, and
+ * `ShardBlocks`, which torch lacks).
  */
 typedef enum {
   /**
@@ -161,6 +162,14 @@ typedef enum {
    * every piece.
    */
   ncclReshardStridedShard = 2,
+  /**
+   * Not a torch placement: the mesh axis cuts tensor dim `dim` into blocks of `splitFactor`
+   * indices (≥ 1): coordinate c holds `[c·splitFactor, (c+1)·splitFactor)` of the current
+   * index list, clipped to it, so trailing coordinates hold short or empty blocks. vLLM's
+   * vocab-parallel embedding and LM head (blocks of `Vp / tp` rows of the vocabulary padded
+   * to `Vp`) and Megatron's are placed so; torch.chunk would cut them elsewhere.
+   */
+  ncclReshardShardBlocks = 3,
 } ncclReshardPlacementKind_t;
 
 /**
@@ -298,7 +307,8 @@ typedef ncclReshardPlan *ncclReshardPlan_t;
 
 /**
  * One placement: `kind` is an `ncclReshardPlacementKind_t`; `dim` is the tensor dim for
- * Shard and StridedShard; `splitFactor` is StridedShard's split factor (≥ 1).
+ * Shard, StridedShard and ShardBlocks; `splitFactor` is StridedShard's split factor or
+ * ShardBlocks' block size (≥ 1).
  */
 typedef struct {
   /**
@@ -306,12 +316,13 @@ typedef struct {
    */
   int kind;
   /**
-   * The tensor dim the mesh axis shards, 0 to the tensor's `ndim` − 1 (Shard and
-   * StridedShard; ignored for Replicate).
+   * The tensor dim the mesh axis shards, 0 to the tensor's `ndim` − 1 (Shard, StridedShard
+   * and ShardBlocks; ignored for Replicate).
    */
   int dim;
   /**
-   * StridedShard's split factor, at least 1; ignored by the other kinds.
+   * StridedShard's split factor or ShardBlocks' block size, at least 1; ignored by the other
+   * kinds.
    */
   int64_t splitFactor;
 } ncclReshardPlacement_t;

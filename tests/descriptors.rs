@@ -26,10 +26,10 @@ fn tensor() -> impl Strategy<Value = TensorSpec> {
             ]),
         )
             .prop_map(|(shape, src, dst, dtype)| TensorSpec {
+                src: strategies::fit_blocks(&shape, src),
+                dst: strategies::fit_blocks(&shape, dst),
                 shape,
                 dtype,
-                src,
-                dst,
             })
     })
 }

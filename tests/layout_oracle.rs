@@ -7,7 +7,7 @@ mod oracle;
 use ncclreshard::{
     Config, DType, IndexRuns, Layout, Mesh, Placement, Planner, TensorSpec, Topology,
 };
-use oracle::strategies::{layout, shape, stride_recipe, StrideRecipe};
+use oracle::strategies::{fit_blocks, layout, shape, stride_recipe, StrideRecipe};
 use proptest::prelude::*;
 
 fn expand(runs: &IndexRuns) -> Vec<u64> {
@@ -24,7 +24,10 @@ fn crate_lists(shape: &[u64], layout: &Layout, rank: u32) -> Option<Vec<Vec<u64>
 fn shaped_layout(max_ranks: u64) -> impl Strategy<Value = (Vec<u64>, Layout)> {
     shape().prop_flat_map(move |s| {
         let ndim = s.len();
-        (Just(s), layout(ndim, max_ranks, 6))
+        (
+            Just(s.clone()),
+            layout(ndim, max_ranks, 6).prop_map(move |l| fit_blocks(&s, l)),
+        )
     })
 }
 
@@ -120,13 +123,14 @@ proptest! {
             prop_oneof![
                 (0usize..1).prop_map(Placement::Shard),
                 (1u64..=4).prop_map(|split_factor| Placement::StridedShard { dim: 0, split_factor }),
+                (0u64..=2).prop_map(|block| Placement::ShardBlocks { dim: 0, block }),
             ],
             2..=3,
         ),
         sizes in prop::collection::vec(1u64..=4, 3),
     ) {
         let mesh_shape = &sizes[..placements.len()];
-        let layout = Layout::new(contiguous(mesh_shape), placements);
+        let layout = fit_blocks(&[n], Layout::new(contiguous(mesh_shape), placements));
         for &rank in layout.mesh.ranks() {
             prop_assert_eq!(
                 crate_lists(&[n], &layout, rank),
@@ -142,7 +146,9 @@ proptest! {
             .map(|d| (0..layout.placements.len())
                 .filter(|&a| match layout.placements[a] {
                     Placement::Replicate => false,
-                    Placement::Shard(dim) | Placement::StridedShard { dim, .. } => dim == d,
+                    Placement::Shard(dim)
+                    | Placement::StridedShard { dim, .. }
+                    | Placement::ShardBlocks { dim, .. } => dim == d,
                 })
                 .collect())
             .collect();

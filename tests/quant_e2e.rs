@@ -10,7 +10,7 @@ mod oracle;
 use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
 use ncclreshard::{Config, DType, Layout, Mesh, Mode, Placement, Planner, TensorSpec, Topology};
 use ncclreshard_tools::check::check_with_conversions;
-use oracle::strategies::{layout_on, mesh, tensor_on};
+use oracle::strategies::{layout_on, mesh, tensor_on, without_blocks};
 use proptest::prelude::*;
 
 fn layout(shape: &[u64], ranks: &[u32], placements: &[Placement]) -> Layout {
@@ -203,7 +203,7 @@ fn case() -> impl Strategy<Value = (TensorSpec, Conversion, Config)> {
                     layout_on(dst_mesh.clone(), n),
                 ),
                 conversion(dtype),
-                prop::option::weighted(0.2, layout_on(dst_mesh, n)),
+                prop::option::weighted(0.2, layout_on(dst_mesh, n).prop_map(without_blocks)),
                 prop_oneof![Just(Mode::Auto), Just(Mode::Staged)],
                 prop_oneof![Just(Topology::Unknown), Just(Topology::RanksPerNode(2))],
                 0u32..=3,

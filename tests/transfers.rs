@@ -168,6 +168,11 @@ fn c_layout(layout: &Layout, ranks: &[c_int], strides: Option<&Vec<i64>>) -> ncc
                 dim: dim as c_int,
                 splitFactor: split_factor as i64,
             },
+            Placement::ShardBlocks { dim, block } => ncclReshardPlacement_t {
+                kind: ncclReshardPlacementKind_t::ncclReshardShardBlocks as c_int,
+                dim: dim as c_int,
+                splitFactor: block as i64,
+            },
         };
     }
     l

@@ -27,7 +27,7 @@ from .comm import (
 )
 from .layout import Layout, local_runs, local_shape
 from .nccl import NcclLibrary, nccl_library
-from .placements import Placement, Replicate, Shard, StridedShard
+from .placements import Placement, Replicate, Shard, ShardBlocks, StridedShard
 from .plan import Plan, PlanCache, PlanInfo, ScaleView, Transfer
 from .spec import Case, Config, Quant, TensorSpec
 from .torch_transport import TorchTransport
@@ -54,6 +54,7 @@ __all__ = [
     "Replicate",
     "ScaleView",
     "Shard",
+    "ShardBlocks",
     "StridedShard",
     "TensorSpec",
     "TorchTransport",

@@ -1,6 +1,7 @@
 """Placements along one mesh axis, as in PyTorch DTensor: ``Replicate``, ``Shard(dim)`` and
-``StridedShard(dim, split_factor)`` (torch's ``_StridedShard``). ``Partial`` is not supported:
-reduce the tensor first."""
+``StridedShard(dim, split_factor)`` (torch's ``_StridedShard``), plus ``ShardBlocks(dim, block)``,
+which torch lacks (vLLM's and Megatron's vocab-parallel embeddings). ``Partial`` is not
+supported: reduce the tensor first."""
 
 from __future__ import annotations
 
@@ -56,15 +57,35 @@ class StridedShard:
         return f"StridedShard({self.dim},{self.split_factor})"
 
 
-Placement = Union[Replicate, Shard, StridedShard]
+@dataclass(frozen=True)
+class ShardBlocks:
+    """Not a torch placement: the axis cuts tensor dim ``dim`` into blocks of ``block`` indices;
+    coordinate c holds ``[c*block, (c+1)*block)`` of the current list, clipped to it (trailing
+    coordinates short or empty). vLLM's vocab-parallel embedding and LM head hold rows so:
+    blocks of ``Vp // tp`` rows of the vocabulary padded to ``Vp``, where torch.chunk would cut
+    elsewhere."""
 
-_KINDS = {Replicate: 0, Shard: 1, StridedShard: 2}
+    dim: int
+    block: int
+
+    def __post_init__(self) -> None:
+        _index(self.dim, "ShardBlocks.dim", 0)
+        _index(self.block, "ShardBlocks.block", 1)
+
+    def __str__(self) -> str:
+        return f"ShardBlocks({self.dim},{self.block})"
+
+
+Placement = Union[Replicate, Shard, StridedShard, ShardBlocks]
+
+_KINDS = {Replicate: 0, Shard: 1, StridedShard: 2, ShardBlocks: 3}
 _ARGS = re.compile(r"^\s*(?:\w+\s*=\s*)?(\d+)\s*$")
 
 
 def parse(text: str, what: str = "placement") -> Placement:
     """A placement from the case-file text: ``Replicate`` (``R``), ``Shard(d)`` (``S(d)``),
-    ``StridedShard(d,split_factor)`` (``_StridedShard(dim=d, split_factor=s)``).
+    ``StridedShard(d,split_factor)`` (``_StridedShard(dim=d, split_factor=s)``),
+    ``ShardBlocks(d,block)``.
 
     Raises TypeError for a non-string, ValueError for other text (Partial included).
     """
@@ -87,8 +108,11 @@ def parse(text: str, what: str = "placement") -> Placement:
                 return Shard(numbers[0])
             if name in ("StridedShard", "_StridedShard", "_S") and len(numbers) == 2:
                 return StridedShard(numbers[0], numbers[1])
+            if name == "ShardBlocks" and len(numbers) == 2:
+                return ShardBlocks(numbers[0], numbers[1])
     raise ValueError(
-        f"{what} {text!r} is not one of Replicate, Shard(d), StridedShard(d,split_factor)"
+        f"{what} {text!r} is not one of Replicate, Shard(d), StridedShard(d,split_factor), "
+        "ShardBlocks(d,block)"
     )
 
 
@@ -97,9 +121,9 @@ def to_c(placement: Placement, what: str) -> _lib.Placement_t:
     kind = _KINDS.get(type(placement))
     if kind is None:
         raise TypeError(
-            f"{what}: expected Replicate(), Shard(dim) or StridedShard(dim, split_factor), "
-            f"got {placement!r}"
+            f"{what}: expected Replicate(), Shard(dim), StridedShard(dim, split_factor) or "
+            f"ShardBlocks(dim, block), got {placement!r}"
         )
     dim = getattr(placement, "dim", 0)
-    split = getattr(placement, "split_factor", 0)
+    split = getattr(placement, "split_factor", getattr(placement, "block", 0))
     return _lib.Placement_t(kind, dim, split)

@@ -117,3 +117,19 @@ def test_local_shape_errors_name_the_field() -> None:
         nr.local_shape(layout, (4, 4), 0)
     with pytest.raises(ValueError, match="rank 5 is not in the layout's mesh"):
         nr.local_shape(nr.Layout([2], 0, [nr.Shard(0)]), (4, 4), 5)
+
+
+def test_shard_blocks_hold_vllms_vocab_blocks() -> None:
+    # Not a torch placement: vLLM's vocab-parallel embedding at TP 4 holds blocks of 288 rows
+    # of a vocabulary of 1100 padded to 1152 (torch.chunk would give 275 each).
+    layout = nr.Layout([4], 0, [nr.ShardBlocks(0, 288)])
+    rows = [nr.local_runs(layout, (1100, 16), r)[0] for r in range(4)]
+    assert rows == [[(0, 288)], [(288, 576)], [(576, 864)], [(864, 1100)]]
+    assert nr.local_shape(layout, (1100, 16), 3) == (236, 16)
+    assert nr.placements.parse("ShardBlocks(0,288)") == nr.ShardBlocks(0, 288)
+    assert str(nr.ShardBlocks(0, 288)) == "ShardBlocks(0,288)"
+    with pytest.raises(ValueError, match="block is 0"):
+        nr.ShardBlocks(0, 0)
+    # Blocks that leave rows to no rank are refused by the library, naming the least block.
+    with pytest.raises(ValueError, match="a block must be at least 275"):
+        nr.local_shape(nr.Layout([4], 0, [nr.ShardBlocks(0, 274)]), (1100, 16), 0)

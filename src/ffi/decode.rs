@@ -265,8 +265,18 @@ pub(crate) unsafe fn layout(
                     })?;
                     Ok(Placement::StridedShard { dim: dim()?, split_factor })
                 }
+                3 => {
+                    let block = u64::try_from(p.splitFactor).ok().filter(|&b| b >= 1);
+                    let block = block.ok_or_else(|| {
+                        Error::invalid_argument(format!(
+                            "{at}.splitFactor is {}; for ncclReshardShardBlocks it is the block size, at least 1",
+                            p.splitFactor
+                        ))
+                    })?;
+                    Ok(Placement::ShardBlocks { dim: dim()?, block })
+                }
                 other => Err(Error::invalid_argument(format!(
-                    "{at}.kind is {other}; use ncclReshardReplicate, ncclReshardShard or ncclReshardStridedShard (Partial is not supported)"
+                    "{at}.kind is {other}; use ncclReshardReplicate, ncclReshardShard, ncclReshardStridedShard or ncclReshardShardBlocks (Partial is not supported)"
                 ))),
             }
         })

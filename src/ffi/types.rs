@@ -241,7 +241,8 @@ pub const TRANSFER_INITIALIZER: &[InitializerField] = &[
     field("scaleStride", "{0}", "scaleStride"),
 ];
 
-/// How a tensor is placed along one mesh axis (torch `Replicate`, `Shard`, `_StridedShard`).
+/// How a tensor is placed along one mesh axis (torch `Replicate`, `Shard`, `_StridedShard`, and
+/// `ShardBlocks`, which torch lacks).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ncclReshardPlacementKind_t {
@@ -255,6 +256,12 @@ pub enum ncclReshardPlacementKind_t {
     /// `splitFactor` pieces, each piece cut across the mesh axis, and a rank holds its part of
     /// every piece.
     ncclReshardStridedShard = 2,
+    /// Not a torch placement: the mesh axis cuts tensor dim `dim` into blocks of `splitFactor`
+    /// indices (≥ 1): coordinate c holds `[c·splitFactor, (c+1)·splitFactor)` of the current
+    /// index list, clipped to it, so trailing coordinates hold short or empty blocks. vLLM's
+    /// vocab-parallel embedding and LM head (blocks of `Vp / tp` rows of the vocabulary padded
+    /// to `Vp`) and Megatron's are placed so; torch.chunk would cut them elsewhere.
+    ncclReshardShardBlocks = 3,
 }
 
 /// How messages are formed: auto (the default: coalesced and staged per
@@ -384,16 +391,18 @@ pub struct ncclReshardQuant_t {
 }
 
 /// One placement: `kind` is an `ncclReshardPlacementKind_t`; `dim` is the tensor dim for
-/// Shard and StridedShard; `splitFactor` is StridedShard's split factor (≥ 1).
+/// Shard, StridedShard and ShardBlocks; `splitFactor` is StridedShard's split factor or
+/// ShardBlocks' block size (≥ 1).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ncclReshardPlacement_t {
     /// An `ncclReshardPlacementKind_t`; any other value (there is no Partial) is refused.
     pub kind: c_int,
-    /// The tensor dim the mesh axis shards, 0 to the tensor's `ndim` − 1 (Shard and
-    /// StridedShard; ignored for Replicate).
+    /// The tensor dim the mesh axis shards, 0 to the tensor's `ndim` − 1 (Shard, StridedShard
+    /// and ShardBlocks; ignored for Replicate).
     pub dim: c_int,
-    /// StridedShard's split factor, at least 1; ignored by the other kinds.
+    /// StridedShard's split factor or ShardBlocks' block size, at least 1; ignored by the other
+    /// kinds.
     pub splitFactor: i64,
 }
 

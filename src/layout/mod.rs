@@ -42,6 +42,17 @@ pub enum Placement {
         /// across the axis; at least 1 ([`Layout::validate`] checks).
         split_factor: u64,
     },
+    /// The axis cuts tensor dim `dim` into blocks of `block` indices: coordinate `c` holds
+    /// positions `[c·block, (c+1)·block)` of the current list, clipped to it, so trailing
+    /// coordinates hold short or empty blocks. Not a torch placement: what engines shard that
+    /// way need it (vLLM's vocab-parallel embedding and LM head: blocks of `Vp / tp` rows of the
+    /// vocabulary padded to `Vp`; Megatron's likewise), where torch.chunk would cut elsewhere.
+    ShardBlocks {
+        /// The tensor dim the axis cuts.
+        dim: usize,
+        /// Indices per block; at least 1 ([`Layout::validate`] checks).
+        block: u64,
+    },
 }
 
 impl Placement {
@@ -49,17 +60,20 @@ impl Placement {
     pub fn dim(&self) -> Option<usize> {
         match *self {
             Placement::Replicate => None,
-            Placement::Shard(dim) | Placement::StridedShard { dim, .. } => Some(dim),
+            Placement::Shard(dim)
+            | Placement::StridedShard { dim, .. }
+            | Placement::ShardBlocks { dim, .. } => Some(dim),
         }
     }
 
     /// Parses `Replicate`, `R`, `Shard(0)`, `S(0)`, `Shard(dim=0)`, `StridedShard(0,2)`,
-    /// `_StridedShard(dim=0, split_factor=2)`.
+    /// `_StridedShard(dim=0, split_factor=2)`, `ShardBlocks(0,288)`, `ShardBlocks(dim=0,
+    /// block=288)`.
     pub fn parse(text: &str) -> Result<Placement> {
         let compact: String = text.chars().filter(|c| !c.is_whitespace()).collect();
         let bad = || {
             Error::invalid_argument(format!(
-                "placement {text:?} is not one of Replicate, Shard(d), StridedShard(d,split_factor)"
+                "placement {text:?} is not one of Replicate, Shard(d), StridedShard(d,split_factor), ShardBlocks(d,block)"
             ))
         };
         if matches!(compact.as_str(), "Replicate" | "Replicate()" | "R") {
@@ -75,6 +89,7 @@ impl Placement {
         let keywords: &[&str] = match name {
             "Shard" | "S" => &["dim"],
             "StridedShard" | "_StridedShard" | "_S" => &["dim", "split_factor"],
+            "ShardBlocks" => &["dim", "block"],
             _ => return Err(bad()),
         };
         // Arguments by position, then by torch's keyword names in any order; each once.
@@ -99,6 +114,10 @@ impl Placement {
         }
         match (name, values.as_slice()) {
             ("Shard" | "S", &[Some(dim)]) => Ok(Placement::Shard(dim as usize)),
+            ("ShardBlocks", &[Some(dim), Some(block)]) => Ok(Placement::ShardBlocks {
+                dim: dim as usize,
+                block,
+            }),
             (_, &[Some(dim), Some(split_factor)]) => Ok(Placement::StridedShard {
                 dim: dim as usize,
                 split_factor,
@@ -116,6 +135,7 @@ impl fmt::Display for Placement {
             Placement::StridedShard { dim, split_factor } => {
                 write!(f, "StridedShard({dim},{split_factor})")
             }
+            Placement::ShardBlocks { dim, block } => write!(f, "ShardBlocks({dim},{block})"),
         }
     }
 }
@@ -314,6 +334,7 @@ impl Layout {
             Placement::StridedShard { split_factor, .. } => {
                 list.strided_shard(parts, coord, split_factor)
             }
+            Placement::ShardBlocks { block, .. } => list.shard_blocks(coord, block),
         }
     }
 
@@ -450,6 +471,11 @@ impl Layout {
                     )));
                 }
             }
+            if let Placement::ShardBlocks { block: 0, .. } = placement {
+                return Err(Error::invalid_argument(format!(
+                    "placements[{axis}] = {placement}: block must be at least 1"
+                )));
+            }
         }
         // A rank's index set along a dim has at most one run per StridedShard piece that can
         // hold an index (min(split factor, dim size) per axis); bound their product so a
@@ -467,6 +493,36 @@ impl Layout {
                 return Err(Error::invalid_argument(format!(
                     "the StridedShard placements on dim {dim} cut it into more than {MAX_SPLIT_PRODUCT} pieces; no real layout needs that many"
                 )));
+            }
+        }
+        // ShardBlocks must cover what it cuts, as torch's placements do (every index on some
+        // coordinate): k blocks of `block` indices reach every index of each list it cuts.
+        for (dim, &size) in shape.iter().enumerate() {
+            let axes = self.shard_axes(dim);
+            if !axes
+                .iter()
+                .any(|&a| matches!(self.placements[a], Placement::ShardBlocks { .. }))
+            {
+                continue;
+            }
+            let mut lists = vec![IndexRuns::full(size)];
+            for &axis in &axes {
+                let k = self.mesh.shape()[axis];
+                if let Placement::ShardBlocks { block, .. } = self.placements[axis] {
+                    if let Some(list) = lists.iter().find(|l| l.len() > k.saturating_mul(block)) {
+                        return Err(Error::invalid_argument(format!(
+                            "placements[{axis}] = {}: {k} blocks of {block} cover {} of the {} indices of dim {dim} it cuts; a block must be at least {} (every index needs a rank)",
+                            self.placements[axis],
+                            k.saturating_mul(block),
+                            list.len(),
+                            list.len().div_ceil(k)
+                        )));
+                    }
+                }
+                lists = lists
+                    .iter()
+                    .flat_map(|list| (0..k).map(move |c| self.apply(axis, c, list)))
+                    .collect();
             }
         }
         // The largest local extent per dim bounds every rank's view.
@@ -629,5 +685,44 @@ mod tests {
             let err = Placement::parse(text).expect_err(text);
             assert!(err.message.contains(text), "{err}");
         }
+    }
+
+    #[test]
+    fn shard_blocks_hold_vllms_vocab_blocks_and_must_cover_the_dim() {
+        use super::{DType, Layout, Mesh, TensorSpec};
+        let blocks = |block| Placement::ShardBlocks { dim: 0, block };
+        assert_eq!(
+            Placement::parse("ShardBlocks(dim=0, block=288)").unwrap(),
+            blocks(288)
+        );
+        assert_eq!(blocks(288).to_string(), "ShardBlocks(0,288)");
+        // vLLM: a vocabulary of 1100 padded to 1152, TP 4: blocks of 288 rows, the last short
+        // (torch.chunk would give 275 each).
+        let layout = Layout::new(Mesh::contiguous(vec![4], 0).unwrap(), vec![blocks(288)]);
+        let rows: Vec<(u64, u64)> = (0..4)
+            .map(|r| {
+                let runs = &layout.rank_indices(&[1100, 8], r).unwrap()[0];
+                (runs.first().unwrap_or(0), runs.len())
+            })
+            .collect();
+        assert_eq!(rows, [(0, 288), (288, 288), (576, 288), (864, 236)]);
+        // Blocks that leave indices to no rank are refused, saying how large a block must be.
+        let spec = |block| TensorSpec {
+            shape: vec![1100, 8],
+            dtype: DType::Bfloat16,
+            src: Layout::new(Mesh::contiguous(vec![4], 0).unwrap(), vec![blocks(block)]),
+            dst: Layout::new(
+                Mesh::contiguous(vec![1], 4).unwrap(),
+                vec![Placement::Replicate],
+            ),
+        };
+        assert!(spec(275).validate().is_ok());
+        let err = spec(274).validate().expect_err("274 x 4 < 1100");
+        assert!(
+            err.message.contains("a block must be at least 275"),
+            "{err}"
+        );
+        let err = spec(0).validate().expect_err("block 0");
+        assert!(err.message.contains("block must be at least 1"), "{err}");
     }
 }

@@ -170,6 +170,14 @@ impl IndexRuns {
         self.slice_positions(start, end)
     }
 
+    /// [`Placement::ShardBlocks`](super::Placement::ShardBlocks) on this list: positions
+    /// `[coord·block, (coord+1)·block)`, clipped to the list.
+    pub fn shard_blocks(&self, coord: u64, block: u64) -> IndexRuns {
+        let start = coord.saturating_mul(block).min(self.len);
+        let end = coord.saturating_add(1).saturating_mul(block).min(self.len);
+        self.slice_positions(start, end)
+    }
+
     /// Torch's `_StridedShard(split_factor)` on this list: chunk into `split_factor` pieces,
     /// chunk each piece into `parts`, and take part `coord` of every piece, in piece order.
     pub fn strided_shard(&self, parts: u64, coord: u64, split_factor: u64) -> IndexRuns {

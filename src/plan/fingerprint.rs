@@ -131,6 +131,11 @@ fn layout_hash(h: &mut Fnv, layout: &Layout) {
                 h.word(dim as u64);
                 h.word(split_factor);
             }
+            Placement::ShardBlocks { dim, block } => {
+                h.word(3);
+                h.word(dim as u64);
+                h.word(block);
+            }
         }
     }
     match &layout.strides {

@@ -40,6 +40,16 @@ pub fn strided_part(list: &[u64], parts: u64, c: u64, split_factor: u64) -> Vec<
     out
 }
 
+/// Coordinate `c`'s block of `block` entries of `list` (ShardBlocks): entries
+/// `c·block .. (c+1)·block`, those that exist.
+pub fn block_part(list: &[u64], c: u64, block: u64) -> Vec<u64> {
+    list.iter()
+        .enumerate()
+        .filter(|&(i, _)| i as u64 / block == c)
+        .map(|(_, &x)| x)
+        .collect()
+}
+
 /// The coordinate of `rank` in the layout's mesh, by linear search of the rank table.
 pub fn coordinate(layout: &Layout, rank: u32) -> Option<Vec<u64>> {
     let shape = layout.mesh.shape();
@@ -67,6 +77,7 @@ pub fn local_index_lists(shape: &[u64], layout: &Layout, rank: u32) -> Option<Ve
             Placement::StridedShard { dim, split_factor } => {
                 lists[dim] = strided_part(&lists[dim], k, c, split_factor)
             }
+            Placement::ShardBlocks { dim, block } => lists[dim] = block_part(&lists[dim], c, block),
         }
     }
     Some(lists)
@@ -234,7 +245,8 @@ pub mod strategies {
     use ncclreshard::{DType, Layout, Mesh, Placement, TensorSpec};
     use proptest::prelude::*;
 
-    /// Replicate, Shard(d) or StridedShard(d, 1..=4) for a tensor of `ndim` dims.
+    /// Replicate, Shard(d), StridedShard(d, 1..=4) or ShardBlocks(d, 1..=5) for a tensor of
+    /// `ndim` dims.
     pub fn placement(ndim: usize) -> BoxedStrategy<Placement> {
         if ndim == 0 {
             return Just(Placement::Replicate).boxed();
@@ -244,6 +256,8 @@ pub mod strategies {
             2 => (0..ndim).prop_map(Placement::Shard),
             2 => (0..ndim, 1u64..=4)
                 .prop_map(|(dim, split_factor)| Placement::StridedShard { dim, split_factor }),
+            // `block` is what [`fit_blocks`] adds to the least block covering the dim.
+            1 => (0..ndim, 0u64..=2).prop_map(|(dim, block)| Placement::ShardBlocks { dim, block }),
         ]
         .boxed()
     }
@@ -280,6 +294,31 @@ pub mod strategies {
                     .prop_map(move |ranks| Mesh::new(shape.clone(), ranks).expect("valid mesh"))
             })
             .boxed()
+    }
+
+    /// `layout` for a tensor of `shape`: each ShardBlocks block raised by the least block
+    /// that covers the whole dim on its axis (`ceil(len / k)`), so the blocks partition the dim
+    /// as the library requires, with empty trailing coordinates when the extra is large.
+    pub fn fit_blocks(shape: &[u64], mut layout: Layout) -> Layout {
+        let mesh_shape = layout.mesh.shape().to_vec();
+        for (axis, p) in layout.placements.iter_mut().enumerate() {
+            if let Placement::ShardBlocks { dim, block } = p {
+                let len = shape.get(*dim).copied().unwrap_or(0);
+                *block += len.div_ceil(mesh_shape[axis]).max(1);
+            }
+        }
+        layout
+    }
+
+    /// `layout` with each ShardBlocks a Shard of the same dim, for layouts whose tensor's shape
+    /// is not known yet (a scale tensor's).
+    pub fn without_blocks(mut layout: Layout) -> Layout {
+        for p in &mut layout.placements {
+            if let Placement::ShardBlocks { dim, .. } = *p {
+                *p = Placement::Shard(dim);
+            }
+        }
+        layout
     }
 
     /// Placements for every axis of `mesh`, sharding dims of an `ndim`-dim tensor.
@@ -336,7 +375,8 @@ pub mod strategies {
             prop::option::weighted(0.25, stride_recipe()),
             prop::option::weighted(0.35, stride_recipe()),
         )
-            .prop_map(move |(mut src, mut dst, src_recipe, dst_recipe)| {
+            .prop_map(move |(src, dst, src_recipe, dst_recipe)| {
+                let (mut src, mut dst) = (fit_blocks(&shape, src), fit_blocks(&shape, dst));
                 if let Some(r) = src_recipe {
                     src.strides = Some(r.strides(&super::max_local_shape(&shape, &src)));
                 }

@@ -334,7 +334,9 @@ fn decode_layout(
     for axis in 0..axes {
         mesh_shape[axis] = input.i64(|b| i64::from(b % 4) + 1);
         placements[axis] = ncclReshardPlacement_t {
-            kind: input.int(|b| i32::from(b % 3)),
+            // ShardBlocks (3) for the top bytes only, so that inputs saved before it existed
+            // still decode as they did.
+            kind: input.int(|b| if b >= 250 { 3 } else { i32::from(b % 3) }),
             dim: input.int(|b| i32::from(b % 4)),
             splitFactor: input.i64(|b| i64::from(b % 4) + 1),
         };
