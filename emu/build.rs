@@ -18,11 +18,6 @@ fn main() {
         .flag_if_supported("-Wno-maybe-uninitialized")
         .warnings_into_errors(true)
         .compile("ncclreshard_emu_copy_kernel");
-    println!("cargo:rerun-if-changed=shim/group_depth.c");
-    cc::Build::new()
-        .file("shim/group_depth.c")
-        .warnings_into_errors(true)
-        .compile("ncclreshard_emu_group_depth");
     // The shims in target/emu/lib name this in their DT_NEEDED; scripts/build-emulator.sh copies
     // the library to that name, which none of cargo's own outputs has (cargo puts
     // target/*/deps on LD_LIBRARY_PATH when it runs tests).

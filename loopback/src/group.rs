@@ -25,7 +25,6 @@ use std::sync::Arc;
 
 #[derive(Default)]
 struct Group {
-    depth: u32,
     posted: Vec<Posted>,
     /// The first error of a call made inside the group (its end returns it, issuing nothing).
     error: Option<(i32, String)>,
@@ -35,21 +34,22 @@ thread_local! {
     static GROUP: RefCell<Group> = RefCell::new(Group::default());
 }
 
-/// The calling thread's group depth.
+/// The calling thread's group depth, where NCCL keeps it (`ncclreshard_nccl_api::group_depth`),
+/// so that libncclreshard reads it here as it reads NCCL's.
 pub fn depth() -> u32 {
-    GROUP.with(|g| g.borrow().depth)
+    ncclreshard_nccl_api::group_depth()
 }
 
 /// `ncclGroupStart`.
 pub fn start() {
-    GROUP.with(|g| g.borrow_mut().depth += 1);
+    ncclreshard_nccl_api::set_group_depth(depth() + 1);
 }
 
 /// Records an error of a call made inside the open group.
 pub fn note_error(result: i32, message: &str) {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
-        if g.depth > 0 && g.error.is_none() {
+        if depth() > 0 && g.error.is_none() {
             g.error = Some((result, message.to_string()));
         }
     });
@@ -60,7 +60,7 @@ pub fn post(op: Posted) -> NResult<i32> {
     comm::claim(&op.comm, op.kind.name());
     let open = GROUP.with(|g| {
         let mut g = g.borrow_mut();
-        if g.depth > 0 {
+        if depth() > 0 {
             g.posted.push(op.clone());
             true
         } else {
@@ -78,12 +78,13 @@ pub fn post(op: Posted) -> NResult<i32> {
 pub fn end() -> NResult<i32> {
     let finished = GROUP.with(|g| {
         let mut g = g.borrow_mut();
-        if g.depth == 0 {
-            return Err(());
-        }
-        g.depth -= 1;
-        if g.depth > 0 {
-            return Ok(None);
+        match depth() {
+            0 => return Err(()),
+            1 => ncclreshard_nccl_api::set_group_depth(0),
+            d => {
+                ncclreshard_nccl_api::set_group_depth(d - 1);
+                return Ok(None);
+            }
         }
         Ok(Some(std::mem::take(&mut *g)))
     });

@@ -2,8 +2,9 @@
 //! emu/'s emulated NCCL and loopback/'s stand-in that runs ranks on one GPU. nccl.h's result
 //! codes and their texts, the process-wide last-error text, datatypes and their sizes, the
 //! `blocking` field of an `ncclConfig_t`, unique ids (and those shrinks derive), and the checks of
-//! the arguments of `ncclCommInitRank`, `ncclCommShrink` and `ncclCommGrow`. Plain Rust, no CUDA;
-//! never linked into libncclreshard.
+//! the arguments of `ncclCommInitRank`, `ncclCommShrink` and `ncclCommGrow`, and the thread's
+//! group depth where NCCL keeps it. Plain Rust and one C variable, no CUDA; never linked into
+//! libncclreshard.
 
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -262,6 +263,25 @@ pub fn grow_existing_rank(rank: i32, nranks: i32, parent_nranks: i32) -> NResult
         );
     }
     Ok(())
+}
+
+extern "C" {
+    /// This thread's group depth: an `int ncclGroupDepth` in thread-local storage, hidden but
+    /// named in the library's symbol table as in NVIDIA's builds (shim/group_depth.c), so that
+    /// libncclreshard reads a double's depth as it reads NCCL's.
+    fn ncclReshardEmuGroupDepth() -> *mut std::ffi::c_int;
+}
+
+/// The calling thread's NCCL group depth.
+pub fn group_depth() -> u32 {
+    // SAFETY: this thread's int, valid for the thread's life.
+    unsafe { *ncclReshardEmuGroupDepth() as u32 }
+}
+
+/// Sets the calling thread's NCCL group depth.
+pub fn set_group_depth(depth: u32) {
+    // SAFETY: as above; only this thread writes it.
+    unsafe { *ncclReshardEmuGroupDepth() = depth as std::ffi::c_int }
 }
 
 #[cfg(test)]

@@ -27,20 +27,14 @@ thread_local! {
     static GROUP: RefCell<Group> = RefCell::new(Group::default());
 }
 
-extern "C" {
-    /// This thread's group depth, an `int ncclGroupDepth` in thread-local storage as NCCL keeps
-    /// it (shim/group_depth.c), so that libncclreshard reads it here as it reads NCCL's.
-    fn ncclReshardEmuGroupDepth() -> *mut std::ffi::c_int;
-}
-
+/// This thread's group depth, where NCCL keeps it (`ncclreshard_nccl_api::group_depth`), so
+/// that libncclreshard reads it here as it reads NCCL's.
 pub fn depth() -> u32 {
-    // SAFETY: this thread's int, valid for the thread's life.
-    unsafe { *ncclReshardEmuGroupDepth() as u32 }
+    ncclreshard_nccl_api::group_depth()
 }
 
 fn set_depth(depth: u32) {
-    // SAFETY: as above; only this thread writes it.
-    unsafe { *ncclReshardEmuGroupDepth() = depth as std::ffi::c_int }
+    ncclreshard_nccl_api::set_group_depth(depth)
 }
 
 /// `ncclGroupStart`.
