@@ -31,6 +31,7 @@ from .placements import Placement, Replicate, Shard, ShardBlocks, StridedShard
 from .plan import Plan, PlanCache, PlanInfo, ScaleView, Transfer
 from .spec import Case, Config, Quant, TensorSpec
 from .torch_transport import TorchTransport
+from .nemo_rl import xferdtensor
 
 try:
     from ._version import __version__
@@ -58,6 +59,7 @@ __all__ = [
     "StridedShard",
     "TensorSpec",
     "TorchTransport",
+    "xferdtensor",
     "Transfer",
     "comm_from_process_group",
     "comm_from_pynccl",
