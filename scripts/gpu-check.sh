@@ -16,7 +16,8 @@
 # copy kernel's paths on every row length and alignment, conversions against the host
 # executor on every bf16/f16 pattern (the hardware's cvt), and copy- and conversion-kernel
 # bandwidth against cudaMemcpy / cuMemcpy2DAsync, each beside its target. Sized to finish in
-# about 5 minutes on one H200, so that a 15-minute lease leaves time to rerun it.
+# about 5 minutes on one H200, so that a 15-minute lease leaves time to rerun it. Then the
+# multi-rank tests again with 8 ranks on the one GPU through the loopback NCCL stand-in.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu
@@ -38,14 +39,24 @@ for line in sys.stdin:
   echo "built $bin"
 }
 
+# The loopback NCCL stand-in (loopback/README.md), so one GPU runs the multi-rank tests too.
+build_loopback() {
+  bash scripts/build-loopback.sh "$out/loopback" >/dev/null
+  echo "built $out/loopback/libnccl.so.2"
+}
+
 case "${1:-}" in
   --prepare)
     build
+    build_loopback
     exit 0
     ;;
   --no-build) ;;
   "")
-    if command -v cargo >/dev/null 2>&1; then build; fi
+    if command -v cargo >/dev/null 2>&1; then
+      build
+      build_loopback
+    fi
     ;;
   *)
     echo "usage: bash scripts/gpu-check.sh [--prepare | --no-build]" >&2
@@ -81,33 +92,57 @@ nvidia-smi -L 2>/dev/null || true
 log=$(mktemp)
 report=$(mktemp)
 failed=()
+ran=0
 # One process per test: a fault or a hang in one leaves the others their run and their time.
 mapfile -t tests < <("$bin" --ignored --list 2>/dev/null | sed -n 's/: test$//p')
 total_start=$SECONDS
-for t in "${tests[@]}"; do
-  # GPU_CHECK_SKIP: tests to leave out (a dry run on the emulator skips the speed test).
-  if [[ " ${GPU_CHECK_SKIP:-} " == *" $t "* ]]; then
-    echo "gpu: [skipped] $t" | tee -a "$report"
-    continue
-  fi
-  start=$SECONDS
-  status=0
-  timeout "$per_test" "$bin" --ignored --exact "$t" --nocapture --test-threads=1 >"$log" 2>&1 ||
-    status=$?
-  took=$((SECONDS - start))
-  cat "$log"
-  grep -o 'gpu: .*' "$log" >>"$report" || true
-  case "$status" in
-    0) verdict=ok ;;
-    124) verdict="TIMED OUT after ${per_test} s" ;;
-    *) verdict="FAILED (exit $status)" ;;
-  esac
-  [ "$status" -eq 0 ] || failed+=("$t")
-  echo "gpu: [$took s] $t: $verdict" | tee -a "$report"
-done
+
+# run_pass LABEL SKIP [ENV...]: every test not in SKIP (or GPU_CHECK_SKIP), with ENV set.
+run_pass() {
+  local label=$1 skip=$2
+  shift 2
+  local t start status took verdict
+  for t in "${tests[@]}"; do
+    # GPU_CHECK_SKIP: tests to leave out (a dry run on the emulator skips the speed test).
+    if [[ " ${GPU_CHECK_SKIP:-} $skip " == *" $t "* ]]; then
+      echo "gpu: [skipped$label] $t" | tee -a "$report"
+      continue
+    fi
+    start=$SECONDS
+    status=0
+    env "$@" timeout "$per_test" "$bin" --ignored --exact "$t" --nocapture --test-threads=1 \
+      >"$log" 2>&1 || status=$?
+    took=$((SECONDS - start))
+    cat "$log"
+    grep -o 'gpu: .*' "$log" | sed "s/^gpu: /gpu:$label /" >>"$report" || true
+    case "$status" in
+      0) verdict=ok ;;
+      124) verdict="TIMED OUT after ${per_test} s" ;;
+      *) verdict="FAILED (exit $status)" ;;
+    esac
+    ran=$((ran + 1))
+    [ "$status" -eq 0 ] || failed+=("$t$label")
+    echo "gpu: [$took s$label] $t: $verdict" | tee -a "$report"
+  done
+}
+
+echo "== tests/gpu.rs on the real NCCL"
+run_pass "" ""
+# Then the multi-rank tests with 8 ranks on this GPU through the loopback stand-in (sends and
+# receives as device copies ordered by stream memory operations), which real NCCL cannot do on
+# one device. Skipped there: what measures one rank or runs one rank (covered above).
+if [ -e "$out/loopback/libnccl.so.2" ]; then
+  echo "== tests/gpu.rs with 8 ranks on this GPU through the loopback stand-in"
+  loop=$(cd "$out/loopback" && pwd)
+  run_pass " loopback" "copy_kernel_bandwidth_against_memcpy one_rank_colocated_layouts_are_byte_exact deadline_overhead_on_healthy_calls copy_paths_are_byte_exact_for_every_row_length_and_alignment one_rank_conversions_match_the_host_executor_on_every_16_bit_pattern_and_boundary staging_goes_back_after_each_call_captured_or_not late_unpacks_overlap_the_next_round" \
+    NCCL_RESHARD_NCCL_LIBRARY="$loop/libnccl.so.2" \
+    LD_LIBRARY_PATH="$loop${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_DEVICE_MAX_CONNECTIONS=32
+else
+  echo "gpu: no $out/loopback/libnccl.so.2: the multi-rank pass on one GPU was not run (scripts/gpu-check.sh --prepare builds it)" | tee -a "$report"
+fi
 echo
 echo "== GPU report ($((SECONDS - total_start)) s)"
 cat "$report"
-echo "gpu: ${#tests[@]} tests, $((${#tests[@]} - ${#failed[@]})) passed, ${#failed[@]} failed${failed:+: ${failed[*]}}"
+echo "gpu: $ran test runs, $((ran - ${#failed[@]})) passed, ${#failed[@]} failed${failed:+: ${failed[*]}}"
 rm -f "$log" "$report"
 [ "${#failed[@]}" -eq 0 ]

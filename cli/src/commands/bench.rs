@@ -174,6 +174,8 @@ struct PlanBench {
     slowest_rank_alone: u32,
     messages_total: u64,
     messages_max_per_rank: u64,
+    /// The rank that posts them.
+    messages_max_rank: u32,
     bytes_total: u64,
     peak_rss_mb: Option<f64>,
     /// `--digest`: a hash of the planned ranks' programs (equal iff the planner planned the
@@ -341,6 +343,7 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         slowest_rank_alone: slowest_alone.0,
         messages_total: summaries.iter().map(|s| s.2).sum(),
         messages_max_per_rank: summaries.iter().map(|s| s.3).max().unwrap_or(0),
+        messages_max_rank: summaries.iter().max_by_key(|s| s.3).map_or(0, |s| s.0),
         bytes_total: summaries.iter().map(|s| s.4).sum(),
         peak_rss_mb: work::peak_rss_mb(),
         programs_digest: digest,
