@@ -16,6 +16,8 @@ pub(crate) struct Device {
     pub multiprocessors: u32,
     kernel: OnceLock<Kernel>,
     pool: OnceLock<MemoryPool>,
+    /// Where plans' device memory is freed (`DeviceBuffer`).
+    release: OnceLock<PrivateStream>,
     /// Side streams not in use by a call (see [`SideStream`]).
     sides: Mutex<Vec<SideStream>>,
     /// Events not in use (a call with a deadline marks its stages with them).
@@ -53,6 +55,7 @@ pub(crate) fn device(ordinal: i32) -> Result<Arc<Device>> {
         context,
         kernel: OnceLock::new(),
         pool: OnceLock::new(),
+        release: OnceLock::new(),
         sides: Mutex::new(Vec::new()),
         events: Mutex::new(Vec::new()),
         init: Mutex::new(()),
@@ -131,6 +134,22 @@ impl Device {
             super::release::keep_staging(),
         )?;
         Ok(self.pool.get_or_init(|| pool))
+    }
+
+    /// The stream plans' device memory is freed on (context current), created on first use.
+    pub fn release_stream(&self) -> Result<&PrivateStream> {
+        if let Some(stream) = self.release.get() {
+            return Ok(stream);
+        }
+        let _init = self
+            .init
+            .lock()
+            .map_err(|_| Error::internal("device lock poisoned"))?;
+        if let Some(stream) = self.release.get() {
+            return Ok(stream);
+        }
+        let stream = PrivateStream::new()?;
+        Ok(self.release.get_or_init(|| stream))
     }
 
     /// A side stream for one call (context current): one whose work has all completed, or a

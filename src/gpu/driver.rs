@@ -244,24 +244,48 @@ impl Drop for CurrentContext {
     }
 }
 
-/// Device memory owned by the plan (descriptor tables, staging), freed on drop. Must be
+/// Device memory owned by the plan (descriptor tables, constants), freed on drop. Must be
 /// dropped with its context alive (the owner keeps the PrimaryContext longer).
+///
+/// It comes from the device's stream-ordered pool and goes back with `cuMemFreeAsync` on the
+/// device's release stream: `cuMemFree` would first wait for every stream of the device, so
+/// destroying a plan on one thread would wait for other threads' calls, and where ranks of one
+/// communicator share a device (the loopback stand-in) for calls that wait for this thread's
+/// next operation. A plan is destroyed only once its work has completed (the header's rule),
+/// so nothing reads the memory after the free.
 pub(crate) struct DeviceBuffer {
     pub ptr: sys::CUdeviceptr,
+    /// The stream the memory is freed on.
+    release: sys::CUstream,
 }
 
+// SAFETY: a device pointer and a stream handle, usable from any thread.
+unsafe impl Send for DeviceBuffer {}
+unsafe impl Sync for DeviceBuffer {}
+
 impl DeviceBuffer {
-    pub fn alloc(bytes: usize, what: &str) -> Result<DeviceBuffer> {
+    /// `bytes` from `pool`, usable by any stream once `stream` has been synchronised; freed on
+    /// `release`.
+    pub fn alloc(
+        bytes: usize,
+        what: &str,
+        pool: &MemoryPool,
+        stream: &PrivateStream,
+        release: &PrivateStream,
+    ) -> Result<DeviceBuffer> {
         if bytes == 0 {
-            return Ok(DeviceBuffer { ptr: 0 });
+            return Ok(DeviceBuffer {
+                ptr: 0,
+                release: release.0,
+            });
         }
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: writes one device pointer; freed in Drop.
-        call(
-            &format!("cuMemAlloc ({bytes} bytes of {what})"),
-            || unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) },
-        )?;
-        Ok(DeviceBuffer { ptr })
+        let ptr = pool
+            .alloc(bytes, stream.0)
+            .map_err(|e| e.context(&format!("{bytes} bytes of {what}")))?;
+        Ok(DeviceBuffer {
+            ptr,
+            release: release.0,
+        })
     }
 
     /// Allocates and fills from host memory with a copy ordered on `stream` (our private
@@ -269,9 +293,15 @@ impl DeviceBuffer {
     /// stream has been synchronised. A synchronous `cuMemcpyHtoD` would not do: from pageable
     /// memory it may return before the data has landed, and the legacy stream it runs on does
     /// not order the caller's non-blocking streams.
-    pub fn upload<T: Copy>(data: &[T], what: &str, stream: &PrivateStream) -> Result<DeviceBuffer> {
+    pub fn upload<T: Copy>(
+        data: &[T],
+        what: &str,
+        pool: &MemoryPool,
+        stream: &PrivateStream,
+        release: &PrivateStream,
+    ) -> Result<DeviceBuffer> {
         let bytes = std::mem::size_of_val(data);
-        let buffer = DeviceBuffer::alloc(bytes, what)?;
+        let buffer = DeviceBuffer::alloc(bytes, what, pool, stream, release)?;
         if bytes > 0 {
             // SAFETY: `data` is `bytes` readable bytes and outlives the copy (the caller
             // synchronises `stream` before dropping it); the buffer was just allocated that
@@ -315,8 +345,11 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         if self.ptr != 0 {
-            // SAFETY: frees memory this value allocated, once.
-            let _ = call("cuMemFree", || unsafe { sys::cuMemFree_v2(self.ptr) });
+            // SAFETY: frees memory this value allocated from a pool, once, in the order of the
+            // device's release stream (nothing else uses it any more: see the type's doc).
+            let _ = call("cuMemFreeAsync", || unsafe {
+                sys::cuMemFreeAsync(self.ptr, self.release)
+            });
         }
     }
 }
@@ -453,9 +486,11 @@ impl PrivateStream {
     }
 }
 
-// SAFETY: stream handles may be used from any thread; a `SideStream` holding one is used by
-// one call at a time.
+// SAFETY: stream handles may be used from any thread (the driver API is thread-safe); a
+// `SideStream` holding one is used by one call at a time, and the device's release stream only
+// takes frees, which the driver orders.
 unsafe impl Send for PrivateStream {}
+unsafe impl Sync for PrivateStream {}
 
 impl Drop for PrivateStream {
     fn drop(&mut self) {

@@ -19,4 +19,4 @@ pub(crate) use call::{CallMemory, DeviceCall, Exchange};
 pub(crate) use device::Device;
 pub(crate) use driver::{DeviceBuffer, Event};
 pub use tables::DeviceLimits;
-pub(crate) use tables::{DeviceProgram, Tables};
+pub(crate) use tables::{DeviceProgram, PlanDevice, Tables};

@@ -8,11 +8,12 @@ use super::descriptors::{
     MAX_CONVERT_TILES,
 };
 use super::device::{self, Device};
-use super::driver::{DeviceBuffer, PrivateStream, RelaxedCapture};
+use super::driver::{DeviceBuffer, Event, PrivateStream, RelaxedCapture};
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::Limits;
 use crate::plan::{RankProgram, StridedCopy};
+use cudarc::driver::sys;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Descriptor tables of one set of copies or one conversion pass, on the device.
@@ -55,12 +56,48 @@ pub(crate) struct PlanDevice {
     pub device: Arc<Device>,
     tables: OnceLock<Tables>,
     init: Mutex<()>,
+    /// The end of each call that may still be running (marked on its stream): the tables are
+    /// freed in stream order after all of them, never before (a plan destroyed right after a
+    /// failed call may still have operations draining).
+    uses: Mutex<Vec<Event>>,
+}
+
+impl PlanDevice {
+    /// Marks the end of a call on `stream` (not under capture: a graph's launches are the
+    /// caller's to finish before destroying the plan), dropping marks already passed.
+    pub fn mark_use(&self, stream: sys::CUstream) -> Result<()> {
+        let event = self.device.event()?;
+        event.record(stream)?;
+        let mut uses = self
+            .uses
+            .lock()
+            .map_err(|_| Error::internal("plan lock poisoned"))?;
+        let (done, pending): (Vec<Event>, Vec<Event>) = std::mem::take(&mut *uses)
+            .into_iter()
+            .partition(|e| e.is_done().unwrap_or(false));
+        *uses = pending;
+        uses.push(event);
+        self.device.give_back_events(done);
+        Ok(())
+    }
 }
 
 impl Drop for PlanDevice {
     fn drop(&mut self) {
         let _current = self.device.context.push();
-        drop(self.tables.take());
+        // The tables' frees (DeviceBuffer) run on the release stream once every call using them
+        // has ended; without a release stream, nothing is freed (rather than too early).
+        let uses = self.uses.get_mut().map(std::mem::take).unwrap_or_default();
+        match self.device.release_stream() {
+            Ok(release) => {
+                for event in &uses {
+                    let _ = event.wait_on(release.0);
+                }
+                drop(self.tables.take());
+            }
+            Err(_) => std::mem::forget(self.tables.take()),
+        }
+        self.device.give_back_events(uses);
         if let Some(pool) = self.device.existing_pool() {
             pool.trim();
         }
@@ -176,6 +213,7 @@ impl DeviceProgram {
             device: device::device(ordinal)?,
             tables: OnceLock::new(),
             init: Mutex::new(()),
+            uses: Mutex::new(Vec::new()),
         });
         *slot = Some(state.clone());
         Ok(state)
@@ -210,14 +248,13 @@ impl DeviceProgram {
         let started = std::time::Instant::now();
         state.device.kernel()?;
         let kernel_ready = started.elapsed();
-        if self.arena.total > 0 {
-            state.device.pool()?;
-        }
+        let pool = state.device.pool()?;
+        let release = state.device.release_stream()?;
         let upload = PrivateStream::new()?;
         let upload_one = |e: &Encoded, convert: bool| -> Result<Uploaded> {
             Ok(Uploaded {
-                descs: DeviceBuffer::upload(&e.descs, "copy descriptors", &upload)?,
-                tiles: DeviceBuffer::upload(&e.tiles, "copy tiles", &upload)?,
+                descs: DeviceBuffer::upload(&e.descs, "copy descriptors", pool, &upload, release)?,
+                tiles: DeviceBuffer::upload(&e.tiles, "copy tiles", pool, &upload, release)?,
                 launches: e.launches.clone(),
                 convert,
             })
@@ -257,7 +294,7 @@ impl DeviceProgram {
             constants: self
                 .constants
                 .iter()
-                .map(|words| DeviceBuffer::upload(words, "plan constants", &upload))
+                .map(|words| DeviceBuffer::upload(words, "plan constants", pool, &upload, release))
                 .collect::<Result<_>>()?,
         };
         // The host vectors above stay alive until the copies have landed.

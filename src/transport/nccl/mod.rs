@@ -19,7 +19,7 @@ use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::buffers::CallBuffers;
 use crate::exec::{schedule, Limits, Plan};
-use crate::gpu::{driver, Device, DeviceCall, DeviceLimits, DeviceProgram, Tables};
+use crate::gpu::{driver, Device, DeviceCall, DeviceLimits, DeviceProgram, PlanDevice, Tables};
 use crate::plan::{Mode, RankProgram};
 use cudarc::driver::sys;
 use groups::{Fingerprints, Groups};
@@ -173,9 +173,18 @@ impl NcclTransport {
         let mut call = DeviceCall::begin(
             device, &self.gpu, tables, buffers, cu_stream, capturing, groups,
         )?;
+        // Every way out of the call below marks its end for the plan's memory (`mark_use`).
+        let mark = |state: &PlanDevice| {
+            if capturing {
+                Ok(())
+            } else {
+                state.mark_use(cu_stream)
+            }
+        };
         if let Some(guard) = &guard {
             if let Err(e) = guard.mark_start(cu_stream) {
                 let _ = call.finish();
+                let _ = mark(&state);
                 return Err(e);
             }
         }
@@ -196,13 +205,14 @@ impl NcclTransport {
         if let Some(groups) = &call.exchange {
             if let Err(e) = self.handshake(groups, tables) {
                 let _ = call.finish();
+                let _ = mark(&state);
                 return Err(e);
             }
         }
         // The walk, then what the call took goes back (the walk's error first), then the
         // deadline watches the rest from the stream.
         let walked = schedule::run(p, &mut call);
-        let finished = call.finish();
+        let finished = call.finish().and(mark(&state));
         let left = match guard {
             Some(guard) => guard.leave(cu_stream),
             None => Ok(()),
