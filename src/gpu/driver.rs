@@ -281,7 +281,7 @@ impl DeviceBuffer {
         }
         let ptr = pool
             .alloc(bytes, stream.0)
-            .map_err(|e| e.context(&format!("{bytes} bytes of {what}")))?;
+            .map_err(|e| e.context(format!("{bytes} bytes of {what}")))?;
         Ok(DeviceBuffer {
             ptr,
             release: release.0,
