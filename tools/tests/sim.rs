@@ -1343,3 +1343,35 @@ fn conversions_run_at_their_stated_speed_and_fp8_halves_the_bytes() {
         convert + sent as f64 / cluster.nic_achievable(),
     );
 }
+
+#[test]
+fn the_critical_path_adds_up_to_the_last_ranks_finish() {
+    // Where the time goes: the last rank's parts sum to the run's time (no jitter), none is
+    // negative, and the transfers hold at least the rank's own bytes at rated speed.
+    let cluster = Cluster::dgx_h100();
+    let mesh2 =
+        |first: u32, rows: u64, cols: u64| Mesh::contiguous(vec![rows, cols], first).unwrap();
+    use Placement::{Replicate as R, Shard as S};
+    let spec = TensorSpec {
+        shape: vec![8192, 4096],
+        dtype: DType::Bfloat16,
+        src: Layout::new(mesh2(0, 2, 8), vec![R, S(1)]),
+        dst: Layout::new(mesh2(16, 4, 4), vec![R, S(0)]),
+    };
+    for mode in [Mode::Auto, Mode::Staged, Mode::Groupable] {
+        let report = simulate(&plan_all(vec![spec.clone()], mode), &cluster);
+        let c = report.critical.expect("a critical path");
+        let parts = [
+            c.packs_s,
+            c.conversions_s,
+            c.waits_s,
+            c.transfers_s,
+            c.unpacks_s,
+            c.late_tail_s,
+        ];
+        assert!(parts.iter().all(|&p| p >= 0.0), "{mode:?}: {c:?}");
+        assert_close(parts.iter().sum::<f64>(), report.time_s);
+        assert!(c.transfers_s >= c.rated_s * (1.0 - 1e-9), "{mode:?}: {c:?}");
+        assert!(c.rated_s > 0.0 && c.latency_s > 0.0, "{mode:?}: {c:?}");
+    }
+}

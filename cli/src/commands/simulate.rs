@@ -201,6 +201,54 @@ pub fn simulate(
     })
 }
 
+/// [`sim::CriticalPath`] as `simulate --json` prints it, with the floor and jitter beside it.
+#[derive(Serialize)]
+pub struct CriticalJson {
+    rank: u32,
+    /// Sum of the parts: the run without jitter.
+    nominal_s: f64,
+    packs_s: f64,
+    conversions_s: f64,
+    waits_s: f64,
+    transfers_s: f64,
+    /// Inside `transfers_s`: the rank's own bytes at rated speed on its busiest port, the
+    /// pairs' per-message latencies, and the rest (link efficiency, sharing links with other
+    /// ranks' flows, waiting for peers to reach the round).
+    transfers_rated_s: f64,
+    transfers_latency_s: f64,
+    transfers_sharing_and_efficiency_s: f64,
+    unpacks_s: f64,
+    late_tail_s: f64,
+    /// `reshard_s - nominal_s`: what jitter adds to the median.
+    jitter_s: f64,
+    /// The physical floor, and how far above it the nominal run is.
+    floor_s: f64,
+    over_floor_s: f64,
+}
+
+impl CriticalJson {
+    fn new(c: &sim::CriticalPath, s: &Simulation) -> CriticalJson {
+        let nominal =
+            c.packs_s + c.conversions_s + c.waits_s + c.transfers_s + c.unpacks_s + c.late_tail_s;
+        CriticalJson {
+            rank: c.rank,
+            nominal_s: nominal,
+            packs_s: c.packs_s,
+            conversions_s: c.conversions_s,
+            waits_s: c.waits_s,
+            transfers_s: c.transfers_s,
+            transfers_rated_s: c.rated_s,
+            transfers_latency_s: c.latency_s,
+            transfers_sharing_and_efficiency_s: (c.transfers_s - c.rated_s - c.latency_s).max(0.0),
+            unpacks_s: c.unpacks_s,
+            late_tail_s: c.late_tail_s,
+            jitter_s: s.reshard.time_s - nominal,
+            floor_s: s.bound.time_s,
+            over_floor_s: nominal - s.bound.time_s,
+        }
+    }
+}
+
 #[derive(Serialize)]
 pub struct ClusterJson {
     name: String,
@@ -388,6 +436,9 @@ struct Output {
     /// The rank needing the most device memory (staging plus NCCL buffers) and what is free.
     memory: Option<MemoryJson>,
     busiest_link: Option<LinkJson>,
+    /// Where the time goes: the last rank's clock split into parts (the run without jitter;
+    /// docs/simulator.md §7).
+    critical_path: Option<CriticalJson>,
     reshard_phases: BTreeMap<&'static str, f64>,
     m2n_hierarchical: M2nJson,
     m2n_direct: M2nJson,
@@ -552,6 +603,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
                 busy_fraction: l.busy_fraction,
             }
         }),
+        critical_path: s.reshard.critical.map(|c| CriticalJson::new(&c, &s)),
         reshard_phases: phases(&s.reshard),
         m2n_hierarchical: M2nJson::new(&s.m2n_hierarchical),
         m2n_direct: M2nJson::new(&s.m2n_direct),

@@ -262,6 +262,7 @@ pub fn gather_broadcast_with(
         trials: 0,
         setup_s: 0.0,
         memory: None,
+        critical: None,
     }
 }
 

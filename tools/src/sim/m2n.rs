@@ -678,6 +678,7 @@ pub fn m2n(
             trials: 0,
             setup_s: 0.0,
             memory: None,
+            critical: None,
         },
         calls: calls_total,
         skipped,

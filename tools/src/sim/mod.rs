@@ -138,6 +138,39 @@ pub struct SimReport {
     /// Device memory of the rank that needs the most; `None` where the method's memory is not
     /// modelled.
     pub memory: Option<MemoryUse>,
+    /// Where the last rank's time went (the run without jitter); `None` for methods that are
+    /// not simulated per rank program.
+    pub critical: Option<CriticalPath>,
+}
+
+/// The critical path of a simulated reshard: the rank that finishes last, its clock split into
+/// what it spent on (docs/simulator.md §7, "Where the time goes"). The parts sum to its finish
+/// time (`packs_s + conversions_s + waits_s + transfers_s + unpacks_s + late_tail_s`, unpacks
+/// including receiver-side conversions). `latency_s` is the part of `transfers_s` that the
+/// pairs' per-message latencies account for at most (they overlap with bytes moving).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CriticalPath {
+    pub rank: u32,
+    /// Packs and local copies on the caller's stream, before each round's transfers.
+    pub packs_s: f64,
+    /// Sender-side and receiver-side conversion kernels.
+    pub conversions_s: f64,
+    /// Waiting to start a round once packed: for the host to post it, for late unpacks whose
+    /// staging the round reuses, and jitter.
+    pub waits_s: f64,
+    /// From a round's start until its last flow is done: bytes over shared links, at achievable
+    /// speed, plus per-message latencies and waiting for peers to reach the round.
+    pub transfers_s: f64,
+    /// The pairs' per-message latencies inside `transfers_s`.
+    pub latency_s: f64,
+    /// The rank's own bytes at rated speed on its busiest port: what `transfers_s` would be
+    /// with no other traffic, full link efficiency and no latency (the rest is link
+    /// efficiency, sharing with other ranks' flows, incast and waiting for peers).
+    pub rated_s: f64,
+    /// Unpacks before the next round.
+    pub unpacks_s: f64,
+    /// Late unpacks still running after the last round's transfers.
+    pub late_tail_s: f64,
 }
 
 /// Device memory a rank needs for one call besides its weights, against what is free.

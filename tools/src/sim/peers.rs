@@ -80,5 +80,6 @@ pub fn nemo_rl_reshard(
         trials: 0,
         setup_s: 0.0,
         memory: None,
+        critical: None,
     }
 }

@@ -2,7 +2,7 @@
 
 use super::fabric::Network;
 use super::flows::{self, Flow};
-use super::{median_p90, Cluster, MemoryUse, Phase, Rng, SimReport};
+use super::{median_p90, Cluster, CriticalPath, MemoryUse, Phase, Rng, SimReport};
 use ncclreshard::plan::{RankProgram, StridedConvert, StridedCopy};
 use std::collections::HashMap;
 
@@ -154,6 +154,16 @@ struct Model<'a> {
     posted: Vec<f64>,
     /// Per rank: its host's total posting time.
     host: Vec<f64>,
+    /// Per rank: its conversions' seconds before and after the rounds (inside `pack` of its
+    /// first round and `unpack` of its last), for the critical path's breakdown.
+    converts: Vec<(f64, f64)>,
+    /// Per (rank, round): the pair flows' summed per-message latencies it takes part in, and
+    /// their bytes at rated speed over the rank's busiest port (what transfers cost without
+    /// sharing, efficiency or latency).
+    latency: Vec<f64>,
+    /// Per rank: its own bytes at rated speed on its busiest port (NIC for other NVLink
+    /// domains, NVLink inside its own), the least its transfers could take.
+    rated: Vec<f64>,
     ends_of: Vec<Vec<u32>>,
     flows: Vec<Flow>,
     meta: Vec<PairFlow>,
@@ -167,6 +177,7 @@ struct Run {
     time_s: f64,
     phases: [f64; 4],
     link_bytes: Vec<f64>,
+    critical: Option<CriticalPath>,
 }
 
 impl Run {
@@ -175,6 +186,7 @@ impl Run {
             time_s: f64::INFINITY,
             phases: [0.0; 4],
             link_bytes: Vec::new(),
+            critical: None,
         }
     }
 }
@@ -282,6 +294,10 @@ impl<'a> Model<'a> {
         let mut late = vec![0.0f64; n * nr];
         let mut posted = vec![0.0f64; n * nr];
         let mut host = vec![0.0f64; n];
+        let mut converts_s = vec![(0.0f64, 0.0f64); n];
+        let mut latency = vec![0.0f64; n * nr];
+        // Per rank: bytes (sent, received) over NICs and over NVLink.
+        let mut port_bytes = vec![[0u64; 4]; n];
         let mut ends_of: Vec<Vec<u32>> = vec![Vec::new(); n * nr];
         let mut flows: Vec<Flow> = Vec::new();
         let mut meta: Vec<PairFlow> = Vec::new();
@@ -310,8 +326,10 @@ impl<'a> Model<'a> {
                 let converts = if first { &p.converts_before[..] } else { &[] };
                 first = false;
                 last = Some(k);
-                pack[i * nr + k] += convert_seconds(converts, cluster)
-                    + kernel_seconds(local.iter().chain(round.packs), cluster);
+                let converting = convert_seconds(converts, cluster);
+                converts_s[i].0 += converting;
+                pack[i * nr + k] +=
+                    converting + kernel_seconds(local.iter().chain(round.packs), cluster);
                 unpack[i * nr + k] += kernel_seconds(round.early_unpacks(), cluster);
                 late[i * nr + k] +=
                     kernel_seconds(round.late_unpacks(), cluster) / Cluster::LATE_UNPACK_SHARE;
@@ -326,11 +344,21 @@ impl<'a> Model<'a> {
                     let bytes: u64 = run.iter().map(|m| m.bytes).sum();
                     let f = flows.len() as u32;
                     flows.push(network.route(from, to, bytes as f64));
+                    let latency_s = run.len() as f64 * cluster.message_latency(from, to);
+                    if j != i {
+                        let nic = usize::from(cluster.domain(from) == cluster.domain(to)) * 2;
+                        port_bytes[i][nic] += bytes;
+                        port_bytes[j][nic + 1] += bytes;
+                    }
+                    latency[i * nr + k] += latency_s;
+                    if j != i {
+                        latency[j * nr + k] += latency_s;
+                    }
                     meta.push(PairFlow {
                         round: k,
                         from: i,
                         to: j,
-                        latency_s: run.len() as f64 * cluster.message_latency(from, to),
+                        latency_s,
                     });
                     ends_of[i * nr + k].push(f);
                     if j != i {
@@ -340,7 +368,9 @@ impl<'a> Model<'a> {
             }
             // Receivers convert after their last round's unpacks.
             if let Some(k) = last {
-                unpack[i * nr + k] += convert_seconds(&p.converts_after, cluster);
+                let converting = convert_seconds(&p.converts_after, cluster);
+                converts_s[i].1 += converting;
+                unpack[i * nr + k] += converting;
             }
             host[i] = clock;
             // Rounds the rank has no part in are posted when its last posted round was.
@@ -356,6 +386,16 @@ impl<'a> Model<'a> {
             late,
             posted,
             host,
+            converts: converts_s,
+            latency,
+            rated: port_bytes
+                .iter()
+                .map(|b| {
+                    let nic = b[0].max(b[1]) as f64 / cluster.nic_bw;
+                    let nvlink = b[2].max(b[3]) as f64 / cluster.nvlink_bw;
+                    nic.max(nvlink)
+                })
+                .collect(),
             ends_of,
             flows,
             meta,
@@ -403,6 +443,11 @@ impl<'a> Model<'a> {
         // these: it reuses their staging).
         let mut side_free = vec![0.0f64; n];
         let mut side_wait = vec![0.0f64; n];
+        // Per (rank, round): when the rank entered it and when its flows were done (the
+        // critical path's breakdown; `ready` gives when its flows could start).
+        let mut entered = vec![0.0f64; n * nr];
+        let mut ready_at = vec![0.0f64; n * nr];
+        let mut done_at = vec![0.0f64; n * nr];
         // Enters rank i into round k at time t, passing through rounds it has no flows in,
         // and releases the flows whose other end is already there.
         let enter = |i: usize,
@@ -413,13 +458,17 @@ impl<'a> Model<'a> {
                      last: &mut Vec<f64>,
                      finished: &mut Vec<f64>,
                      side: (&[f64], &[f64]),
+                     times: (&mut Vec<f64>, &mut Vec<f64>),
                      release: &mut Vec<(u32, f64)>| {
             let (side_free, side_wait) = side;
+            let (entered, ready_at) = times;
             while k < nr {
                 let slot = i * nr + k;
                 position[i] = k;
                 ready[i] = (t + pack[slot]).max(posted[slot]).max(side_wait[i]) + delay[slot];
                 last[i] = ready[i];
+                entered[slot] = t;
+                ready_at[slot] = ready[i];
                 if !ends_of[slot].is_empty() {
                     for &f in &ends_of[slot] {
                         let m = &meta[f as usize];
@@ -447,6 +496,7 @@ impl<'a> Model<'a> {
                 &mut last,
                 &mut finished,
                 (&side_free, &side_wait),
+                (&mut entered, &mut ready_at),
                 &mut initial,
             );
         }
@@ -467,6 +517,7 @@ impl<'a> Model<'a> {
                     last[e] = last[e].max(t);
                     if outstanding[slot] == 0 {
                         busy[e] += last[e] - ready[e];
+                        done_at[slot] = last[e];
                         let done = last[e] + unpack[slot];
                         side_wait[e] = side_free[e];
                         if late[slot] > 0.0 {
@@ -481,6 +532,7 @@ impl<'a> Model<'a> {
                             &mut last,
                             &mut finished,
                             (&side_free, &side_wait),
+                            (&mut entered, &mut ready_at),
                             release,
                         );
                     }
@@ -498,7 +550,42 @@ impl<'a> Model<'a> {
                 .map(|i| v[i * nr..(i + 1) * nr].iter().sum::<f64>())
                 .fold(0.0, f64::max)
         };
+        // The rank that finishes last, round by round: what its clock spent where.
+        let critical = (!stuck && n > 0).then(|| {
+            let i = (0..n)
+                .max_by(|&a, &b| finished[a].total_cmp(&finished[b]))
+                .unwrap_or(0);
+            let mut c = CriticalPath {
+                rank: self.ranks[i],
+                ..CriticalPath::default()
+            };
+            let mut exit = 0.0f64;
+            for k in 0..nr {
+                let slot = i * nr + k;
+                if ends_of[slot].is_empty() {
+                    c.packs_s += pack[slot];
+                    c.waits_s += ready_at[slot] - entered[slot] - pack[slot];
+                    c.unpacks_s += unpack[slot];
+                    exit = ready_at[slot] + unpack[slot];
+                    continue;
+                }
+                c.packs_s += pack[slot];
+                c.waits_s += (ready_at[slot] - entered[slot] - pack[slot]).max(0.0);
+                c.transfers_s += done_at[slot] - ready_at[slot];
+                c.latency_s += self.latency[slot];
+                c.unpacks_s += unpack[slot];
+                exit = done_at[slot] + unpack[slot];
+            }
+            c.rated_s = self.rated[i];
+            let (before, after) = self.converts[i];
+            c.conversions_s = before + after;
+            c.packs_s = (c.packs_s - before).max(0.0);
+            c.unpacks_s = (c.unpacks_s - after).max(0.0);
+            c.late_tail_s = (finished[i] - exit).max(0.0);
+            c
+        });
         Run {
+            critical,
             time_s,
             phases: [
                 sum_per_rank(pack),
@@ -615,7 +702,9 @@ fn report(
     let posted = |p: &RankProgram| (p.sends.len() + p.recvs.len()) as u64;
     let total_posted: u64 = programs.iter().map(posted).sum();
     let [prepare, transfer, unpack, host] = run.phases;
+    let critical = run.critical;
     SimReport {
+        critical,
         time_s,
         bytes_total,
         bytes_offnode,
