@@ -80,6 +80,7 @@ class _Worker:
         self.case: Dict[str, Any] = {}
         self.workdir = Path(tempfile.mkdtemp(prefix=f"vllm-world-w{index}-"))
         self.builds = 0
+        self.rpc_errors: List[str] = []
 
     def build(self, model_name: str, tp: int, ep: bool, port: int) -> Dict[str, Any]:
         import torch
@@ -109,6 +110,24 @@ class _Worker:
                         m2n.total_bytes)}
 
     def rpc(self, method: str, *args: Any) -> Any:
+        try:
+            return self._rpc(method, *args)
+        except BaseException as e:
+            self.rpc_errors.append(f"{method}: {type(e).__name__}: {e}")
+            raise
+
+    def errors(self) -> List[str]:
+        """The control-plane calls that raised here since the last time asked."""
+        out, self.rpc_errors = self.rpc_errors, []
+        return out
+
+    def untouched(self) -> bool:
+        """True when every byte of every parameter still holds what `start` wrote (0xFF)."""
+        import torch
+
+        return all(bool((p.data.view(-1).view(torch.uint8) == 0xFF).all()) for p in self.model.parameters())
+
+    def _rpc(self, method: str, *args: Any) -> Any:
         """What vLLM's Worker does for each control-plane call (vllm/v1/worker/gpu_worker.py)."""
         import torch
         from vllm.config import set_current_vllm_config
@@ -453,7 +472,8 @@ class _Trainer:
 
         ckpt = self._checkpoint(seed, self.case["drop"], self.case["edits"])
         if self.megatron is not None:
-            self.megatron.fill(ckpt)
+            if "corrupt" not in self.case:
+                self.megatron.fill(ckpt)
         else:
             fresh = _sharded(self.case["kind"], ckpt, self.world)
             new = dict(fresh.named_parameters())
@@ -467,6 +487,14 @@ class _Trainer:
         return {"send_s": seconds, "transfer_s": self.engine.last_transfer_s,
                 "worker_transfer_s": getattr(client, "transfer_s", []),
                 "plans": self.engine.session.plans_made, "epoch": self.engine.epoch}
+
+    def corrupt(self, name: str) -> None:
+        """Replaces this rank's Megatron tensor `name` by one a row short (a bug in the
+        trainer's code): its next send must be refused on every rank."""
+        assert self.megatron is not None
+        held = self.megatron.locals[name]
+        self.megatron.locals[name] = held[:-1].clone()
+        self.case["corrupt"] = name
 
     def stop_engine(self) -> None:
         if self.engine is not None:
@@ -490,11 +518,17 @@ def _float32(w: Any) -> Any:
     return w.float()
 
 
+def _groups_of_100(w: Any) -> Any:
+    return w.reshape(11, 100, w.shape[1])
+
+
 # Edits of a trainer's checkpoint that bad-input tests make, by name (options travel pickled).
 _EDITS: Dict[str, Dict[str, Any]] = {
     "unknown": {"model.layers.0.self_attn.nonsense.weight": _unknown},
     "shape": {"model.layers.1.mlp.down_proj.weight": _narrower},
     "dtype": {"model.norm.weight": _float32},
+    # Declared as [11, 100, hidden]: vLLM's vocabulary shards (rows [0, 576) at TP 2) cut groups.
+    "cut": {"model.embed_tokens.weight": _groups_of_100},
 }
 
 
@@ -585,6 +619,9 @@ class RefitWorld:
     def start(self, model: str, kind: str, tp: int, seed: int, **options: Any) -> List[Dict[str, Any]]:
         """trainer_init on every trainer (and through the client, init on the workers)."""
         port = free_port()
+        # Ranks wait for one another's verdicts this long: well within the controller's timeout,
+        # so a rank that never reports fails the case instead of desynchronising the pipes.
+        options.setdefault("store_timeout_s", self.timeout / 5)
         return self._all(self._trainer_ctrl, ("start", model, kind, tp, port, seed, dict(options)), "trainer")
 
     def send(self, seed: int, names: Optional[List[str]] = None) -> List[Dict[str, Any]]:
@@ -592,6 +629,17 @@ class RefitWorld:
 
     def verify(self, tp: int, seed: int) -> List[Dict[str, Any]]:
         return self._all(self._worker_ctrl[:tp], ("verify", seed), "worker")
+
+    def errors(self, tp: int) -> List[List[str]]:
+        """Each worker's control-plane errors since the last call."""
+        return self._all(self._worker_ctrl[:tp], ("errors",), "worker")
+
+    def untouched(self, tp: int) -> List[bool]:
+        return self._all(self._worker_ctrl[:tp], ("untouched",), "worker")
+
+    def corrupt(self, rank: int, name: str) -> None:
+        self._trainer_ctrl[rank].send(("corrupt", name))
+        _recv(self._trainer_ctrl[rank], self.timeout, f"trainer {rank} corrupt")
 
     def stop_engines(self, tp: int) -> None:
         self._all(self._worker_ctrl[:tp], ("shutdown_engine",), "worker")

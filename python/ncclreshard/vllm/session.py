@@ -104,7 +104,6 @@ class Session:
             self.comm = init_comm(world_size, rank, dist.PrefixStore("comm", self.store), self.device)
         self._plans: Dict[Tuple[int, Tuple[str, ...]], Tuple[Plan, Any]] = {}
         self.plans_made = 0
-        self._step = 0
         self._declared: Dict[int, Refit] = {}
 
     # -- the store ----------------------------------------------------------------------------
@@ -198,32 +197,31 @@ class Session:
     def run(
         self,
         epoch: int,
+        step: int,
         refit: Refit,
         views: "Any",
         before: Optional[Any] = None,
-        error: Optional[str] = None,
     ) -> float:
-        """One update of `refit`: `views(plan)` gives this rank's ``(src, dst)`` view lists;
+        """Update `step` (the trainer's count, the same on every rank) of `refit`:
+        `views(plan)` gives this rank's ``(src, dst)`` view lists;
         each rank checks them against the plan, all ranks agree (RefitError naming the first
-        rank's problem, before anything is sent; `error` is one this rank already has), then
+        rank's problem, before anything is sent), then
         `before()` runs (e.g. zeroing padding) and the transport moves the data. Returns the
         transfer's seconds."""
         plan, transport = self.plan(epoch, refit)
-        step = self._step
-        self._step += 1
         src: List[Optional[torch.Tensor]] = []
         dst: List[Optional[torch.Tensor]] = []
-        if error is None:
-            try:
-                src, dst = views(plan)
-                if transport is not None:
-                    transport.check_tensors(src, dst)
-                else:
-                    plan.check_views(src, dst)
-            except (ValueError, TypeError, RefitError) as e:
-                error = f"{type(e).__name__}: {e}"
+        error: Optional[str] = None
+        try:
+            src, dst = views(plan)
+            if transport is not None:
+                transport.check_tensors(src, dst)
+            else:
+                plan.check_views(src, dst)
+        except Exception as e:  # this rank's views are wrong: every rank must learn it
+            error = f"{type(e).__name__}: {e}"
         self.agree(f"update/{step}", error)
-        if step >= 2:  # every rank has read step - 2's verdicts before publishing step - 1's
+        if step >= 2:  # every rank read step - 2's verdicts before it published step - 1's
             self.store.delete_key(f"update/{step - 2}/{self.rank}")
         if before is not None:
             before()

@@ -194,6 +194,25 @@ def recipe_tensors(recipe: Any, names: Mapping[str, str], params: Mapping[str, t
     return out
 
 
+def _join(future: Optional[Future], executor: Optional[ThreadPoolExecutor],
+          failure: Optional[BaseException]) -> Optional[BaseException]:
+    """Waits for a control-plane RPC run beside the transfer and returns the first failure:
+    `failure` (this rank's), else the RPC's."""
+    try:
+        if future is not None:
+            try:
+                future.result()
+            except BaseException as e:
+                if failure is None:
+                    return e
+                if hasattr(failure, "add_note"):
+                    failure.add_note(f"the workers' RPC failed too: {type(e).__name__}: {e}")
+        return failure
+    finally:
+        if executor is not None:
+            executor.shutdown(wait=False)
+
+
 def _as_source(source: Any) -> TrainerSource:
     if isinstance(source, TrainerSource):
         return source
@@ -286,6 +305,7 @@ class NcclReshardTrainerEngine(TrainerWeightTransferEngine[NcclReshardTrainerIni
             # The workers join the group inside this RPC, so it must run while we do.
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncclreshard-init")
             init = executor.submit(client.init_weight_transfer_engine, init_info.worker_init_info())
+        failure: Optional[BaseException] = None
         try:
             device = torch.device(init_info.device or ("cuda" if init_info.transport == "nccl" else "cpu"))
             engine.session = Session(
@@ -296,11 +316,14 @@ class NcclReshardTrainerEngine(TrainerWeightTransferEngine[NcclReshardTrainerIni
                 store_timeout_s=init_info.store_timeout_s,
             )
             engine._declare(declared, error)
-            if init is not None:
-                init.result()
-        finally:
-            if executor is not None:
-                executor.shutdown(wait=False)
+        except BaseException as e:
+            failure = e
+        # The workers fail where we do (the same declarations, the same verdicts), so their
+        # RPC returns too; its error is reported when ours is not the first.
+        failure = _join(init, executor, failure)
+        if failure is not None:
+            engine.shutdown()
+            raise failure
         return engine
 
     def _declare(self, declared: List[SourceTensor], error: Optional[str]) -> None:
@@ -326,33 +349,42 @@ class NcclReshardTrainerEngine(TrainerWeightTransferEngine[NcclReshardTrainerIni
         executor: Optional[ThreadPoolExecutor] = None
         update: Optional[Future] = None
         error: Optional[str] = None
+        begin = f"begin/{self._round}"
         if self.is_sender:
             try:
                 self.client.start_weight_update()
                 executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ncclreshard-update")
-                update = executor.submit(self.client.update_weights, {"epoch": epoch, "names": names})
-            except Exception as e:  # the other ranks learn it at the update's agreement
-                error = f"the weight update could not start: {type(e).__name__}: {e}"
+                update = executor.submit(self.client.update_weights,
+                                         {"epoch": epoch, "names": names, "step": self._round})
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+            # The other trainer ranks must not wait on workers that never got the update.
+            self.session.publish(begin, error)
+        else:
+            error = self.session.read(begin, 0, "the start of the update")
         failure: Optional[BaseException] = None
-        try:
-            if changed:
-                self._declare(declared, None)
-            refit = self._refit.subset(names)
-            views = self._source.views(self.rank)
+        if error is not None:
+            failure = RefitError(f"the weight update could not start on the workers: {error}")
+        else:
+            try:
+                if changed:
+                    self._declare(declared, None)
+                refit = self._refit.subset(names)
+                views = self._source.views(self.rank)
 
-            def pick(plan: Any) -> Any:
-                return [views.get(s.name) if self.rank in s.src.ranks else None for s in refit.specs], [None] * len(refit.specs)
+                def pick(plan: Any) -> Any:
+                    src = [views.get(s.name) if self.rank in s.src.ranks else None for s in refit.specs]
+                    return src, [None] * len(refit.specs)
 
-            self.last_transfer_s = self.session.run(self.epoch, refit, pick, error=error)
-            if update is not None:
-                update.result()
-            if self.is_sender:
+                self.last_transfer_s = self.session.run(self.epoch, self._round, refit, pick)
+            except BaseException as e:
+                failure = e
+        failure = _join(update, executor, failure)
+        if failure is None and self.is_sender:
+            try:
                 self.client.finish_weight_update()
-        except BaseException as e:
-            failure = e
-        finally:
-            if executor is not None:
-                executor.shutdown(wait=False)
+            except BaseException as e:
+                failure = e
         self._outcome(failure)
 
     def _outcome(self, failure: Optional[BaseException]) -> None:

@@ -78,10 +78,12 @@ class NcclReshardInitInfo(WeightTransferInitInfo):
 @dataclass
 class NcclReshardUpdateInfo(WeightTransferUpdateInfo):
     """One update: the declaration `epoch` the trainer sends in (a new one after its tensors'
-    shapes or layouts changed) and the checkpoint `names` it sends now (None: all declared)."""
+    shapes or layouts changed), the checkpoint `names` it sends now (None: all declared) and
+    the trainer's update count `step` (every rank's key for agreeing on this update)."""
 
     epoch: int = 0
     names: Optional[List[str]] = field(default=None)
+    step: int = 0
 
 
 class NcclReshardWeightTransferEngine(WeightTransferEngine[NcclReshardInitInfo, NcclReshardUpdateInfo]):
@@ -191,7 +193,8 @@ class NcclReshardWeightTransferEngine(WeightTransferEngine[NcclReshardInitInfo, 
 
         start = time.perf_counter()
         with torch.no_grad():
-            self.last_transfer_s = session.run(self._epoch, refit, views, before=zero_padding)
+            self.last_transfer_s = session.run(self._epoch, update_info.step, refit, views,
+                                              before=zero_padding)
         self._received.update(refit.names)
         logger.info("ncclreshard: rank %d received %d tensors in %.3f s (transfer %.3f s)",
                     rank, len(refit.specs), time.perf_counter() - start, self.last_transfer_s)
