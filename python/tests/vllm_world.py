@@ -98,6 +98,10 @@ class _Worker:
         self.case = dict(model=model_name, tp=tp, ep=ep)
         with set_current_vllm_config(self.vllm_config):
             load_general_plugins()  # what vLLM's WorkerBase does: our entry point registers
+            # vLLM may run plugins more than once per process; the hook must stay quiet.
+            from ncclreshard.vllm import register
+
+            register()
             self.engine = WeightTransferEngineFactory.create_engine(
                 WeightTransferConfig(backend="ncclreshard"), self.vllm_config,
                 torch.device("cpu"), self.model,

@@ -86,7 +86,8 @@ class Session:
             if backend == "gloo":
                 self.group = dist.ProcessGroupGloo(group_store, rank, world_size, timeout)
             elif backend == "nccl":
-                torch.cuda.set_device(self.device)
+                if self.device.index is not None:
+                    torch.cuda.set_device(self.device)
                 self.group = dist.ProcessGroupNCCL(group_store, rank, world_size, timeout)
                 connect = getattr(self.group, "eager_connect_single_device", None)
                 if callable(connect):  # every rank joins now, not at its first send
