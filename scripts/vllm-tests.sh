@@ -7,7 +7,7 @@
 #  - pytest python/tests/test_vllm_backend.py (refits through vLLM's own weight-transfer API,
 #    every parameter of every vLLM rank against load_weights; bad input on every rank) and
 #    test_vllm_specs.py; NCCLRESHARD_VLLM_SWEEP=1 runs every model at TP 1/2/4 and EP 2/4 from
-#    every source instead of the CI cases (about 10 minutes);
+#    every source instead of the CI cases (38 cases, about 2.5 minutes);
 #  - python/examples/vllm_refit.py --cpu, which must end with its "verified" line.
 # Prints the seconds each part took.
 set -euo pipefail

@@ -12,7 +12,7 @@ coverage" for the same model beside ours (every byte direct).
 
 Default: the cases CI runs (every parameter kind: GQA with KV heads replicated at TP 4, padded
 vocabulary, tied embeddings, MoE with EP and with TP, shared experts, biases; FSDP2, FSDP2 + TP
-and Megatron sources). ``NCCLRESHARD_VLLM_SWEEP=1``: every model at TP 1, 2, 4 (MoE also EP 2,
+and Megatron sources, and vLLM's own ModuleSource). ``NCCLRESHARD_VLLM_SWEEP=1``: every model at TP 1, 2, 4 (MoE also EP 2,
 4) from every source. Bad input raises on every rank, trainers and workers, naming the tensor
 and the vLLM parameter, before anything is sent.
 """
@@ -40,6 +40,7 @@ CI_CASES: List[Case] = [
     ("qwen3-tied", 2, False, "fsdp2"),    # tied LM head, sent once
     ("qwen3-moe", 4, True, "fsdp2"),      # EP: whole experts per rank; layer 0 dense
     ("qwen2-moe", 2, False, "fsdp2+tp"),  # experts under TP, shared expert and its gate, biases
+    ("qwen3-moe", 2, False, "vllm-source"),  # vLLM's own ModuleSource (WeightSource) over FSDP2
 ]
 
 
@@ -48,7 +49,7 @@ def _sweep() -> List[Case]:
     for model, config in harness.MODELS.items():
         moe = "num_experts" in config
         for tp, ep in [(1, False), (2, False), (4, False)] + ([(2, True), (4, True)] if moe else []):
-            for kind in ("fsdp2", "fsdp2+tp") + (() if moe else ("megatron",)):
+            for kind in ("fsdp2", "fsdp2+tp", "vllm-source") + (() if moe else ("megatron",)):
                 cases.append((model, tp, ep, kind))
     return cases
 

@@ -6,8 +6,9 @@ environment of scripts/vllm-venv.sh.
 takes most of a process's start):
 
 - trainer processes form a gloo world of their own and hold the checkpoint
-  (vllm_harness.checkpoint) as FSDP2 (``fully_shard``), FSDP2 + TP (``parallelize_module`` then
-  ``fully_shard``) or Megatron-style tensors (explicit layouts, the recipes' interleaved
+  (vllm_harness.checkpoint) as FSDP2 (``fully_shard``; also through vLLM's own
+  ``ModuleSource``), FSDP2 + TP (``parallelize_module`` then ``fully_shard``) or Megatron-style
+  tensors (explicit layouts, the recipes' interleaved
   ``linear_qkv`` and gated ``linear_fc1``); they call vLLM's ``WeightTransferTrainerFactory
   .trainer_init`` and ``send_weights``; trainer rank 0's client reaches the workers as vLLM's
   ``collective_rpc`` would, one pipe per worker;
@@ -445,7 +446,7 @@ class _Trainer:
     def start(self, model_name: str, kind: str, workers: int, port: int, seed: int,
               options: Dict[str, Any]) -> Dict[str, Any]:
         """trainer_init for a case: the checkpoint of `seed` as `kind` tensors."""
-        import ncclreshard.vllm.trainer  # noqa: F401 - registers the trainer engine on import
+        # Importing the trainer module registers the trainer engine with vLLM's factory.
         from ncclreshard.vllm.trainer import DTensorSource, NcclReshardTrainerInitInfo
         from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
@@ -457,6 +458,12 @@ class _Trainer:
             self.megatron = _Megatron(model_name, self.rank)
             self.megatron.fill(ckpt)
             source = self.megatron.source(ckpt)
+        elif kind == "vllm-source":
+            # vLLM's own WeightSource over FSDP2 parameters (metadata + iter_local).
+            from vllm.distributed.weight_transfer import ModuleSource
+
+            self.module = _sharded("fsdp2", ckpt, self.world)
+            source = ModuleSource(self.module)
         else:
             self.module = _sharded(kind, ckpt, self.world)
             source = DTensorSource(self.module)
@@ -479,7 +486,8 @@ class _Trainer:
             if "corrupt" not in self.case:
                 self.megatron.fill(ckpt)
         else:
-            fresh = _sharded(self.case["kind"], ckpt, self.world)
+            kind = "fsdp2" if self.case["kind"] == "vllm-source" else self.case["kind"]
+            fresh = _sharded(kind, ckpt, self.world)
             new = dict(fresh.named_parameters())
             with torch.no_grad():
                 for name, p in self.module.named_parameters():

@@ -22,7 +22,7 @@ import logging
 import time
 import zlib
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -105,7 +105,6 @@ class Session:
             self.comm = init_comm(world_size, rank, dist.PrefixStore("comm", self.store), self.device)
         self._plans: Dict[Tuple[int, Tuple[str, ...]], Tuple[Plan, Any]] = {}
         self.plans_made = 0
-        self._declared: Dict[int, Refit] = {}
 
     # -- the store ----------------------------------------------------------------------------
 
@@ -147,7 +146,6 @@ class Session:
             for r in range(self.world_size)
         ]
         refit = build(declarations)
-        self._declared[epoch] = refit
         logger.info("ncclreshard: epoch %d declared, %d tensors, %.3f s", epoch, len(refit.specs),
                     time.perf_counter() - start)
         return refit
