@@ -17,6 +17,8 @@ Group ranks: trainers ``[0, T)``, workers ``[T, world_size)``. Plans are made on
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -139,12 +141,26 @@ class Session:
         refit from them (:func:`~ncclreshard.vllm.specs.build`): the same specs, or the same
         RefitError, on every rank."""
         start = time.perf_counter()
-        self._put(f"declaration/{epoch}/{self.rank}", mine.to_json())
-        declarations = [
-            mine if r == self.rank else
-            Declaration.from_json(self._get(f"declaration/{epoch}/{r}", r, "its declaration"))
-            for r in range(self.world_size)
-        ]
+        # A rank's sources go under their digest, so ranks that declare the same tensors (the
+        # trainers of FSDP2 all do) are fetched and parsed once.
+        body = mine.to_json()
+        blob = {"layouts": body.pop("layouts"), "sources": body.pop("sources")}
+        body["sources"] = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+        self._put(f"sources/{epoch}/{body['sources']}", blob)
+        self._put(f"declaration/{epoch}/{self.rank}", body)
+        parsed: Dict[str, Declaration] = {}
+        declarations = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                declarations.append(mine)
+                continue
+            theirs = self._get(f"declaration/{epoch}/{r}", r, "its declaration")
+            digest = theirs.pop("sources")
+            if digest not in parsed:
+                blob = self._get(f"sources/{epoch}/{digest}", r, "its sources")
+                parsed[digest] = Declaration.from_json(dict(rank=r, role="", pieces=[], **blob))
+            declarations.append(Declaration.from_json(dict(theirs, layouts=[], sources=[])))
+            declarations[-1] = dataclasses.replace(declarations[-1], sources=parsed[digest].sources)
         refit = build(declarations)
         logger.info("ncclreshard: epoch %d declared, %d tensors, %.3f s", epoch, len(refit.specs),
                     time.perf_counter() - start)

@@ -56,9 +56,12 @@ class SourceTensor:
                 "layout": self.layout.to_json()}
 
     @classmethod
-    def from_json(cls, value: Mapping[str, Any]) -> "SourceTensor":
-        return cls(value["name"], tuple(value["shape"]), dtypes.to_dtype(value["dtype"]),
-                   Layout.from_json(value["layout"], f"{value['name']}.layout"))
+    def from_json(cls, value: Mapping[str, Any], layout: Optional[Layout] = None) -> "SourceTensor":
+        """The tensor of `value`; `layout`, when given, stands for its "layout" entry (a
+        declaration lists its layouts once, its tensors refer to them by index)."""
+        if layout is None:
+            layout = Layout.from_json(value["layout"], f"{value['name']}.layout")
+        return cls(value["name"], tuple(value["shape"]), dtypes.to_dtype(value["dtype"]), layout)
 
 
 @dataclass(frozen=True)
@@ -103,14 +106,26 @@ class Declaration:
     error: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
-        return {"rank": self.rank, "role": self.role,
-                "sources": [s.to_json() for s in self.sources],
-                "pieces": [p.to_json() for p in self.pieces], "error": self.error}
+        """JSON with each distinct source layout once (``layouts``) and the tensors referring
+        to them by index: a model's thousands of tensors share a handful of layouts."""
+        layouts: List[Layout] = []
+        index: Dict[Layout, int] = {}
+        sources = []
+        for s in self.sources:
+            if s.layout not in index:
+                index[s.layout] = len(layouts)
+                layouts.append(s.layout)
+            sources.append({"name": s.name, "shape": list(s.shape), "dtype": dtypes.name(s.dtype),
+                            "layout": index[s.layout]})
+        return {"rank": self.rank, "role": self.role, "layouts": [l.to_json() for l in layouts],
+                "sources": sources, "pieces": [p.to_json() for p in self.pieces], "error": self.error}
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "Declaration":
+        layouts = [Layout.from_json(l, f"rank {value['rank']}: layouts[{i}]")
+                   for i, l in enumerate(value["layouts"])]
         return cls(int(value["rank"]), value["role"],
-                   tuple(SourceTensor.from_json(s) for s in value["sources"]),
+                   tuple(SourceTensor.from_json(s, layouts[s["layout"]]) for s in value["sources"]),
                    tuple(DestinationPiece.from_json(p) for p in value["pieces"]),
                    value.get("error"))
 
