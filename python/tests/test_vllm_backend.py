@@ -144,3 +144,21 @@ def test_bad_updates_raise_on_every_rank_before_anything_is_sent(world: RefitWor
         assert world.untouched(2) == [True, True]
     finally:
         world.stop_engines(2)
+
+
+def test_a_new_trainer_layout_is_declared_and_planned_once_more(world: RefitWorld) -> None:
+    """The trainer changes its sharding between steps (every DTensor redistributed to
+    Replicate): the next send declares a new epoch, every rank plans once more, and the refit
+    is again exact; the step after reuses that plan."""
+    world.build("qwen3-moe", 2, True)
+    try:
+        world.start("qwen3-moe", "fsdp2", 2, 1)
+        assert [s["plans"] for s in world.send(1)] == [1] * world.trainers
+        world.verify(2, 1)
+        world.relayout()
+        for seed in (2, 3):
+            sent = world.send(seed)
+            assert [(s["plans"], s["epoch"]) for s in sent] == [(2, 1)] * world.trainers, sent
+            assert [v["plans"] for v in world.verify(2, seed)] == [2, 2]
+    finally:
+        world.stop_engines(2)

@@ -485,6 +485,10 @@ class _Trainer:
         if self.megatron is not None:
             if "corrupt" not in self.case:
                 self.megatron.fill(ckpt)
+        elif self.case["kind"] == "replicated":
+            with torch.no_grad():
+                for name, p in self.module.named_parameters():
+                    p.to_local().copy_(ckpt[name])
         else:
             kind = "fsdp2" if self.case["kind"] == "vllm-source" else self.case["kind"]
             fresh = _sharded(kind, ckpt, self.world)
@@ -499,6 +503,18 @@ class _Trainer:
         return {"send_s": seconds, "transfer_s": self.engine.last_transfer_s,
                 "worker_transfer_s": getattr(client, "transfer_s", []),
                 "plans": self.engine.session.plans_made, "epoch": self.engine.epoch}
+
+    def relayout(self) -> None:
+        """Replaces every parameter by its DTensor redistributed to Replicate() (a trainer that
+        changed its sharding): the next send declares anew and plans once more."""
+        import torch
+        from torch.distributed.tensor import Replicate
+
+        for name, p in list(self.module.named_parameters()):
+            owner = self.module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.module
+            whole = p.redistribute(p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+            setattr(owner, name.rsplit(".", 1)[-1], torch.nn.Parameter(whole, requires_grad=False))
+        self.case["kind"] = "replicated"
 
     def corrupt(self, name: str) -> None:
         """Replaces this rank's Megatron tensor `name` by one a row short (a bug in the
@@ -648,6 +664,9 @@ class RefitWorld:
 
     def untouched(self, tp: int) -> List[bool]:
         return self._all(self._worker_ctrl[:tp], ("untouched",), "worker")
+
+    def relayout(self) -> None:
+        self._all(self._trainer_ctrl, ("relayout",), "trainer")
 
     def corrupt(self, rank: int, name: str) -> None:
         self._trainer_ctrl[rank].send(("corrupt", name))

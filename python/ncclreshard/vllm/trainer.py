@@ -105,18 +105,24 @@ class DTensorSource(TrainerSource):
         rank_map: Optional[RankMap] = None,
         name_map: Optional[Callable[[str], Optional[str]]] = None,
     ) -> None:
-        if isinstance(params, torch.nn.Module):
-            pairs = list(params.named_parameters())
-        elif isinstance(params, Mapping):
-            pairs = list(params.items())
-        else:
-            pairs = list(params)
-        self._params: List[Tuple[str, torch.Tensor]] = []
-        for name, p in pairs:
-            mapped = name_map(name) if name_map is not None else name
-            if mapped is not None:
-                self._params.append((mapped, p))
+        # A module is read afresh at every send: a trainer may replace its parameters (a new
+        # sharding), which then makes a new declaration and plan.
+        self._module = params if isinstance(params, torch.nn.Module) else None
+        self._fixed = None if self._module is not None else (
+            list(params.items()) if isinstance(params, Mapping) else list(params)
+        )
+        self._name_map = name_map
         self._rank_map = rank_map
+
+    @property
+    def _params(self) -> List[Tuple[str, torch.Tensor]]:
+        pairs = list(self._module.named_parameters()) if self._module is not None else self._fixed
+        out = []
+        for name, p in pairs or []:
+            mapped = self._name_map(name) if self._name_map is not None else name
+            if mapped is not None:
+                out.append((mapped, p))
+        return out
 
     def tensors(self, trainer_ranks: int) -> List[SourceTensor]:
         out = []
