@@ -217,12 +217,11 @@ class Session:
         views: "Any",
         before: Optional[Any] = None,
     ) -> float:
-        """Update `step` (the trainer's count, the same on every rank) of `refit`:
-        `views(plan)` gives this rank's ``(src, dst)`` view lists;
-        each rank checks them against the plan, all ranks agree (RefitError naming the first
-        rank's problem, before anything is sent), then
-        `before()` runs (e.g. zeroing padding) and the transport moves the data. Returns the
-        transfer's seconds."""
+        """Update `step` (the trainer's count, the same on every rank) of `refit`: `views(plan)`
+        gives this rank's ``(src, dst)`` view lists; each rank checks them against the plan and
+        all ranks agree (RefitError naming the first rank's problem, before anything is sent);
+        then `before()` runs (e.g. zeroing padding) and the transport moves the data. Returns
+        the transfer's seconds."""
         plan, transport = self.plan(epoch, refit)
         src: List[Optional[torch.Tensor]] = []
         dst: List[Optional[torch.Tensor]] = []
