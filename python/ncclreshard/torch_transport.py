@@ -118,11 +118,88 @@ class _Call:
         return found
 
 
+def _registered(group: Any) -> bool:
+    """True when `group` is known to torch.distributed (the default group or one from
+    ``dist.new_group``), False for a bare process group made outside it."""
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+class _Group:
+    """The process group a call runs on, with one way to post a round's operations.
+
+    A group torch.distributed knows (the default group, ``dist.new_group``) is used through
+    ``dist.batch_isend_irecv`` with its members' global ranks. A bare one — a
+    ``ProcessGroupGloo``/``ProcessGroupNCCL`` made on a store outside
+    ``init_process_group``, as trainer and inference processes that each have their own
+    default group must make to talk to each other — is used through its own ``send``/``recv``
+    with its own ranks (on NCCL inside ``_start_coalescing``/``_end_coalescing``, as
+    ``batch_isend_irecv`` does, so no send waits behind a receive)."""
+
+    def __init__(self, group: Any) -> None:
+        if group is None:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError(
+                    "torch.distributed is not initialised: call dist.init_process_group first, "
+                    "or give the transport a process group (the transport runs on one)"
+                )
+            group = dist.group.WORLD
+        self.group = group
+        self.registered = _registered(group)
+        if self.registered:
+            self.rank = dist.get_rank(group)
+            self.size = dist.get_world_size(group)
+            self.backend = str(dist.get_backend(group))
+        elif all(callable(getattr(group, m, None)) for m in ("rank", "size", "send", "recv")):
+            self.rank = int(group.rank())
+            self.size = int(group.size())
+            name = getattr(group, "name", None)
+            self.backend = str(name() if callable(name) else "").lower()
+        else:
+            raise TypeError(
+                f"group must be a torch.distributed process group, got {type(group).__name__}"
+            )
+
+    def post(self, ops: List[Tuple[str, torch.Tensor, int]], device: torch.device) -> List[Tuple[Any, int]]:
+        """Posts one round's ``("send" | "recv", tensor, peer)`` operations as one batch:
+        receives and sends together, so no send waits behind another's receive. Returns
+        (work, peer) pairs; a backend that coalesces the batch into one work names every peer
+        for it."""
+        peers = [peer for _, _, peer in ops]
+        if self.registered:
+            p2p = [
+                dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor,
+                           dist.get_global_rank(self.group, peer), self.group)
+                for kind, tensor, peer in ops
+            ]
+            works = dist.batch_isend_irecv(p2p)
+        elif self.backend == "nccl":
+            self.group._start_coalescing(device)
+            for kind, tensor, peer in ops:
+                getattr(self.group, kind)([tensor], peer, 0)
+            works = [self.group._end_coalescing(device)]
+        else:
+            works = [getattr(self.group, kind)([tensor], peer, 0) for kind, tensor, peer in ops]
+        if len(works) == len(ops):
+            return list(zip(works, peers))
+        return [(w, p) for w in works for p in sorted(set(peers))]
+
+
 class TorchTransport:
     """Runs `plan` with ``torch.distributed`` point-to-point operations on `group` (default: the
     default process group), whose ranks are the plan's ranks. Make it once per plan and call
     :meth:`reshard` every step: the schedule (rounds, messages, workspace sizes) is computed
     here, from :meth:`Plan.transfers`.
+
+    `group` may also be a bare process group torch.distributed does not know: a
+    ``ProcessGroupGloo``/``ProcessGroupNCCL`` made on a store, outside
+    ``init_process_group``, which is how processes that each have a default group of their own
+    (a trainer's, an inference engine's) make one over both; its own ranks are the plan's.
 
     Works on any backend that has ``isend``/``irecv``: gloo on CPU tensors (every rank a
     process, no GPU), torch's NCCL on CUDA tensors (the NCCL torch already loaded; nothing
@@ -263,24 +340,17 @@ class TorchTransport:
                     highest = max(highest, survivor)
         return highest
 
-    def _check_group(self, group: Any) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: call dist.init_process_group first "
-                "(the transport runs on a process group)"
-            )
-        rank = dist.get_rank(group)
-        if rank < 0:
+    def _check_group(self, group: _Group) -> None:
+        if group.rank < 0:
             raise ValueError("this process is not a member of the process group given")
-        size = dist.get_world_size(group)
-        if rank != self.rank:
+        if group.rank != self.rank:
             raise ValueError(
-                f"this process is rank {rank} of the process group but the plan is rank "
+                f"this process is rank {group.rank} of the process group but the plan is rank "
                 f"{self.rank}'s; plan with the group's rank (Plan(specs, dist.get_rank(group)))"
             )
-        if size <= self._highest_rank:
+        if group.size <= self._highest_rank:
             raise ValueError(
-                f"the process group has {size} ranks but the plan's layouts name rank "
+                f"the process group has {group.size} ranks but the plan's layouts name rank "
                 f"{self._highest_rank}; the plan's ranks are ranks of the group"
             )
 
@@ -317,10 +387,10 @@ class TorchTransport:
         On CUDA tensors the work is ordered on the current stream, as torch's collectives
         are; returns when it is enqueued (or done, with `check` or a deadline).
         """
-        group = self.group if self.group is not None else dist.group.WORLD
+        group = _Group(self.group)
         self._check_group(group)
         device = self.check_tensors(src, dst, scales)
-        backend = str(dist.get_backend(group))
+        backend = group.backend
         if device is not None and device.type != "cuda" and backend == "nccl":
             raise ValueError(f"the process group's backend is NCCL but the tensors are on {device}; NCCL needs CUDA tensors")
         if device is None:
@@ -332,7 +402,7 @@ class TorchTransport:
         with torch.no_grad():
             self._run(group, device, src, dst, scales, check, timeout_ms)
 
-    def _run(self, group: Any, device: torch.device, src: Sequence[TensorOrNone],
+    def _run(self, group: _Group, device: torch.device, src: Sequence[TensorOrNone],
              dst: Sequence[TensorOrNone], scales: Sequence[TensorOrNone], check: bool,
              timeout_ms: int) -> None:
         n = self._ntensors
@@ -348,7 +418,6 @@ class TorchTransport:
         for key, extent in self._extents.items():
             views[key] = (torch.empty(extent, dtype=torch.uint8, device=device), 0)
         call = _Call(views)
-        global_rank = {p: dist.get_global_rank(group, p) for p in self.peers}
         deadline = time.monotonic() + timeout_ms / 1000 if timeout_ms > 0 else None
         stage_count = len(self.rounds)
 
@@ -363,9 +432,9 @@ class TorchTransport:
             mine = torch.full((1,), fp, dtype=torch.int64, device=device)
             ops = []
             for i, p in enumerate(self.peers):
-                ops.append(dist.P2POp(dist.irecv, theirs[i:i + 1], global_rank[p], group))
-                ops.append(dist.P2POp(dist.isend, mine, global_rank[p], group))
-            fingerprint_works = self._post(ops, [p for p in self.peers for _ in (0, 1)])
+                ops.append(("recv", theirs[i:i + 1], p))
+                ops.append(("send", mine, p))
+            fingerprint_works = group.post(ops, device)
             if check:
                 stage = "the fingerprint exchange"
                 self._wait(fingerprint_works, deadline, timeout_ms, stage)
@@ -390,18 +459,16 @@ class TorchTransport:
                 _grid(d_base, d_off + t.dst_offset, t.count, t.dst_stride, t.chunk_bytes).copy_(
                     _grid(s_base, s_off + t.src_offset, t.count, t.src_stride, t.chunk_bytes)
                 )
-            ops, peers, unpacks = [], [], []
+            ops, unpacks = [], []
             for p, ts in self._recvs.get(r, {}).items():
                 buffer, unpack = self._receive_buffer(ts, call, device)
-                ops.append(dist.P2POp(dist.irecv, buffer, global_rank[p], group))
-                peers.append(p)
+                ops.append(("recv", buffer, p))
                 if unpack:
                     unpacks.append((ts, buffer))
             for p, ts in self._sends.get(r, {}).items():
-                ops.append(dist.P2POp(dist.isend, self._send_buffer(ts, call, device), global_rank[p], group))
-                peers.append(p)
+                ops.append(("send", self._send_buffer(ts, call, device), p))
             if ops:
-                works = self._post(ops, peers)
+                works = group.post(ops, device)
                 if index == 0 and fingerprint_works:
                     works = fingerprint_works + works
                     fingerprint_works = []
@@ -418,15 +485,6 @@ class TorchTransport:
                 self._convert(t, call)
         if fingerprint_works:
             self._wait(fingerprint_works, deadline, timeout_ms, "the fingerprint exchange")
-
-    def _post(self, ops: List[Any], peers: List[int]) -> List[Tuple[Any, int]]:
-        """Posts one round's operations as one batch (one NCCL group on NCCL): receives and
-        sends together, so no send waits behind another's receive. Returns (work, peer)
-        pairs; a backend that coalesces the batch into one work names every peer for it."""
-        works = dist.batch_isend_irecv(ops)
-        if len(works) == len(ops):
-            return list(zip(works, peers))
-        return [(w, p) for w in works for p in sorted(set(peers))]
 
     def _wait(self, works: List[Tuple[Any, int]], deadline: Optional[float], timeout_ms: int,
               stage: str) -> None:

@@ -18,6 +18,7 @@ import os
 import random
 import re
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -421,6 +422,33 @@ def test_fused_vllm_parameter_through_its_views() -> None:
         w = _hf(seed, q_proj=(heads * HEAD_DIM, HIDDEN), k_proj=(kv_heads * HEAD_DIM, HIDDEN), v_proj=(kv_heads * HEAD_DIM, HIDDEN))
         for tp_rank, rank in enumerate([2, 3]):
             assert torch.equal(torch.from_numpy(results[rank][i]), vllm_qkv(w, heads, kv_heads, 2, tp_rank)), (seed, rank)
+
+
+def _bare_group_rank(rank: int, world: int, store_path: str) -> bytes:
+    """A bare ProcessGroupGloo over its own store, numbered in reverse of the default group:
+    the plan's ranks are the bare group's."""
+    bare_rank = world - 1 - rank
+    group = dist.ProcessGroupGloo(dist.FileStore(store_path, world), bare_rank, world, timedelta(seconds=60))
+    spec = nr.TensorSpec("w", (6, 8), torch.float32, nr.Layout([2], 0, [nr.Shard(0)]),
+                         nr.Layout([2], [2, 3], [nr.Shard(1)]))
+    plan = nr.Plan([spec], bare_rank, nr.Config(mode="staged"))
+    full = torch.arange(48, dtype=torch.float32).view(6, 8)
+    src = [full[bare_rank * 3:bare_rank * 3 + 3].clone()] if bare_rank < 2 else [None]
+    dst = [torch.zeros(6, 4)] if bare_rank >= 2 else [None]
+    nr.TorchTransport(plan, group).reshard(src, dst)
+    return dst[0].numpy().tobytes() if dst[0] is not None else b""
+
+
+def test_a_bare_process_group_of_its_own_numbering(tmp_path: Path) -> None:
+    """A process group torch.distributed does not know (made on a store, as trainer and
+    inference processes with default groups of their own make one) carries the plan on its own
+    ranks: bare ranks 2 and 3 (default ranks 1 and 0) get their columns."""
+    store = str(tmp_path / "bare-store")
+    results = run_world(4, _bare_group_rank, [(store,)] * 4)
+    full = torch.arange(48, dtype=torch.float32).view(6, 8)
+    for bare_rank in (2, 3):
+        got = torch.frombuffer(bytearray(results[3 - bare_rank]), dtype=torch.float32).view(6, 4)
+        assert torch.equal(got, full[:, (bare_rank - 2) * 4:(bare_rank - 1) * 4]), bare_rank
 
 
 # --- refusals and failures -------------------------------------------------------------------

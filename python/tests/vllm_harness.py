@@ -239,19 +239,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _build(model_name: str, tp: int, ep: bool, rank: int, port: int, workdir: Path):
+def configure(model_name: str, tp: int, ep: bool, workdir: Path, rank: int = 0) -> Any:
+    """A new VllmConfig of `model_name` at TP `tp` (`ep`: expert parallel) for TP rank `rank`,
+    its config.json written under `workdir` (a directory of its own per call). Each model
+    instance needs its own config: vLLM registers every attention layer in it by name."""
     import json
 
-    from vllm.config import (
-        LoadConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
     model_dir = workdir / "model"
     model_dir.mkdir(parents=True)
@@ -260,11 +254,23 @@ def _build(model_name: str, tp: int, ep: bool, rank: int, port: int, workdir: Pa
         model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16"
     )
     parallel = ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep)
-    vllm_config = VllmConfig(
+    # What vLLM's Worker sets before loading the model: the rank within the TP x PP world.
+    parallel.rank = rank
+    return VllmConfig(
         model_config=model_config,
         parallel_config=parallel,
         load_config=LoadConfig(load_format="dummy"),
     )
+
+
+def build(model_name: str, tp: int, ep: bool, rank: int, port: int, workdir: Path):
+    """Rank `rank` of vLLM's distributed state over gloo (`tp` ranks, rendezvous at `port`) and
+    its instance of `model_name` (dummy weights), configured in `workdir`. Undo with
+    `teardown()` before building another in the same process."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    vllm_config = configure(model_name, tp, ep, workdir, rank)
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=tp,
@@ -274,12 +280,24 @@ def _build(model_name: str, tp: int, ep: bool, rank: int, port: int, workdir: Pa
             backend="gloo",
         )
         initialize_model_parallel(tensor_model_parallel_size=tp)
-        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
-            model = initialize_model(vllm_config=vllm_config)
+        model = new_model(vllm_config)
     return model, vllm_config
 
 
-def _teardown() -> None:
+def new_model(vllm_config: Any) -> Any:
+    """An instance of the model of `vllm_config` (a config of its own, from `configure`) in this
+    process, whose distributed state is initialised: e.g. a fresh model for the oracle's
+    `load_weights`."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(vllm_config):
+        with set_default_torch_dtype(vllm_config.model_config.dtype), torch.device("cpu"):
+            return initialize_model(vllm_config=vllm_config)
+
+
+def teardown() -> None:
     # vLLM's groups hold shared-memory broadcast queues; released here, not by the tracker.
     # Nothing to release when vLLM never got imported (a rank that failed before that).
     if "vllm.distributed" not in sys.modules:
@@ -308,7 +326,7 @@ def _worker(
         from vllm.config import set_current_vllm_config
 
         t0 = time.perf_counter()
-        model, vllm_config = _build(model_name, tp, ep, rank, port, Path(workdir) / f"r{rank}")
+        model, vllm_config = build(model_name, tp, ep, rank, port, Path(workdir) / f"r{rank}")
         ctx = Context(
             model_name, model, vllm_config, rank, tp, ep, seed, Path(workdir),
             time.perf_counter() - t0,
@@ -319,7 +337,7 @@ def _worker(
     except BaseException:  # noqa: BLE001 - the parent raises it, with this traceback
         torch.save({"error": traceback.format_exc()}, out)
     finally:
-        _teardown()
+        teardown()
 
 
 def _load(path: Path) -> Dict[str, Any]:
