@@ -92,6 +92,10 @@ pub(crate) struct Prepared {
     locals: Vec<u32>,
     /// On-node deals and relay forwards, in receiver-group order.
     steps: Vec<Step>,
+    /// Indices in `steps` of the on-node deals, and of each relay group's step: a receiver
+    /// deals those and its own group's only.
+    on_node_steps: Vec<u32>,
+    relay_steps: Vec<u32>,
     /// Relay groups' members, by node.
     relay_groups: Groups,
     /// Relay chunks: regions `1..=chunks`.
@@ -101,7 +105,7 @@ pub(crate) struct Prepared {
     /// `relay_groups` lists them all.
     forward_share: u64,
     /// Network legs, dealt over every replica after the steps.
-    network: Vec<Leg>,
+    network: Network,
     senders: Vec<u32>,
     rounds: u32,
     /// A number of this unit among its tensor's (from its coordinates), for [`Turn::slot`].
@@ -117,6 +121,61 @@ enum Step {
     /// A relay group (index into `relay_groups`): chunk `c` crosses the network to one member,
     /// which forwards it to the others in the next round.
     Relay(u32),
+}
+
+/// A unit's network legs, in deal order: per receiver group (in group order) its receivers'
+/// legs, or its relay chunks' legs; then, when chunks are forwarded, one leg per chunk to the
+/// hub.
+enum Network {
+    /// Fewer legs than senders: legs split so that every sender sends a part, listed.
+    Split(Vec<Leg>),
+    /// At least as many legs as senders: every leg is one part (its region whole), so a leg's
+    /// place in the deal follows from counts: a receiver finds its own legs without walking
+    /// every receiver's (thousands at thousands of ranks).
+    Whole(Whole),
+}
+
+/// [`Network::Whole`]: the legs as segments, one per receiver group.
+#[derive(Default)]
+struct Whole {
+    /// The receivers of the segments that deal to receivers directly, all segments' in one.
+    receivers: Vec<u32>,
+    segments: Vec<Segment>,
+    /// The segment of each relay group.
+    relay_segment: Vec<u32>,
+    /// One leg per chunk to the hub after the segments (chunks are forwarded).
+    forward: bool,
+}
+
+impl Whole {
+    /// Every leg `(to, region)` in deal order, skipped ones included (`chunks`: the unit's
+    /// relay chunks).
+    fn legs(&self, chunks: u32) -> impl Iterator<Item = (LegTo, u32)> + '_ {
+        let segments = self.segments.iter().flat_map(move |seg| {
+            let receivers = self.receivers
+                [seg.receivers.start as usize..seg.receivers.end as usize]
+                .iter()
+                .map(|&r| (LegTo::Receiver(r), 0));
+            let relays = seg.relay.into_iter().flat_map(move |group| {
+                (0..chunks).map(move |chunk| (LegTo::Relay { group, chunk }, 1 + chunk))
+            });
+            receivers.chain(relays)
+        });
+        let forwards = (0..if self.forward { chunks } else { 0 })
+            .map(|chunk| (LegTo::Forward { chunk }, 1 + chunk));
+        segments.chain(forwards)
+    }
+}
+
+struct Segment {
+    /// Receivers dealt to directly (a range of [`Whole::receivers`]; empty for a relay group,
+    /// starting where the next receivers would).
+    receivers: std::ops::Range<u32>,
+    /// The relay group whose chunks this segment deals (one leg per chunk).
+    relay: Option<u32>,
+    /// Legs to receivers, and relay groups, in the segments before this one.
+    receivers_before: u32,
+    relays_before: u32,
 }
 
 /// A part of a unit bound for one receiver, with the regions it is dealt as (one, or its
@@ -332,10 +391,12 @@ impl Prepared {
             ndim: spec.shape.len(),
             locals: locals.clone(),
             steps: Vec::new(),
+            on_node_steps: Vec::new(),
+            relay_steps: Vec::new(),
             relay_groups: Groups::default(),
             chunks: chunks.len() as u32,
             forward_share,
-            network: Vec::new(),
+            network: Network::Whole(Whole::default()),
             senders: Vec::new(),
             rounds,
             ordinal: coords
@@ -343,8 +404,9 @@ impl Prepared {
                 .fold(0u64, |a, &c| a.wrapping_mul(8_191).wrapping_add(c)),
         };
         prepared.regions.extend(chunks);
-        // Network legs: (receiver, region) for every group, dealt out together.
-        let mut network: Vec<(LegTo, u32)> = Vec::new();
+        // Network legs: (receiver, region) for every group, dealt out together, as segments.
+        let mut whole = Whole::default();
+        let mut legs = 0u64;
         for (node, members) in groups {
             if let Some(n) = node {
                 let candidates: Vec<u32> = on_node(n).iter().map(|&(_, s)| s).collect();
@@ -352,26 +414,45 @@ impl Prepared {
                     members.iter().map(|&r| (LegTo::Receiver(r), 0)).collect();
                 let legs = prepared.split_legs(&legs, candidates.len() as u64, config, &bytes_of);
                 prepared.rotates |= candidates.len() > 1;
+                prepared.on_node_steps.push(prepared.steps.len() as u32);
                 prepared.steps.push(Step::OnNode { candidates, legs });
                 continue;
             }
+            let at = whole.receivers.len() as u32;
+            let mut segment = Segment {
+                receivers: at..at,
+                relay: None,
+                receivers_before: at,
+                relays_before: whole.relay_segment.len() as u32,
+            };
             if (members.len() == 1 && forward_share == 0) || !relay {
-                network.extend(members.iter().map(|&r| (LegTo::Receiver(r), 0)));
-                continue;
+                whole.receivers.extend_from_slice(members);
+                segment.receivers.end = whole.receivers.len() as u32;
+                legs += members.len() as u64;
+            } else {
+                let group = prepared.relay_groups.len() as u32;
+                prepared.relay_groups.push(members);
+                prepared.relay_steps.push(prepared.steps.len() as u32);
+                prepared.steps.push(Step::Relay(group));
+                prepared.rotates = true;
+                segment.relay = Some(group);
+                whole.relay_segment.push(whole.segments.len() as u32);
+                legs += u64::from(prepared.chunks);
             }
-            let group = prepared.relay_groups.len() as u32;
-            prepared.relay_groups.push(members);
-            prepared.steps.push(Step::Relay(group));
-            prepared.rotates = true;
-            network.extend(
-                (0..prepared.chunks).map(|chunk| (LegTo::Relay { group, chunk }, 1 + chunk)),
-            );
+            whole.segments.push(segment);
         }
-        if forward_share > 0 {
-            network.extend((0..prepared.chunks).map(|chunk| (LegTo::Forward { chunk }, 1 + chunk)));
+        whole.forward = forward_share > 0;
+        if whole.forward {
+            legs += u64::from(prepared.chunks);
         }
-        prepared.network = prepared.split_legs(&network, senders.len() as u64, config, &bytes_of);
-        prepared.rotates |= senders.len() > 1 && !prepared.network.is_empty();
+        let k = senders.len() as u64;
+        prepared.network = if legs >= k {
+            Network::Whole(whole)
+        } else {
+            let listed: Vec<(LegTo, u32)> = whole.legs(prepared.chunks).collect();
+            Network::Split(prepared.split_legs(&listed, k, config, &bytes_of))
+        };
+        prepared.rotates |= senders.len() > 1 && legs > 0;
         prepared.senders = senders.clone();
         let ndim = prepared.ndim;
         prepared.corners = prepared
@@ -473,15 +554,23 @@ impl Prepared {
         let mine_only = view != View::All;
         #[cfg(not(test))]
         let mine_only = true;
-        for step in &self.steps {
-            match step {
+        // The steps this view deals, in step order: every on-node deal, and the relay groups'
+        // forwards (all of them, or the rank's own group's).
+        let mut steps: Vec<u32> = self.on_node_steps.clone();
+        if relays {
+            if !mine_only {
+                steps.extend_from_slice(&self.relay_steps);
+            } else if let Some(&step) = mine.and_then(|g| self.relay_steps.get(g)) {
+                steps.push(step);
+            }
+            steps.sort_unstable();
+        }
+        for &step in &steps {
+            match &self.steps[step as usize] {
                 Step::OnNode { candidates, legs } => {
                     self.deal_legs(legs, candidates, turn, view, mine, emit);
                 }
                 Step::Relay(group) => {
-                    if !relays || (mine_only && mine != Some(*group as usize)) {
-                        continue;
-                    }
                     let members = self.relay_groups.get(*group);
                     for chunk in 0..self.chunks {
                         if self.forwarded(chunk, turn) {
@@ -500,11 +589,17 @@ impl Prepared {
         for chunk in (0..self.chunks).filter(|&c| relays && self.forwarded(c, turn)) {
             let (hub_group, hub, round) = self.hub(chunk, turn);
             let hub_is_me = matches!(view, View::Receiver(rank) if rank == hub);
-            for g in 0..self.relay_groups.len() {
-                let members = self.relay_groups.get(g as u32);
-                if mine_only && !hub_is_me && mine != Some(g) {
-                    continue;
+            // The hub forwards to every group; another rank takes part in its own group's only.
+            let groups = if !mine_only || hub_is_me {
+                0..self.relay_groups.len()
+            } else {
+                match mine {
+                    Some(g) => g..g + 1,
+                    None => 0..0,
                 }
+            };
+            for g in groups {
+                let members = self.relay_groups.get(g as u32);
                 let (entry, _) = self.relay_leg(g as u32, chunk, turn);
                 if g != hub_group as usize {
                     emit(hub, entry, 1 + chunk, Some(round + 1), true);
@@ -519,7 +614,10 @@ impl Prepared {
                 }
             }
         }
-        self.deal_legs(&self.network, &self.senders, turn, view, mine, emit);
+        match &self.network {
+            Network::Split(legs) => self.deal_legs(legs, &self.senders, turn, view, mine, emit),
+            Network::Whole(whole) => self.deal_whole(whole, turn, view, mine, emit),
+        }
     }
 
     /// Whether relay chunk `chunk` is forwarded between receiving nodes under `rotation`.
@@ -577,12 +675,7 @@ impl Prepared {
         };
         let mut next = 0u64;
         for leg in legs {
-            let skipped = match leg.to {
-                LegTo::Receiver(_) => false,
-                LegTo::Relay { chunk, .. } => self.forwarded(chunk, turn),
-                LegTo::Forward { chunk } => !self.forwarded(chunk, turn),
-            };
-            if skipped {
+            if self.skipped(leg.to, turn) {
                 continue;
             }
             let n = u64::from(leg.parts.end - leg.parts.start);
@@ -600,26 +693,156 @@ impl Prepared {
                 next += n;
                 continue;
             }
-            let (to, round) = match leg.to {
-                LegTo::Receiver(r) => (r, None),
-                LegTo::Relay { group, chunk } => {
-                    let (member, round) = self.relay_leg(group, chunk, turn);
-                    // A lone member (a group only because of forwarding) forwards nothing:
-                    // its data is spread over rounds like any pair's.
-                    let alone = self.relay_groups.get(group).len() == 1;
-                    (member, (!alone).then_some(round))
-                }
-                LegTo::Forward { chunk } => {
-                    let (_, hub, round) = self.hub(chunk, turn);
-                    (hub, Some(round))
-                }
-            };
+            let (to, round) = self.target(leg.to, turn);
             for part in leg.parts.clone() {
                 let from = candidates[((next + start) % k) as usize];
                 next += 1;
                 emit(from, to, part, round, false);
             }
         }
+    }
+
+    /// Whether a network leg is left out under `turn`: a relay group's chunk that is forwarded
+    /// between nodes, or a hub's chunk that is not.
+    fn skipped(&self, to: LegTo, turn: Turn) -> bool {
+        match to {
+            LegTo::Receiver(_) => false,
+            LegTo::Relay { chunk, .. } => self.forwarded(chunk, turn),
+            LegTo::Forward { chunk } => !self.forwarded(chunk, turn),
+        }
+    }
+
+    /// Where a network leg goes under `turn`, and the round it is fixed to (if any).
+    fn target(&self, to: LegTo, turn: Turn) -> (u32, Option<u32>) {
+        match to {
+            LegTo::Receiver(r) => (r, None),
+            LegTo::Relay { group, chunk } => {
+                let (member, round) = self.relay_leg(group, chunk, turn);
+                // A lone member (a group only because of forwarding) forwards nothing: its
+                // data is spread over rounds like any pair's.
+                let alone = self.relay_groups.get(group).len() == 1;
+                (member, (!alone).then_some(round))
+            }
+            LegTo::Forward { chunk } => {
+                let (_, hub, round) = self.hub(chunk, turn);
+                (hub, Some(round))
+            }
+        }
+    }
+
+    /// Deals [`Network::Whole`] legs over the senders, round-robin from a rotated start, as
+    /// [`Prepared::deal_legs`] deals them listed: leg n of those not skipped goes from sender
+    /// `(n + start) mod k`. A receiver works out where its own legs fall from the segments'
+    /// counts; a sender walks the legs but skips a relay group whole when every chunk is
+    /// forwarded.
+    fn deal_whole(
+        &self,
+        whole: &Whole,
+        turn: Turn,
+        view: View,
+        mine: Option<usize>,
+        emit: &mut Emit<'_>,
+    ) {
+        let senders = &self.senders;
+        let k = senders.len() as u64;
+        if k == 0 {
+            return;
+        }
+        let start = turn.rotation % k;
+        // Each relay group deals its chunks that are not forwarded.
+        let kept = (0..self.chunks)
+            .filter(|&c| !self.forwarded(c, turn))
+            .count() as u64;
+        let mut give = |to: LegTo, region: u32, next: u64| {
+            let (to, round) = self.target(to, turn);
+            emit(
+                senders[((next + start) % k) as usize],
+                to,
+                region,
+                round,
+                false,
+            );
+        };
+        let chunk_legs = |group: u32, next: &mut u64, give: &mut dyn FnMut(LegTo, u32, u64)| {
+            for chunk in 0..self.chunks {
+                if !self.forwarded(chunk, turn) {
+                    give(LegTo::Relay { group, chunk }, 1 + chunk, *next);
+                    *next += 1;
+                }
+            }
+        };
+        let forward_legs = |give: &mut dyn FnMut(LegTo, u32, u64)| {
+            if !whole.forward {
+                return;
+            }
+            let mut next = whole.receivers.len() as u64 + whole.relay_segment.len() as u64 * kept;
+            for chunk in 0..self.chunks {
+                if self.forwarded(chunk, turn) {
+                    give(LegTo::Forward { chunk }, 1 + chunk, next);
+                    next += 1;
+                }
+            }
+        };
+        let slot = match view {
+            View::Receiver(rank) => {
+                // The rank's own leg (when it is dealt to directly) and its relay group's
+                // chunks (when it is in one), in segment order, then the hub's legs.
+                let own = whole.receivers.iter().position(|&r| r == rank).map(|i| {
+                    let s = whole
+                        .segments
+                        .partition_point(|seg| seg.receivers.end as usize <= i);
+                    (s, i as u64)
+                });
+                let group = mine.and_then(|g| whole.relay_segment.get(g).map(|&s| (s as usize, g)));
+                let mut order = [own.map(|(s, _)| s), group.map(|(s, _)| s)];
+                order.sort_unstable();
+                for s in order.into_iter().flatten() {
+                    let seg = &whole.segments[s];
+                    let relays_before = u64::from(seg.relays_before) * kept;
+                    match (seg.relay, own) {
+                        (Some(g), _) => {
+                            let mut next = u64::from(seg.receivers_before) + relays_before;
+                            chunk_legs(g, &mut next, &mut give);
+                        }
+                        (None, Some((_, i))) => {
+                            give(LegTo::Receiver(rank), 0, i + relays_before);
+                        }
+                        (None, None) => {}
+                    }
+                }
+                forward_legs(&mut give);
+                return;
+            }
+            View::Sender(rank) => match senders.iter().position(|&c| c == rank) {
+                Some(slot) => Some(slot as u64),
+                // Not a sender of this unit: nothing of these legs is this rank's.
+                None => return,
+            },
+            #[cfg(test)]
+            View::All => None,
+        };
+        // A sender (or every view): walk the legs, giving those dealt at its slot.
+        let mut give_at = |to: LegTo, region: u32, next: u64| {
+            if slot.map_or(true, |slot| (next + start) % k == slot) {
+                give(to, region, next);
+            }
+        };
+        let mut next = 0u64;
+        for seg in &whole.segments {
+            match seg.relay {
+                Some(_) if kept == 0 => {}
+                Some(g) => chunk_legs(g, &mut next, &mut give_at),
+                None => {
+                    for &r in
+                        &whole.receivers[seg.receivers.start as usize..seg.receivers.end as usize]
+                    {
+                        give_at(LegTo::Receiver(r), 0, next);
+                        next += 1;
+                    }
+                }
+            }
+        }
+        forward_legs(&mut give_at);
     }
 }
 

@@ -38,6 +38,7 @@ pub const COMMAND: Command = Command {
         flag("no-relay"),
         value("failed"),
         value("sample"),
+        value("rank"),
         flag("digest"),
         value("mib"),
         value("row"),
@@ -88,6 +89,8 @@ Options:
   --sample N   --plan: plan only N ranks spread evenly over the refit (the first training and
                inference ranks among them) instead of every rank, for refits of thousands
                of ranks; the all-ranks, slowest and peak-memory figures are then over those
+  --rank R,..  --plan: also plan these ranks alone, best of --repeat (default 3) each: time,
+               messages (JSON ranks_alone), e.g. a refit's first, last and slowest ranks
   --digest     --plan: also a hash of the planned ranks' programs (programs_digest), equal
                iff the planner planned the same programs
   --failed R,..  --plan: the survivors' plan after these ranks failed (docs/resilience.md):
@@ -97,7 +100,7 @@ Options:
   --mib N      Bytes of --copy in MiB (default 256)
   --row BYTES  Row size of --copy (default 4096)
   --pad BYTES  Gap between strided rows of --copy (default 64)
-  --repeat N   Runs of each --copy variant (default 5)
+  --repeat N   Runs of each --copy variant (default 5), of each --rank (default 3)
   --json       JSON output (snake_case keys)
   -h, --help   Show this help
 
@@ -181,6 +184,16 @@ struct PlanBench {
     /// `--digest`: a hash of the planned ranks' programs (equal iff the planner planned the
     /// same programs).
     programs_digest: Option<String>,
+    /// `--rank`: each rank asked for, planned alone.
+    ranks_alone: Vec<RankAlone>,
+}
+
+/// A rank `--rank` asked for: `Planner::new` + its `rank_program` alone, best of `--repeat`.
+#[derive(Serialize)]
+struct RankAlone {
+    rank: u32,
+    plan_ms: f64,
+    messages: u64,
 }
 
 /// `n` of `ranks` (sorted) spread evenly from the first to the last, with `keep` among them.
@@ -319,6 +332,63 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
             slowest_alone = (rank, best);
         }
     }
+    // --rank: the ranks asked for, each alone, best of --repeat.
+    let asked: Vec<u64> = parsed
+        .numbers("rank")
+        .map_err(|e| usage("bench", e))?
+        .unwrap_or_default();
+    let repeat = parsed
+        .number::<usize>("repeat")
+        .map_err(|e| usage("bench", e))?
+        .unwrap_or(ALONE_REPEAT)
+        .max(1);
+    let mut ranks_alone = Vec::with_capacity(asked.len());
+    for rank in asked {
+        let rank = u32::try_from(rank)
+            .ok()
+            .filter(|r| planner.ranks().binary_search(r).is_ok())
+            .ok_or_else(|| {
+                usage(
+                    "bench",
+                    format!("--rank: {rank} is not a rank of the refit"),
+                )
+            })?;
+        let mut best = Duration::MAX;
+        for _ in 0..repeat {
+            best = best.min(one(rank)?);
+        }
+        let program = rank_program(&planner, rank, StagingLimit::new(0), NcclTransport::LIMITS)
+            .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))?;
+        if std::env::var("PROBE").is_ok() {
+            use ncclreshard::plan::Buffer;
+            let cat = |ms: &[ncclreshard::plan::Message]| {
+                let mut c = std::collections::BTreeMap::<String, (u64, u64)>::new();
+                let mut peers = std::collections::BTreeSet::new();
+                for m in ms {
+                    peers.insert(m.peer);
+                    let side = if m.peer < refit.infer_ranks.start {
+                        "train"
+                    } else if m.peer / 8 == rank / 8 {
+                        "node"
+                    } else {
+                        "infer"
+                    };
+                    let e = c.entry(format!("{side}/{:?}", m.loc.buffer)).or_default();
+                    e.0 += 1;
+                    e.1 += m.bytes;
+                }
+                (peers.len(), c)
+            };
+            eprintln!("rank {rank}: sends {:?}", cat(&program.sends));
+            eprintln!("rank {rank}: recvs {:?}", cat(&program.recvs));
+            let _ = Buffer::Src;
+        }
+        ranks_alone.push(RankAlone {
+            rank,
+            plan_ms: ms(new + best),
+            messages: (program.sends.len() + program.recvs.len()) as u64,
+        });
+    }
     let result = PlanBench {
         model: args.model.name().to_string(),
         train: args.train_text.clone(),
@@ -347,6 +417,7 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         bytes_total: summaries.iter().map(|s| s.4).sum(),
         peak_rss_mb: work::peak_rss_mb(),
         programs_digest: digest,
+        ranks_alone,
     };
     if parsed.flag("json") {
         out::print(&out::json(&result));
@@ -389,6 +460,12 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         r.peak_rss_mb
             .map_or("unknown".to_string(), |mb| format!("{mb:.0} MiB")),
     ));
+    for alone in &r.ranks_alone {
+        out::print(&format!(
+            "  rank {:<5} alone               {:>10.2} ms   {} messages\n",
+            alone.rank, alone.plan_ms, alone.messages
+        ));
+    }
     Ok(0)
 }
 
