@@ -8,6 +8,8 @@
 use super::config::{Config, Mode};
 use super::fingerprint::mix;
 use super::fxhash::FxHashMap;
+use std::cell::OnceCell;
+use std::rc::Rc;
 use super::loads::{Loads, FORWARD_SCALE};
 use crate::layout::{IndexRuns, TensorSpec};
 
@@ -88,9 +90,42 @@ pub(crate) struct Prepared {
     /// ([`Prepared::corner`]).
     corners: Vec<u64>,
     ndim: usize,
-    /// Receivers that copy locally, in receiver order.
-    locals: Vec<u32>,
-    /// On-node deals and relay forwards, in receiver-group order.
+    /// The receivers in groups (shared by units with the same receivers and no sender on
+    /// their nodes).
+    groups: Rc<ReceiverGroups>,
+    /// How the groups are dealt (shared with them).
+    fanout: Rc<Fanout>,
+    /// Per on-node step of the fanout, in order: its candidates and its legs.
+    on_node: Vec<(Vec<u32>, Vec<Leg>)>,
+    /// Relay chunks: regions `1..=chunks`.
+    chunks: u32,
+    /// The share of chunks forwarded between receiving nodes, in 1/[`FORWARD_SCALE`] (0:
+    /// none). Then every network receiver is in a relay group (one per node) and the fanout's
+    /// relay groups list them all.
+    forward_share: u64,
+    /// The network legs listed and split, when there are fewer than senders; `None`: every
+    /// leg whole, as the fanout's segments give them.
+    split: Option<Vec<Leg>>,
+    senders: Vec<u32>,
+    rounds: u32,
+    /// A number of this unit among its tensor's (from its coordinates), for [`Turn::slot`].
+    ordinal: u64,
+    /// The receiving rank this unit was prepared for, with its relay group and its place
+    /// among the receivers dealt to directly (found once, not at every deal).
+    me: Option<Me>,
+}
+
+#[derive(Clone, Copy)]
+struct Me {
+    rank: u32,
+    group: Option<usize>,
+    direct: Option<usize>,
+}
+
+/// How a unit's receiver groups are dealt, in group order: on-node deals, relay groups and
+/// the network legs' segments. It depends only on the groups and whether chunks are
+/// forwarded, so units sharing their groups share it.
+struct Fanout {
     steps: Vec<Step>,
     /// Indices in `steps` of the on-node deals, and of each relay group's step: a receiver
     /// deals those and its own group's only.
@@ -98,44 +133,25 @@ pub(crate) struct Prepared {
     relay_steps: Vec<u32>,
     /// Relay groups' members, by node.
     relay_groups: Groups,
-    /// Relay chunks: regions `1..=chunks`.
-    chunks: u32,
-    /// The share of chunks forwarded between receiving nodes, in 1/[`FORWARD_SCALE`] (0:
-    /// none). Then every network receiver is in a relay group (one per node) and
-    /// `relay_groups` lists them all.
-    forward_share: u64,
-    /// Network legs, dealt over every replica after the steps.
-    network: Network,
-    senders: Vec<u32>,
-    rounds: u32,
-    /// A number of this unit among its tensor's (from its coordinates), for [`Turn::slot`].
-    ordinal: u64,
+    /// The network legs.
+    whole: Whole,
 }
 
 enum Step {
-    /// Receivers on a node with replicas, dealt over that node's replicas.
-    OnNode {
-        candidates: Vec<u32>,
-        legs: Vec<Leg>,
-    },
+    /// Receivers on a node with replicas (the unit's `on_node[i]`), dealt over that node's
+    /// replicas.
+    OnNode(u32),
     /// A relay group (index into `relay_groups`): chunk `c` crosses the network to one member,
     /// which forwards it to the others in the next round.
     Relay(u32),
 }
 
-/// A unit's network legs, in deal order: per receiver group (in group order) its receivers'
-/// legs, or its relay chunks' legs; then, when chunks are forwarded, one leg per chunk to the
-/// hub.
-enum Network {
-    /// Fewer legs than senders: legs split so that every sender sends a part, listed.
-    Split(Vec<Leg>),
-    /// At least as many legs as senders: every leg is one part (its region whole), so a leg's
-    /// place in the deal follows from counts: a receiver finds its own legs without walking
-    /// every receiver's (thousands at thousands of ranks).
-    Whole(Whole),
-}
-
-/// [`Network::Whole`]: the legs as segments, one per receiver group.
+/// A unit's network legs in deal order, every leg one part (its region whole) — the unit
+/// lists and splits them instead ([`Prepared::split`]) when there are fewer than senders: per
+/// receiver group (in group order) its receivers' legs, or its relay chunks' legs; then, when
+/// chunks are forwarded, one leg per chunk to the hub. A leg's place in the deal follows from
+/// counts, so a receiver finds its own legs without walking every receiver's (thousands at
+/// thousands of ranks).
 #[derive(Default)]
 struct Whole {
     /// The receivers of the segments that deal to receivers directly, all segments' in one.
@@ -199,18 +215,66 @@ enum LegTo {
     },
 }
 
+impl Whole {
+    /// Legs in all, skipped ones included.
+    fn legs_count(&self, chunks: u32) -> u64 {
+        let chunked = self.relay_segment.len() as u64 + u64::from(self.forward);
+        self.receivers.len() as u64 + chunked * u64::from(chunks)
+    }
+}
+
+/// The replicas of one destination shard (a destination layout and shard coordinates), found
+/// once per rank call and shared by every unit with that shard: at thousands of ranks a
+/// replicated destination has thousands of receivers per unit, and a rank has thousands of
+/// units with the same receivers.
+pub(crate) struct Receivers {
+    /// In mesh order, and sorted.
+    replicas: Vec<u32>,
+    sorted: Vec<u32>,
+    /// The nodes they are on (sorted, distinct; known topology only).
+    nodes: Vec<u32>,
+    /// Their groups when no sender is one of them or on their nodes, by relay flag.
+    plain: [OnceCell<Rc<ReceiverGroups>>; 2],
+}
+
+impl Receivers {
+    /// The replicas of the destination shard at `dst_coords` of `spec`'s layouts.
+    pub fn new(spec: &TensorSpec, dst_coords: &[&[u64]], config: &Config) -> Receivers {
+        let replicas = spec.dst.replicas(dst_coords);
+        let mut sorted = replicas.clone();
+        sorted.sort_unstable();
+        let mut nodes: Vec<u32> = replicas
+            .iter()
+            .filter_map(|&r| config.topology.node(r))
+            .collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        Receivers {
+            replicas,
+            sorted,
+            nodes,
+            plain: [OnceCell::new(), OnceCell::new()],
+        }
+    }
+}
+
 /// Who holds and who needs one unit's data, grouped as its assignments are dealt: the source
 /// shard's replicas (by node) and the destination shard's replicas in groups of first
 /// appearance (receivers that copy locally, per node with replicas, per node for relays, the
 /// network). It depends only on the two shards' replicas and the topology, so units of
-/// tensors on the same layouts share it (the core caches it per rank); at thousands of ranks
-/// a replicated destination has thousands of receivers per unit.
+/// tensors on the same layouts share it (the core caches it per rank), and units whose senders
+/// touch none of the receivers' nodes share the receivers' groups.
 pub(crate) struct Grouping {
     /// The source shard's replicas, in mesh order, and sorted.
     senders: Vec<u32>,
     sorted_senders: Vec<u32>,
     /// Replicas by node, sorted by (node, rank), when the topology is known.
     by_node: Vec<(u32, u32)>,
+    receivers: Rc<ReceiverGroups>,
+}
+
+/// The destination shard's replicas in groups, for the senders of a unit.
+pub(crate) struct ReceiverGroups {
     /// Relays are on (relay mode, not groupable, known topology).
     relay: bool,
     /// Receivers that hold a replica of the source shard (they copy locally).
@@ -219,19 +283,20 @@ pub(crate) struct Grouping {
     /// `members_of`.
     groups: Vec<(Option<u32>, std::ops::Range<u32>)>,
     members_of: Vec<u32>,
+    /// The fanout without and with forwarding between receiving nodes, once asked for.
+    fanouts: [OnceCell<Rc<Fanout>>; 2],
 }
 
 impl Grouping {
     /// The grouping of the unit between the source shard at `src_coords` and the destination
-    /// shard at `dst_coords` of `spec`'s layouts.
+    /// shard whose replicas are `receivers`, of `spec`'s layouts.
     pub fn new(
         spec: &TensorSpec,
         src_coords: &[&[u64]],
-        dst_coords: &[&[u64]],
+        receivers: &Receivers,
         config: &Config,
     ) -> Grouping {
         let senders = spec.src.replicas(src_coords);
-        let receivers = spec.dst.replicas(dst_coords);
         let mut sorted_senders = senders.clone();
         sorted_senders.sort_unstable();
         let mut by_node: Vec<(u32, u32)> = senders
@@ -239,11 +304,52 @@ impl Grouping {
             .filter_map(|&s| config.topology.node(s).map(|n| (n, s)))
             .collect();
         by_node.sort_unstable();
+        let relay = config.relay && config.mode != Mode::Groupable && !by_node.is_empty();
+        // Senders apart from every receiver and its node: the receivers' plain groups.
+        let apart = senders.iter().all(|s| {
+            receivers.sorted.binary_search(s).is_err()
+                && config
+                    .topology
+                    .node(*s)
+                    .map_or(true, |n| receivers.nodes.binary_search(&n).is_err())
+        });
+        let groups = if apart {
+            receivers.plain[usize::from(relay)]
+                .get_or_init(|| {
+                    Rc::new(ReceiverGroups::new(&receivers.replicas, &[], &[], relay, config))
+                })
+                .clone()
+        } else {
+            Rc::new(ReceiverGroups::new(
+                &receivers.replicas,
+                &sorted_senders,
+                &by_node,
+                relay,
+                config,
+            ))
+        };
+        Grouping {
+            senders,
+            sorted_senders,
+            by_node,
+            receivers: groups,
+        }
+    }
+}
+
+impl ReceiverGroups {
+    /// `receivers` (in mesh order) grouped for senders `sorted_senders`, on nodes `by_node`.
+    fn new(
+        receivers: &[u32],
+        sorted_senders: &[u32],
+        by_node: &[(u32, u32)],
+        relay: bool,
+        config: &Config,
+    ) -> ReceiverGroups {
         let on_node = |n: u32| -> bool {
             let lo = by_node.partition_point(|&(m, _)| m < n);
             by_node.get(lo).is_some_and(|&(m, _)| m == n)
         };
-        let relay = config.relay && config.mode != Mode::Groupable && !by_node.is_empty();
         // Receiver groups in order of first appearance. The key is (node with replicas, or
         // None for the network); with relays, network receivers are grouped by their node too.
         // Flat: (group index, receiver), stably sorted by group, then one slice per group.
@@ -253,7 +359,7 @@ impl Grouping {
         // the replicas, the largest planning cost at thousands of ranks).
         let mut group_of: FxHashMap<(Option<u32>, Option<u32>), u32> = FxHashMap::default();
         let mut keyed: Vec<(u32, u32)> = Vec::with_capacity(receivers.len());
-        for &r in &receivers {
+        for &r in receivers {
             if sorted_senders.binary_search(&r).is_ok() {
                 locals.push(r);
                 continue;
@@ -297,22 +403,93 @@ impl Grouping {
             groups.push((keys[run[0].0 as usize].0, at..end));
             at = end;
         }
-        Grouping {
-            senders,
-            sorted_senders,
-            by_node,
+        ReceiverGroups {
             relay,
             locals,
             groups,
             members_of,
+            fanouts: [OnceCell::new(), OnceCell::new()],
         }
+    }
+
+    /// A group's members.
+    fn members(&self, group: &std::ops::Range<u32>) -> &[u32] {
+        &self.members_of[group.start as usize..group.end as usize]
+    }
+
+    /// Groups dealt over the network (no replica on their node).
+    fn network_groups(&self) -> u64 {
+        self.groups.iter().filter(|(node, _)| node.is_none()).count() as u64
+    }
+
+    /// The size of the largest group relays would serve (1 without relays).
+    fn largest_relay_group(&self) -> u64 {
+        self.groups
+            .iter()
+            .filter(|(node, _)| self.relay && node.is_none())
+            .map(|(_, members)| u64::from(members.end - members.start))
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// How these groups are dealt, with or without forwarding between receiving nodes.
+    fn fanout(&self, forward: bool) -> Rc<Fanout> {
+        self.fanouts[usize::from(forward)]
+            .get_or_init(|| Rc::new(Fanout::new(self, forward)))
+            .clone()
+    }
+}
+
+impl Fanout {
+    fn new(groups: &ReceiverGroups, forward: bool) -> Fanout {
+        let mut fanout = Fanout {
+            steps: Vec::new(),
+            on_node_steps: Vec::new(),
+            relay_steps: Vec::new(),
+            relay_groups: Groups::default(),
+            whole: Whole {
+                forward,
+                ..Whole::default()
+            },
+        };
+        let whole = &mut fanout.whole;
+        for (node, range) in &groups.groups {
+            let members = groups.members(range);
+            if node.is_some() {
+                fanout.on_node_steps.push(fanout.steps.len() as u32);
+                let i = fanout.on_node_steps.len() as u32 - 1;
+                fanout.steps.push(Step::OnNode(i));
+                continue;
+            }
+            let at = whole.receivers.len() as u32;
+            let mut segment = Segment {
+                receivers: at..at,
+                relay: None,
+                receivers_before: at,
+                relays_before: whole.relay_segment.len() as u32,
+            };
+            if (members.len() == 1 && !forward) || !groups.relay {
+                whole.receivers.extend_from_slice(members);
+                segment.receivers.end = whole.receivers.len() as u32;
+            } else {
+                let group = fanout.relay_groups.len() as u32;
+                fanout.relay_groups.push(members);
+                fanout.relay_steps.push(fanout.steps.len() as u32);
+                fanout.steps.push(Step::Relay(group));
+                segment.relay = Some(group);
+                whole.relay_segment.push(whole.segments.len() as u32);
+            }
+            whole.segments.push(segment);
+        }
+        fanout
     }
 }
 
 impl Prepared {
     /// Prepares the unit of `spec` between the source shard at `src_coords` and the
     /// destination shard at `dst_coords`, overlapping in `region`, for a plan of `rounds`
-    /// rounds; `grouping` is [`Grouping::new`] of the same shards.
+    /// rounds; `grouping` is [`Grouping::new`] of the same shards. `receiver`: the rank it is
+    /// prepared for when that rank receives in it.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         spec: &TensorSpec,
@@ -323,6 +500,7 @@ impl Prepared {
         config: &Config,
         rounds: u32,
         loads: &Loads,
+        receiver: Option<u32>,
     ) -> Prepared {
         let coords: Vec<u64> = src_coords
             .iter()
@@ -334,32 +512,20 @@ impl Prepared {
             senders,
             sorted_senders,
             by_node,
-            relay,
-            locals,
-            groups,
-            members_of,
+            receivers: groups,
         } = grouping;
-        let relay = *relay;
+        let relay = groups.relay;
         let on_node = |n: u32| -> &[(u32, u32)] {
             let lo = by_node.partition_point(|&(m, _)| m < n);
             let hi = by_node.partition_point(|&(m, _)| m <= n);
             &by_node[lo..hi]
         };
-        let groups: Vec<(Option<u32>, &[u32])> = groups
-            .iter()
-            .map(|(node, members)| {
-                (
-                    *node,
-                    &members_of[members.start as usize..members.end as usize],
-                )
-            })
-            .collect();
         let elem_size = u64::from(spec.elem_size());
         let bytes_of = |region: &[IndexRuns]| -> u64 {
             region.iter().map(IndexRuns::len).product::<u64>() * elem_size
         };
         // Forwarding between receiving nodes: how much, from the senders' load.
-        let network_groups = groups.iter().filter(|(node, _)| node.is_none()).count() as u64;
+        let network_groups = groups.network_groups();
         let forward_share = if relay && rounds >= 2 && network_groups >= 2 {
             loads.forward_fraction(sorted_senders, network_groups)
         } else {
@@ -368,12 +534,7 @@ impl Prepared {
         // Relayed overlaps: the region's chunks, computed once for every relay group. Each
         // chunk goes whole to one member (contiguous where the region is, so it can be
         // forwarded without packing); the rotation spreads chunks over members and rounds.
-        let largest_group = groups
-            .iter()
-            .filter(|(node, _)| relay && node.is_none())
-            .map(|(_, members)| members.len() as u64)
-            .max()
-            .unwrap_or(1);
+        let largest_group = groups.largest_relay_group();
         let chunks = if largest_group > 1 || forward_share > 0 {
             let n = u64::from(rounds)
                 .max(largest_group)
@@ -383,77 +544,56 @@ impl Prepared {
         } else {
             Vec::new()
         };
+        let fanout = groups.fanout(forward_share > 0);
         let mut prepared = Prepared {
-            coords: coords.clone(),
-            rotates: false,
+            coords,
+            rotates: !fanout.relay_groups.is_empty(),
             regions: vec![region],
             corners: Vec::new(),
             ndim: spec.shape.len(),
-            locals: locals.clone(),
-            steps: Vec::new(),
-            on_node_steps: Vec::new(),
-            relay_steps: Vec::new(),
-            relay_groups: Groups::default(),
+            groups: groups.clone(),
+            fanout: fanout.clone(),
+            on_node: Vec::new(),
             chunks: chunks.len() as u32,
             forward_share,
-            network: Network::Whole(Whole::default()),
-            senders: Vec::new(),
+            split: None,
+            senders: senders.clone(),
             rounds,
-            ordinal: coords
-                .iter()
-                .fold(0u64, |a, &c| a.wrapping_mul(8_191).wrapping_add(c)),
+            ordinal: 0,
+            me: None,
         };
+        prepared.ordinal = prepared
+            .coords
+            .iter()
+            .fold(0u64, |a, &c| a.wrapping_mul(8_191).wrapping_add(c));
         prepared.regions.extend(chunks);
-        // Network legs: (receiver, region) for every group, dealt out together, as segments.
-        let mut whole = Whole::default();
-        let mut legs = 0u64;
-        for (node, members) in groups {
-            if let Some(n) = node {
-                let candidates: Vec<u32> = on_node(n).iter().map(|&(_, s)| s).collect();
-                let legs: Vec<(LegTo, u32)> =
-                    members.iter().map(|&r| (LegTo::Receiver(r), 0)).collect();
-                let legs = prepared.split_legs(&legs, candidates.len() as u64, config, &bytes_of);
-                prepared.rotates |= candidates.len() > 1;
-                prepared.on_node_steps.push(prepared.steps.len() as u32);
-                prepared.steps.push(Step::OnNode { candidates, legs });
-                continue;
-            }
-            let at = whole.receivers.len() as u32;
-            let mut segment = Segment {
-                receivers: at..at,
-                relay: None,
-                receivers_before: at,
-                relays_before: whole.relay_segment.len() as u32,
-            };
-            if (members.len() == 1 && forward_share == 0) || !relay {
-                whole.receivers.extend_from_slice(members);
-                segment.receivers.end = whole.receivers.len() as u32;
-                legs += members.len() as u64;
-            } else {
-                let group = prepared.relay_groups.len() as u32;
-                prepared.relay_groups.push(members);
-                prepared.relay_steps.push(prepared.steps.len() as u32);
-                prepared.steps.push(Step::Relay(group));
-                prepared.rotates = true;
-                segment.relay = Some(group);
-                whole.relay_segment.push(whole.segments.len() as u32);
-                legs += u64::from(prepared.chunks);
-            }
-            whole.segments.push(segment);
+        // On-node deals: each group's receivers over its node's replicas.
+        for (node, range) in groups.groups.iter() {
+            let Some(n) = node else { continue };
+            let candidates: Vec<u32> = on_node(*n).iter().map(|&(_, s)| s).collect();
+            let legs: Vec<(LegTo, u32)> = groups
+                .members(range)
+                .iter()
+                .map(|&r| (LegTo::Receiver(r), 0))
+                .collect();
+            let legs = prepared.split_legs(&legs, candidates.len() as u64, config, &bytes_of);
+            prepared.rotates |= candidates.len() > 1;
+            prepared.on_node.push((candidates, legs));
         }
-        whole.forward = forward_share > 0;
-        if whole.forward {
-            legs += u64::from(prepared.chunks);
-        }
+        // Network legs: whole (as the fanout's segments give them) unless there are fewer
+        // than senders, then listed and split.
+        let legs = fanout.whole.legs_count(prepared.chunks);
         let k = senders.len() as u64;
-        prepared.network = if legs >= k {
-            Network::Whole(whole)
-        } else {
-            let listed: Vec<(LegTo, u32)> = whole.legs(prepared.chunks).collect();
-            Network::Split(prepared.split_legs(&listed, k, config, &bytes_of))
-        };
+        if legs < k {
+            let listed: Vec<(LegTo, u32)> = fanout.whole.legs(prepared.chunks).collect();
+            prepared.split = Some(prepared.split_legs(&listed, k, config, &bytes_of));
+        }
         prepared.rotates |= senders.len() > 1 && legs > 0;
-        prepared.senders = senders.clone();
+        prepared.me = receiver.map(|rank| Me {
+            rank,
+            group: fanout.relay_groups.position(rank),
+            direct: fanout.whole.receivers.iter().position(|&r| r == rank),
+        });
         let ndim = prepared.ndim;
         prepared.corners = prepared
             .regions
@@ -540,7 +680,7 @@ impl Prepared {
                 .wrapping_mul(1_000_003)
                 .wrapping_add(self.ordinal.wrapping_mul(u64::from(self.chunks))),
         };
-        for &r in &self.locals {
+        for &r in &self.groups.locals {
             emit(r, r, 0, None, false);
         }
         // The relay group this rank receives in, when it deals as a receiver.
@@ -548,7 +688,7 @@ impl Prepared {
             #[cfg(test)]
             View::All => (true, None),
             View::Sender(_) => (false, None),
-            View::Receiver(rank) => (true, self.relay_groups.position(rank)),
+            View::Receiver(rank) => (true, self.me(rank).group),
         };
         #[cfg(test)]
         let mine_only = view != View::All;
@@ -556,22 +696,23 @@ impl Prepared {
         let mine_only = true;
         // The steps this view deals, in step order: every on-node deal, and the relay groups'
         // forwards (all of them, or the rank's own group's).
-        let mut steps: Vec<u32> = self.on_node_steps.clone();
+        let mut steps: Vec<u32> = self.fanout.on_node_steps.clone();
         if relays {
             if !mine_only {
-                steps.extend_from_slice(&self.relay_steps);
-            } else if let Some(&step) = mine.and_then(|g| self.relay_steps.get(g)) {
+                steps.extend_from_slice(&self.fanout.relay_steps);
+            } else if let Some(&step) = mine.and_then(|g| self.fanout.relay_steps.get(g)) {
                 steps.push(step);
             }
             steps.sort_unstable();
         }
         for &step in &steps {
-            match &self.steps[step as usize] {
-                Step::OnNode { candidates, legs } => {
+            match &self.fanout.steps[step as usize] {
+                Step::OnNode(i) => {
+                    let (candidates, legs) = &self.on_node[*i as usize];
                     self.deal_legs(legs, candidates, turn, view, mine, emit);
                 }
                 Step::Relay(group) => {
-                    let members = self.relay_groups.get(*group);
+                    let members = self.fanout.relay_groups.get(*group);
                     for chunk in 0..self.chunks {
                         if self.forwarded(chunk, turn) {
                             continue;
@@ -591,7 +732,7 @@ impl Prepared {
             let hub_is_me = matches!(view, View::Receiver(rank) if rank == hub);
             // The hub forwards to every group; another rank takes part in its own group's only.
             let groups = if !mine_only || hub_is_me {
-                0..self.relay_groups.len()
+                0..self.fanout.relay_groups.len()
             } else {
                 match mine {
                     Some(g) => g..g + 1,
@@ -599,7 +740,7 @@ impl Prepared {
                 }
             };
             for g in groups {
-                let members = self.relay_groups.get(g as u32);
+                let members = self.fanout.relay_groups.get(g as u32);
                 let (entry, _) = self.relay_leg(g as u32, chunk, turn);
                 if g != hub_group as usize {
                     emit(hub, entry, 1 + chunk, Some(round + 1), true);
@@ -614,9 +755,9 @@ impl Prepared {
                 }
             }
         }
-        match &self.network {
-            Network::Split(legs) => self.deal_legs(legs, &self.senders, turn, view, mine, emit),
-            Network::Whole(whole) => self.deal_whole(whole, turn, view, mine, emit),
+        match &self.split {
+            Some(legs) => self.deal_legs(legs, &self.senders, turn, view, mine, emit),
+            None => self.deal_whole(&self.fanout.whole, turn, view, mine, emit),
         }
     }
 
@@ -629,7 +770,7 @@ impl Prepared {
     /// A forwarded chunk's hub: (relay group, member, round it arrives in, ≤ rounds − 2).
     fn hub(&self, chunk: u32, turn: Turn) -> (u32, u32, u32) {
         let c = u64::from(chunk);
-        let group = ((c + turn.rotation / 8_191) % self.relay_groups.len() as u64) as u32;
+        let group = ((c + turn.rotation / 8_191) % self.fanout.relay_groups.len() as u64) as u32;
         let (member, _) = self.relay_leg(group, chunk, turn);
         let round = ((c + turn.rotation / 65_521) % u64::from(self.rounds - 1)) as u32;
         (group, member, round)
@@ -639,7 +780,7 @@ impl Prepared {
     /// Independent offsets for round and member: in any round, the units' chunks land on all
     /// members alike.
     fn relay_leg(&self, group: u32, chunk: u32, turn: Turn) -> (u32, u32) {
-        let members = self.relay_groups.get(group);
+        let members = self.fanout.relay_groups.get(group);
         let g = members.len() as u64;
         let slot = turn.slot.wrapping_add(u64::from(chunk));
         let round = ((slot / g) % u64::from(self.rounds)) as u32;
@@ -702,6 +843,18 @@ impl Prepared {
         }
     }
 
+    /// `rank`'s relay group and place among the receivers dealt to directly.
+    fn me(&self, rank: u32) -> Me {
+        match self.me {
+            Some(me) if me.rank == rank => me,
+            _ => Me {
+                rank,
+                group: self.fanout.relay_groups.position(rank),
+                direct: self.fanout.whole.receivers.iter().position(|&r| r == rank),
+            },
+        }
+    }
+
     /// Whether a network leg is left out under `turn`: a relay group's chunk that is forwarded
     /// between nodes, or a hub's chunk that is not.
     fn skipped(&self, to: LegTo, turn: Turn) -> bool {
@@ -720,7 +873,7 @@ impl Prepared {
                 let (member, round) = self.relay_leg(group, chunk, turn);
                 // A lone member (a group only because of forwarding) forwards nothing: its
                 // data is spread over rounds like any pair's.
-                let alone = self.relay_groups.get(group).len() == 1;
+                let alone = self.fanout.relay_groups.get(group).len() == 1;
                 (member, (!alone).then_some(round))
             }
             LegTo::Forward { chunk } => {
@@ -787,7 +940,7 @@ impl Prepared {
             View::Receiver(rank) => {
                 // The rank's own leg (when it is dealt to directly) and its relay group's
                 // chunks (when it is in one), in segment order, then the hub's legs.
-                let own = whole.receivers.iter().position(|&r| r == rank).map(|i| {
+                let own = self.me(rank).direct.map(|i| {
                     let s = whole
                         .segments
                         .partition_point(|seg| seg.receivers.end as usize <= i);
@@ -862,6 +1015,10 @@ impl Groups {
 
     fn len(&self) -> usize {
         self.ends.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ends.is_empty()
     }
 
     fn get(&self, group: u32) -> &[u32] {

@@ -8,7 +8,7 @@
 //! overlapping its source shard — found per dim by intersecting index runs, so a rank in
 //! neither mesh does no work for a tensor and a participant never loops over rank pairs.
 
-use super::assign::{Assignment, Grouping, Prepared, View};
+use super::assign::{Assignment, Grouping, Prepared, Receivers, View};
 use super::blocks::{assignment_blocks, Block, Move, Moved, Movement};
 use super::config::{
     Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_MESSAGES_PER_RANK, ROUND_TARGET_BYTES,
@@ -360,6 +360,7 @@ impl CorePlanner {
                 self.rounds,
                 &self.loads,
                 [src_id, dst_id],
+                own_is_dst.then_some(rank),
                 &mut cache.groupings,
             );
             (!units.is_empty()).then(|| Rc::new(units))
@@ -806,8 +807,16 @@ struct RankCache<'a> {
     /// Blocks as the first tensor of their class has them.
     templates: Vec<Block>,
     /// Units' groupings by (layout ids, shard coordinates): tensors on the same layouts
-    /// share them.
-    groupings: FxHashMap<GroupingKey, Rc<Grouping>>,
+    /// share them; and destination shards' replicas by (layout id, coordinates).
+    groupings: Groupings,
+}
+
+/// [`Grouping`]s by (layout ids, unit coordinates), and the [`Receivers`] they group by
+/// (destination layout id, destination coordinates).
+#[derive(Default)]
+struct Groupings {
+    units: FxHashMap<GroupingKey, Rc<Grouping>>,
+    receivers: FxHashMap<(u32, Vec<u64>), Rc<Receivers>>,
 }
 
 /// The source and destination layout ids and the unit's coordinates (source, `u64::MAX`,
@@ -831,7 +840,7 @@ impl RankCache<'_> {
             resolved: vec![None; classes],
             templates: Vec::new(),
             blocks: FxHashMap::default(),
-            groupings: FxHashMap::default(),
+            groupings: Groupings::default(),
         }
     }
 }
@@ -850,7 +859,8 @@ fn units(
     rounds: u32,
     loads: &Loads,
     layout_ids: [u32; 2],
-    groupings: &mut FxHashMap<GroupingKey, Rc<Grouping>>,
+    receiver: Option<u32>,
+    groupings: &mut Groupings,
 ) -> Vec<Prepared> {
     let ndim = spec.shape.len();
     let mut out = Vec::new();
@@ -893,12 +903,19 @@ fn units(
             .chain([u64::MAX])
             .chain(dst_coords.iter().flat_map(|c| c.iter().copied()))
             .collect();
-        let grouping = groupings
+        let Groupings { units, receivers } = &mut *groupings;
+        let grouping = units
             .entry((layout_ids, key))
-            .or_insert_with(|| Rc::new(Grouping::new(spec, src_coords, dst_coords, config)))
+            .or_insert_with(|| {
+                let dst_key: Vec<u64> = dst_coords.iter().flat_map(|c| c.iter().copied()).collect();
+                let receivers = receivers
+                    .entry((layout_ids[1], dst_key))
+                    .or_insert_with(|| Rc::new(Receivers::new(spec, dst_coords, config)));
+                Rc::new(Grouping::new(spec, src_coords, receivers, config))
+            })
             .clone();
         out.push(Prepared::new(
-            spec, src_coords, dst_coords, region, &grouping, config, rounds, loads,
+            spec, src_coords, dst_coords, region, &grouping, config, rounds, loads, receiver,
         ));
         if !next_index(&mut choice, |d| overlaps[d].len()) {
             return out;
