@@ -33,8 +33,56 @@ impl Run {
 /// A strictly increasing set of indices along one dimension.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct IndexRuns {
-    runs: Vec<Run>,
+    runs: Runs,
     len: u64,
+}
+
+/// The runs of a set, the common case of at most one without an allocation (a planner at
+/// thousands of ranks makes millions of sets, nearly all single runs). One representation per
+/// list (never `Many` of fewer than two), so the derived equality and hash are the list's.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+enum Runs {
+    #[default]
+    None,
+    One(Run),
+    Many(Vec<Run>),
+}
+
+impl Runs {
+    fn as_slice(&self) -> &[Run] {
+        match self {
+            Runs::None => &[],
+            Runs::One(run) => std::slice::from_ref(run),
+            Runs::Many(runs) => runs,
+        }
+    }
+
+    fn last_mut(&mut self) -> Option<&mut Run> {
+        match self {
+            Runs::None => None,
+            Runs::One(run) => Some(run),
+            Runs::Many(runs) => runs.last_mut(),
+        }
+    }
+
+    fn push(&mut self, run: Run) {
+        *self = match std::mem::take(self) {
+            Runs::None => Runs::One(run),
+            Runs::One(first) => Runs::Many(vec![first, run]),
+            Runs::Many(mut runs) => {
+                runs.push(run);
+                Runs::Many(runs)
+            }
+        };
+    }
+}
+
+impl std::ops::Deref for Runs {
+    type Target = [Run];
+
+    fn deref(&self) -> &[Run] {
+        self.as_slice()
+    }
 }
 
 /// torch.chunk's rule for part `c` of `parts` over a list of `len` elements: parts have
@@ -112,7 +160,7 @@ impl IndexRuns {
     /// The runs in increasing order: non-empty, disjoint and non-adjacent, so a set has one
     /// representation.
     pub fn runs(&self) -> &[Run] {
-        &self.runs
+        self.runs.as_slice()
     }
 
     /// The smallest index, if any.
@@ -217,7 +265,7 @@ impl IndexRuns {
     /// `(global start, length)`; pieces come in increasing order.
     pub fn contiguous_pieces(&self, holders: &[&IndexRuns]) -> Vec<(u64, u64)> {
         let mut pieces = Vec::new();
-        for run in &self.runs {
+        for run in self.runs.iter() {
             let mut start = run.start;
             while start < run.end {
                 let mut end = run.end;
