@@ -351,6 +351,26 @@ impl Layout {
             .collect()
     }
 
+    /// A number naming `rank`'s shard, `None` when it is not in the mesh: its coordinates on
+    /// the axes that shard some dim, mixed-radix. Ranks with equal numbers hold the same
+    /// indices (replicas differ only on the other axes), so a planner computes a shard's
+    /// indices and view once for all its replicas.
+    pub fn shard_number(&self, rank: u32) -> Option<u64> {
+        let mut index = self.mesh.index_of(rank)? as u64;
+        let shape = self.mesh.shape();
+        let (mut number, mut scale) = (0u64, 1u64);
+        for axis in (0..shape.len()).rev() {
+            let n = shape[axis].max(1);
+            let coord = index % n;
+            index /= n;
+            if self.placements.get(axis).and_then(Placement::dim).is_some() {
+                number += coord * scale;
+                scale *= n;
+            }
+        }
+        Some(number)
+    }
+
     /// The indices along every dim held by `rank`, or `None` when it is not in the mesh.
     pub fn rank_indices(&self, shape: &[u64], rank: u32) -> Option<Vec<IndexRuns>> {
         self.mesh

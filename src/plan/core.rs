@@ -60,13 +60,15 @@ struct Memo<'a> {
     /// (layout id, shape, dim) → the layout's pieces of that dim (the key's last field is
     /// the dim here, a rank below).
     pieces: FxHashMap<RankKey<'a>, Rc<Vec<DimPiece>>>,
-    /// (layout id, shape, rank) → the rank's indices, if it is in the mesh.
-    indices: FxHashMap<RankKey<'a>, Option<Rc<Vec<IndexRuns>>>>,
-    /// (layout id, shape, element size, rank) → the rank's indices and view.
-    views: FxHashMap<(RankKey<'a>, u32), Option<Rc<RankView>>>,
+    /// (layout id, shape, shard number) → the shard's indices ([`Layout::shard_number`]:
+    /// replicas share them).
+    indices: FxHashMap<ShardKey<'a>, Rc<Vec<IndexRuns>>>,
+    /// (layout id, shape, shard number, element size) → the shard's indices and view.
+    views: FxHashMap<(ShardKey<'a>, u32), Rc<RankView>>,
 }
 
 type RankKey<'a> = (u32, &'a [u64], u32);
+type ShardKey<'a> = (u32, &'a [u64], u64);
 
 impl<'a> Memo<'a> {
     fn pieces(
@@ -89,10 +91,12 @@ impl<'a> Memo<'a> {
         shape: &'a [u64],
         rank: u32,
     ) -> Option<Rc<Vec<IndexRuns>>> {
-        self.indices
-            .entry((id, shape, rank))
-            .or_insert_with(|| layout.rank_indices(shape, rank).map(Rc::new))
-            .clone()
+        let shard = layout.shard_number(rank)?;
+        let made = self.indices.entry((id, shape, shard)).or_insert_with(|| {
+            let indices = layout.rank_indices(shape, rank);
+            Rc::new(indices.expect("a rank with a shard number is in the mesh"))
+        });
+        Some(made.clone())
     }
 
     /// [`TensorSpec::rank_view`] from the memoised indices.
@@ -103,16 +107,16 @@ impl<'a> Memo<'a> {
         side: Side,
         rank: u32,
     ) -> Option<Rc<RankView>> {
-        let key = ((id, spec.shape.as_slice(), rank), spec.elem_size());
-        if let Some(hit) = self.views.get(&key) {
-            return hit.clone();
-        }
         let layout = spec.layout(side);
-        let made = self
-            .indices(id, layout, &spec.shape, rank)
-            .map(|indices| Rc::new(RankView::new(layout, (*indices).clone(), spec.elem_size())));
+        let shard = layout.shard_number(rank)?;
+        let key = ((id, spec.shape.as_slice(), shard), spec.elem_size());
+        if let Some(hit) = self.views.get(&key) {
+            return Some(hit.clone());
+        }
+        let indices = self.indices(id, layout, &spec.shape, rank)?;
+        let made = Rc::new(RankView::new(layout, (*indices).clone(), spec.elem_size()));
         self.views.insert(key, made.clone());
-        made
+        Some(made)
     }
 }
 
