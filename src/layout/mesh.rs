@@ -210,6 +210,14 @@ impl Mesh {
     /// Row-major position of `rank` in the mesh.
     pub fn index_of(&self, rank: u32) -> Option<usize> {
         let by_rank = &self.table.by_rank;
+        // Ranks are distinct and sorted: in a mesh of consecutive ranks, `rank` sits at its
+        // distance from the first (checked), without a search.
+        let guess = rank.wrapping_sub(by_rank.first()?.0) as usize;
+        if let Some(&(r, i)) = by_rank.get(guess) {
+            if r == rank {
+                return Some(i as usize);
+            }
+        }
         by_rank
             .binary_search_by_key(&rank, |&(r, _)| r)
             .ok()
