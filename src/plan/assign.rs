@@ -8,10 +8,10 @@
 use super::config::{Config, Mode};
 use super::fingerprint::mix;
 use super::fxhash::FxHashMap;
-use std::cell::OnceCell;
-use std::rc::Rc;
 use super::loads::{Loads, FORWARD_SCALE};
 use crate::layout::{IndexRuns, TensorSpec};
+use std::cell::OnceCell;
+use std::rc::Rc;
 
 /// Which data one sender gives one receiver: a region of a tensor moving from `from` to `to`
 /// (`from == to` is a local copy), as `assign` decides it for a unit.
@@ -316,7 +316,13 @@ impl Grouping {
         let groups = if apart {
             receivers.plain[usize::from(relay)]
                 .get_or_init(|| {
-                    Rc::new(ReceiverGroups::new(&receivers.replicas, &[], &[], relay, config))
+                    Rc::new(ReceiverGroups::new(
+                        &receivers.replicas,
+                        &[],
+                        &[],
+                        relay,
+                        config,
+                    ))
                 })
                 .clone()
         } else {
@@ -419,7 +425,10 @@ impl ReceiverGroups {
 
     /// Groups dealt over the network (no replica on their node).
     fn network_groups(&self) -> u64 {
-        self.groups.iter().filter(|(node, _)| node.is_none()).count() as u64
+        self.groups
+            .iter()
+            .filter(|(node, _)| node.is_none())
+            .count() as u64
     }
 
     /// The size of the largest group relays would serve (1 without relays).
@@ -924,11 +933,11 @@ impl Prepared {
                 }
             }
         };
-        let forward_legs = |give: &mut dyn FnMut(LegTo, u32, u64)| {
+        // The hub's legs, after every segment's (`next`: the legs dealt before them).
+        let forward_legs = |mut next: u64, give: &mut dyn FnMut(LegTo, u32, u64)| {
             if !whole.forward {
                 return;
             }
-            let mut next = whole.receivers.len() as u64 + whole.relay_segment.len() as u64 * kept;
             for chunk in 0..self.chunks {
                 if self.forwarded(chunk, turn) {
                     give(LegTo::Forward { chunk }, 1 + chunk, next);
@@ -963,7 +972,8 @@ impl Prepared {
                         (None, None) => {}
                     }
                 }
-                forward_legs(&mut give);
+                let before = whole.receivers.len() as u64 + whole.relay_segment.len() as u64 * kept;
+                forward_legs(before, &mut give);
                 return;
             }
             View::Sender(rank) => match senders.iter().position(|&c| c == rank) {
@@ -995,7 +1005,7 @@ impl Prepared {
                 }
             }
         }
-        forward_legs(&mut give_at);
+        forward_legs(next, &mut give_at);
     }
 }
 

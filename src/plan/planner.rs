@@ -470,4 +470,114 @@ mod tests {
         .unwrap();
         assert_eq!(auto.rank_program(2).unwrap().recvs.len(), 2);
     }
+
+    /// A rank works out only its own side of each unit (a receiver its own legs from the
+    /// segments' counts, a sender its slot's, a forwarder its group's and the hub's): every
+    /// assignment either end lists, the other end lists too. Relays, forwarding between
+    /// receiving nodes, on-node deals (colocated ranks), legs dealt over several replicas and
+    /// legs split over many.
+    #[test]
+    fn both_ends_of_every_assignment_deal_it_alike() {
+        let specs = [
+            // One sender, a replica per node: forwarded between receiving nodes.
+            TensorSpec {
+                shape: vec![256, 64],
+                dtype: DType::Bfloat16,
+                src: layout(&[1], &[0], &[Placement::Replicate]),
+                dst: layout(&[4], &[4, 8, 12, 16], &[Placement::Replicate]),
+            },
+            // Three nodes of two TP2 replicas: hub, entries and node mates.
+            TensorSpec {
+                shape: vec![128, 96],
+                dtype: DType::Bfloat16,
+                src: layout(&[2], &[0, 1], &[Placement::Shard(1)]),
+                dst: layout(
+                    &[6, 2],
+                    &(4..16).collect::<Vec<u32>>(),
+                    &[Placement::Replicate, Placement::Shard(0)],
+                ),
+            },
+            // Colocated: sources and destinations share nodes (on-node deals and locals).
+            TensorSpec {
+                shape: vec![64, 48],
+                dtype: DType::Float32,
+                src: layout(
+                    &[2, 2],
+                    &[0, 1, 2, 3],
+                    &[Placement::Shard(0), Placement::Replicate],
+                ),
+                dst: layout(&[4], &[0, 1, 4, 5], &[Placement::Shard(1)]),
+            },
+            // Two replicas, a replica per node: legs dealt over both, relayed or forwarded.
+            TensorSpec {
+                shape: vec![512, 64],
+                dtype: DType::Bfloat16,
+                src: layout(&[2], &[0, 1], &[Placement::Replicate]),
+                dst: layout(&[4], &[4, 8, 12, 16], &[Placement::Replicate]),
+            },
+            // Two replicas, two per node on three nodes: relay groups of two.
+            TensorSpec {
+                shape: vec![512, 64],
+                dtype: DType::Bfloat16,
+                src: layout(&[2], &[0, 1], &[Placement::Replicate]),
+                dst: layout(&[6], &[4, 5, 8, 9, 12, 13], &[Placement::Replicate]),
+            },
+            // Many replicas, few receivers: legs split so every replica sends a part.
+            TensorSpec {
+                shape: vec![96, 32],
+                dtype: DType::Bfloat16,
+                src: layout(&[8], &(0..8).collect::<Vec<u32>>(), &[Placement::Replicate]),
+                dst: layout(&[2], &[8, 12], &[Placement::Shard(0)]),
+            },
+        ];
+        let node = |r: u32| r / 4;
+        let mut forwarded = 0;
+        for (mode, relay) in [
+            (Mode::Staged, true),
+            (Mode::Auto, true),
+            (Mode::Auto, false),
+        ] {
+            for spec in &specs {
+                for rounds in [2, 3, 5] {
+                    // Each layout pair alone (its loads decide forwarding), as several
+                    // tensors: rotations differ between them.
+                    let planner = Planner::new(
+                        vec![spec.clone(), spec.clone(), spec.clone()],
+                        Config {
+                            mode,
+                            topology: Topology::RanksPerNode(4),
+                            split_min_bytes: 64,
+                            rounds,
+                            relay,
+                            ..Default::default()
+                        },
+                    )
+                    .unwrap();
+                    let lists: std::collections::BTreeMap<u32, Vec<Assignment>> = planner
+                        .ranks()
+                        .into_iter()
+                        .map(|r| (r, planner.assignments(r)))
+                        .collect();
+                    for (rank, list) in &lists {
+                        for a in list {
+                            assert!(a.from == *rank || a.to == *rank, "rank {rank} lists {a:?}");
+                            assert!(relay || !a.relay, "{a:?} relayed with relays off");
+                            if a.from == a.to {
+                                continue;
+                            }
+                            // A receiver forwarding to another node: between receiving nodes.
+                            forwarded += usize::from(a.relay && node(a.from) != node(a.to));
+                            for end in [a.from, a.to] {
+                                assert!(
+                                    lists[&end].contains(a),
+                                    "{mode:?}, {rounds} rounds: rank {rank} lists {a:?}, rank {end} does not"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(forwarded > 0, "nothing forwarded between receiving nodes");
+    }
 }
