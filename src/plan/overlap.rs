@@ -101,6 +101,59 @@ const WORK_MAX: u64 = 1 << 22;
 /// sets of one dim (rows of any stride against rows of the same stride, or against a run);
 /// sets of more dims, or rows of different strides, are cut into their outermost entries, each
 /// paid from `budget`; once it runs out the answer is `true` (conservative).
+/// The reads of one buffer (a tensor's destination view, or the workspace) by later steps of
+/// a program, by where their extents start, so that a write meets only the reads whose
+/// extents reach it (a rank forwarding thousands of pieces of a tensor reads it thousands of
+/// times).
+struct Reads {
+    /// (extent, round position, set), by the extent's start.
+    by_start: Vec<((u128, u128), usize, ByteSet)>,
+    /// The largest extent end among `by_start[..=i]`.
+    end_max: Vec<u128>,
+}
+
+impl Reads {
+    fn new(list: Vec<(usize, ByteSet)>) -> Reads {
+        let mut by_start: Vec<((u128, u128), usize, ByteSet)> = list
+            .into_iter()
+            .map(|(round, set)| (set.extent(), round, set))
+            .collect();
+        by_start.sort_by_key(|&((lo, hi), round, _)| (lo, hi, round));
+        let end_max = by_start
+            .iter()
+            .scan(0u128, |max, &((_, hi), _, _)| {
+                *max = (*max).max(hi);
+                Some(*max)
+            })
+            .collect();
+        Reads { by_start, end_max }
+    }
+
+    /// Whether a read in a round after position `k` may overlap `written` (each set compared
+    /// paid from `work`, as [`may_overlap`] pays for its pieces).
+    fn later_meets(&self, k: usize, written: &ByteSet, work: &mut u64) -> bool {
+        let (lo, hi) = written.extent();
+        if lo == hi {
+            return false;
+        }
+        // Reads starting before the write ends, back to where none reaches into it.
+        let starts_before = self.by_start.partition_point(|&((start, _), _, _)| start < hi);
+        for i in (0..starts_before).rev() {
+            if self.end_max[i] <= lo {
+                break;
+            }
+            let ((_, end), round, set) = &self.by_start[i];
+            if *round > k && *end > lo {
+                *work = work.saturating_sub(1);
+                if may_overlap(set, written, work) {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+}
+
 fn may_overlap(a: &ByteSet, b: &ByteSet, budget: &mut u64) -> bool {
     let (a_lo, a_hi) = a.extent();
     let (b_lo, b_hi) = b.extent();
@@ -198,6 +251,10 @@ pub fn overlap_unpacks(program: &mut RankProgram) {
             }
         }
     }
+    let reads: FxHashMap<(Buffer, u32), Reads> = reads
+        .into_iter()
+        .map(|(key, list)| (key, Reads::new(list)))
+        .collect();
     let last = program.round_spans.len() - 1;
     let mut work = WORK_MAX;
     // Per round: the order of its unpacks (early first) and how many are late.
@@ -216,14 +273,7 @@ pub fn overlap_unpacks(program: &mut RankProgram) {
             let written = ByteSet::of_copy(u, false);
             reads
                 .get(&(u.dst.buffer, tensor_of(&u.dst)))
-                .map_or(true, |reads| {
-                    // Reads are listed by round: those of later rounds are a suffix.
-                    let later = &reads[reads.partition_point(|(r, _)| *r <= k)..];
-                    !later.iter().any(|(_, set)| {
-                        work = work.saturating_sub(1);
-                        may_overlap(set, &written, &mut work)
-                    })
-                })
+                .map_or(true, |reads| !reads.later_meets(k, &written, &mut work))
         };
         let late: Vec<bool> = round.unpacks.iter().map(&mut is_late).collect();
         if work == 0 {
@@ -286,15 +336,16 @@ pub fn overlap_unpacks(program: &mut RankProgram) {
     if plans.iter().all(Option::is_none) {
         return;
     }
-    // Each round's main arena closes the gaps the moved regions leave (`squeeze`).
+    // Each round's main arena closes the gaps the moved regions leave (`squeeze`), by offset.
+    let relocated: Vec<Relocated> = relocated.into_iter().map(Relocated::new).collect();
     let spans = program.round_spans.clone();
     let mut moved = vec![false; program.recvs.len()];
-    for m in relocated.iter().flatten() {
+    for m in relocated.iter().flat_map(|r| &r.moved) {
         moved[m.recv] = true;
     }
     let mut main = 0u64;
     main_locs(program, &spans, &moved, |k, loc, len| {
-        main = main.max(squeeze(&relocated[k], loc.offset) + len);
+        main = main.max(relocated[k].squeeze(loc.offset) + len);
     });
     // Memory: the whole staging must stay within what auto mode aims one round's staging at
     // (or within what the program already needs, if more): the overlap is worth a few percent
@@ -305,12 +356,12 @@ pub fn overlap_unpacks(program: &mut RankProgram) {
         return;
     }
     main_locs(program, &spans, &moved, |k, loc, _| {
-        loc.offset = squeeze(&relocated[k], loc.offset);
+        loc.offset = relocated[k].squeeze(loc.offset);
     });
     // The arenas follow the main one; parity 1's follows parity 0's.
     let base = [main, main + arenas[0]];
     for (k, round) in relocated.iter().enumerate() {
-        for m in round {
+        for m in &round.moved {
             program.recvs[m.recv].loc.offset = base[k % 2] + m.to;
         }
     }
@@ -326,12 +377,9 @@ pub fn overlap_unpacks(program: &mut RankProgram) {
         for (slot, &at) in order.iter().enumerate() {
             let mut u = old[at].clone();
             if u.src.buffer == Buffer::Staging {
-                match relocated[k]
-                    .iter()
-                    .find(|m| m.from <= u.src.offset && u.src.offset < m.end)
-                {
+                match relocated[k].holding(u.src.offset) {
                     Some(m) => u.src.offset = base[k % 2] + m.to + (u.src.offset - m.from),
-                    None => u.src.offset = squeeze(&relocated[k], u.src.offset),
+                    None => u.src.offset = relocated[k].squeeze(u.src.offset),
                 }
             }
             program.unpacks[unpack_start + slot] = u;
@@ -352,14 +400,38 @@ struct Moved {
     to: u64,
 }
 
-/// `x`, an offset of round k's staging outside the moved regions, once the moved regions'
-/// (aligned) footprints below it are taken out.
-fn squeeze(relocated: &[Moved], x: u64) -> u64 {
-    x - relocated
-        .iter()
-        .filter(|m| m.end <= x)
-        .map(|m| staging_aligned(m.end) - m.from)
-        .sum::<u64>()
+/// One round's moved receives by offset (a round's staging regions are disjoint), with the
+/// footprints below each: a location is squeezed in a search, not a pass over every moved
+/// region (a forwarding rank moves hundreds per round).
+struct Relocated {
+    moved: Vec<Moved>,
+    /// `below[i]`: the (aligned) footprints of `moved[..i]`.
+    below: Vec<u64>,
+}
+
+impl Relocated {
+    fn new(mut moved: Vec<Moved>) -> Relocated {
+        moved.sort_unstable_by_key(|m| m.from);
+        let below = std::iter::once(0)
+            .chain(moved.iter().scan(0u64, |sum, m| {
+                *sum += staging_aligned(m.end) - m.from;
+                Some(*sum)
+            }))
+            .collect();
+        Relocated { moved, below }
+    }
+
+    /// `x`, an offset of the round's staging outside the moved regions, once the moved
+    /// regions' (aligned) footprints below it are taken out.
+    fn squeeze(&self, x: u64) -> u64 {
+        x - self.below[self.moved.partition_point(|m| m.end <= x)]
+    }
+
+    /// The moved region holding offset `x`, if any.
+    fn holding(&self, x: u64) -> Option<&Moved> {
+        let at = self.moved.partition_point(|m| m.from <= x);
+        self.moved[..at].last().filter(|m| x < m.end)
+    }
 }
 
 /// Calls `f(round position, location, bytes)` for every staging location of the main arena:
