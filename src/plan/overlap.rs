@@ -137,7 +137,9 @@ impl Reads {
             return false;
         }
         // Reads starting before the write ends, back to where none reaches into it.
-        let starts_before = self.by_start.partition_point(|&((start, _), _, _)| start < hi);
+        let starts_before = self
+            .by_start
+            .partition_point(|&((start, _), _, _)| start < hi);
         for i in (0..starts_before).rev() {
             if self.end_max[i] <= lo {
                 break;
