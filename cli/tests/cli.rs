@@ -822,6 +822,32 @@ fn bench_measures_plan_exec_and_copy() {
         assert!(json["peak_rss_mb"].as_f64().unwrap() > 1.0, "{json}");
     }
 
+    // --rank: given ranks alone, with their messages; a rank outside the refit is refused.
+    let out = ncclreshard(
+        &[
+            &[
+                "bench", "--plan", "--rank", "0,9", "--repeat", "2", "--json",
+            ][..],
+            &spec,
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let alone = json_of(&out)["ranks_alone"].clone();
+    assert_eq!(alone.as_array().map(Vec::len), Some(2), "{alone}");
+    for (entry, rank) in alone.as_array().unwrap().iter().zip([0, 9]) {
+        assert_eq!(entry["rank"], rank);
+        assert!(entry["plan_ms"].as_f64().unwrap() > 0.0, "{entry}");
+        assert!(entry["messages"].as_u64().unwrap() > 0, "{entry}");
+    }
+    let out = ncclreshard(&[&["bench", "--plan", "--rank", "16"][..], &spec].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--rank: 16 is not a rank"),
+        "{}",
+        stderr(&out)
+    );
+
     let out = ncclreshard(&[&["bench", "--exec", "--scale", "1", "--json"][..], &spec].concat());
     assert!(out.status.success(), "{}", stderr(&out));
     let json = json_of(&out);

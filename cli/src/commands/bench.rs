@@ -359,30 +359,6 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         }
         let program = rank_program(&planner, rank, StagingLimit::new(0), NcclTransport::LIMITS)
             .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))?;
-        if std::env::var("PROBE").is_ok() {
-            use ncclreshard::plan::Buffer;
-            let cat = |ms: &[ncclreshard::plan::Message]| {
-                let mut c = std::collections::BTreeMap::<String, (u64, u64)>::new();
-                let mut peers = std::collections::BTreeSet::new();
-                for m in ms {
-                    peers.insert(m.peer);
-                    let side = if m.peer < refit.infer_ranks.start {
-                        "train"
-                    } else if m.peer / 8 == rank / 8 {
-                        "node"
-                    } else {
-                        "infer"
-                    };
-                    let e = c.entry(format!("{side}/{:?}", m.loc.buffer)).or_default();
-                    e.0 += 1;
-                    e.1 += m.bytes;
-                }
-                (peers.len(), c)
-            };
-            eprintln!("rank {rank}: sends {:?}", cat(&program.sends));
-            eprintln!("rank {rank}: recvs {:?}", cat(&program.recvs));
-            let _ = Buffer::Src;
-        }
         ranks_alone.push(RankAlone {
             rank,
             plan_ms: ms(new + best),
