@@ -67,7 +67,7 @@ Usage: ncclreshard bench --plan --model M --train SPEC --infer SPEC [OPTIONS]
          program as plan creation makes it) for one rank (the first training rank; also the
          first inference rank), for every rank (wall time on all CPUs, and the CPU time
          summed over ranks), the slowest rank (and the 8 slowest planned again one at a
-         time, best of 3: ranks planned side by side wait for each other and for other
+         time, best of --repeat (3): ranks planned side by side wait for each other and for other
          processes), and the peak resident memory (VmHWM) of planning every rank's program
          on all CPUs, keeping none.
          JSON keys: plan_ms_one_rank, plan_ms_all_ranks, plan_ms_slowest_rank,
@@ -100,7 +100,8 @@ Options:
   --mib N      Bytes of --copy in MiB (default 256)
   --row BYTES  Row size of --copy (default 4096)
   --pad BYTES  Gap between strided rows of --copy (default 64)
-  --repeat N   Runs of each --copy variant (default 5), of each --rank (default 3)
+  --repeat N   Runs of each --copy variant (default 5); --plan: of each rank planned alone,
+               the slowest and --rank's (default 3)
   --json       JSON output (snake_case keys)
   -h, --help   Show this help
 
@@ -170,7 +171,7 @@ struct PlanBench {
     plan_ms_slowest_rank: f64,
     slowest_rank: u32,
     /// The slowest ranks of the run on all CPUs planned again one at a time (best of
-    /// [`ALONE_REPEAT`] each): `Planner::new` + the largest of their times, and its rank.
+    /// `--repeat`, default [`ALONE_REPEAT`], each): `Planner::new` + the largest of their times, and its rank.
     /// Ranks planned side by side share this machine's caches and cores, so the slowest of
     /// thousands is mostly the one that waited longest.
     plan_ms_slowest_rank_alone: f64,
@@ -322,10 +323,16 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
     } else {
         None
     };
+    // --repeat: runs of each rank planned alone (the slowest and --rank's), best taken.
+    let repeat = parsed
+        .number::<usize>("repeat")
+        .map_err(|e| usage("bench", e))?
+        .unwrap_or(ALONE_REPEAT)
+        .max(1);
     let mut slowest_alone = (0, Duration::ZERO);
     for &(_, rank) in by_time.iter().take(ALONE_RANKS) {
         let mut best = Duration::MAX;
-        for _ in 0..ALONE_REPEAT {
+        for _ in 0..repeat {
             best = best.min(one(rank)?);
         }
         if best > slowest_alone.1 {
@@ -337,11 +344,6 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         .numbers("rank")
         .map_err(|e| usage("bench", e))?
         .unwrap_or_default();
-    let repeat = parsed
-        .number::<usize>("repeat")
-        .map_err(|e| usage("bench", e))?
-        .unwrap_or(ALONE_REPEAT)
-        .max(1);
     let mut ranks_alone = Vec::with_capacity(asked.len());
     for rank in asked {
         let rank = u32::try_from(rank)
