@@ -704,36 +704,24 @@ impl Prepared {
         #[cfg(not(test))]
         let mine_only = true;
         // The steps this view deals, in step order: every on-node deal, and the relay groups'
-        // forwards (all of them, or the rank's own group's).
-        let mut steps: Vec<u32> = self.fanout.on_node_steps.clone();
-        if relays {
-            if !mine_only {
-                steps.extend_from_slice(&self.fanout.relay_steps);
-            } else if let Some(&step) = mine.and_then(|g| self.fanout.relay_steps.get(g)) {
-                steps.push(step);
+        // forwards (all of them, or the rank's own group's, merged in at its place).
+        if relays && !mine_only {
+            for step in &self.fanout.steps {
+                self.deal_step(step, turn, view, mine, emit);
             }
-            steps.sort_unstable();
-        }
-        for &step in &steps {
-            match &self.fanout.steps[step as usize] {
-                Step::OnNode(i) => {
-                    let (candidates, legs) = &self.on_node[*i as usize];
-                    self.deal_legs(legs, candidates, turn, view, mine, emit);
+        } else {
+            let mut own = mine
+                .filter(|_| relays)
+                .and_then(|g| self.fanout.relay_steps.get(g).copied());
+            for &s in &self.fanout.on_node_steps {
+                if let Some(o) = own.filter(|&o| o < s) {
+                    self.deal_step(&self.fanout.steps[o as usize], turn, view, mine, emit);
+                    own = None;
                 }
-                Step::Relay(group) => {
-                    let members = self.fanout.relay_groups.get(*group);
-                    for chunk in 0..self.chunks {
-                        if self.forwarded(chunk, turn) {
-                            continue;
-                        }
-                        let (first, round) = self.relay_leg(*group, chunk, turn);
-                        for &r in members {
-                            if r != first {
-                                emit(first, r, 1 + chunk, Some(round + 1), true);
-                            }
-                        }
-                    }
-                }
+                self.deal_step(&self.fanout.steps[s as usize], turn, view, mine, emit);
+            }
+            if let Some(o) = own {
+                self.deal_step(&self.fanout.steps[o as usize], turn, view, mine, emit);
             }
         }
         for chunk in (0..self.chunks).filter(|&c| relays && self.forwarded(c, turn)) {
@@ -767,6 +755,38 @@ impl Prepared {
         match &self.split {
             Some(legs) => self.deal_legs(legs, &self.senders, turn, view, mine, emit),
             None => self.deal_whole(&self.fanout.whole, turn, view, mine, emit),
+        }
+    }
+
+    /// Deals one fanout step: an on-node deal, or a relay group's forwards of the chunks not
+    /// forwarded between nodes.
+    fn deal_step(
+        &self,
+        step: &Step,
+        turn: Turn,
+        view: View,
+        mine: Option<usize>,
+        emit: &mut Emit<'_>,
+    ) {
+        match step {
+            Step::OnNode(i) => {
+                let (candidates, legs) = &self.on_node[*i as usize];
+                self.deal_legs(legs, candidates, turn, view, mine, emit);
+            }
+            Step::Relay(group) => {
+                let members = self.fanout.relay_groups.get(*group);
+                for chunk in 0..self.chunks {
+                    if self.forwarded(chunk, turn) {
+                        continue;
+                    }
+                    let (first, round) = self.relay_leg(*group, chunk, turn);
+                    for &r in members {
+                        if r != first {
+                            emit(first, r, 1 + chunk, Some(round + 1), true);
+                        }
+                    }
+                }
+            }
         }
     }
 
