@@ -87,6 +87,14 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// What a caught panic says: its `String` or `&str` payload, if it has one.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<String> {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+}
+
 /// Checked arithmetic on sizes: every product or sum of user-given sizes goes through these so
 /// that an absurd descriptor is an error, never a wrapped offset.
 pub(crate) fn checked_mul(a: u64, b: u64, what: &str) -> Result<u64> {

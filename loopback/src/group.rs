@@ -42,7 +42,7 @@ pub fn depth() -> u32 {
 
 /// `ncclGroupStart`.
 pub fn start() {
-    ncclreshard_nccl_api::set_group_depth(depth() + 1);
+    ncclreshard_nccl_api::enter_group();
 }
 
 /// Records an error of a call made inside the open group.
@@ -76,23 +76,10 @@ pub fn post(op: Posted) -> NResult<i32> {
 
 /// `ncclGroupEnd`.
 pub fn end() -> NResult<i32> {
-    let finished = GROUP.with(|g| {
-        let mut g = g.borrow_mut();
-        match depth() {
-            0 => return Err(()),
-            1 => ncclreshard_nccl_api::set_group_depth(0),
-            d => {
-                ncclreshard_nccl_api::set_group_depth(d - 1);
-                return Ok(None);
-            }
-        }
-        Ok(Some(std::mem::take(&mut *g)))
-    });
-    let group = match finished {
-        Err(()) => return fail(INVALID_USAGE, "ncclGroupEnd: not in a group call."),
-        Ok(None) => return Ok(SUCCESS),
-        Ok(Some(g)) => g,
-    };
+    if !ncclreshard_nccl_api::leave_group()? {
+        return Ok(SUCCESS);
+    }
+    let group = GROUP.with(|g| std::mem::take(&mut *g.borrow_mut()));
     for p in &group.posted {
         *lock(&p.comm.owner) = None;
     }

@@ -46,11 +46,7 @@ pub fn boundary<T>(name: &str, body: impl FnOnce() -> T) -> T {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(value) => value,
         Err(panic) => {
-            let detail = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
+            let detail = ncclreshard_nccl_api::panic_message(&*panic);
             fatal(format_args!("stand-in bug: {name} panicked: {detail}"))
         }
     }

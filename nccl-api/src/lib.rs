@@ -284,6 +284,33 @@ pub fn set_group_depth(depth: u32) {
     unsafe { *ncclReshardEmuGroupDepth() = depth as std::ffi::c_int }
 }
 
+/// `ncclGroupStart`'s depth rule: this thread's group deepens.
+pub fn enter_group() {
+    set_group_depth(group_depth() + 1);
+}
+
+/// `ncclGroupEnd`'s depth rule: `Ok(true)` when this ends the thread's outermost group (its
+/// operations are then issued), `Ok(false)` when an outer group stays open, NCCL's error when
+/// no group is open.
+pub fn leave_group() -> NResult<bool> {
+    match group_depth() {
+        0 => fail(INVALID_USAGE, "ncclGroupEnd: not in a group call."),
+        depth => {
+            set_group_depth(depth - 1);
+            Ok(depth == 1)
+        }
+    }
+}
+
+/// What a caught panic says (its `String` or `&str` payload), for the doubles' reports.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

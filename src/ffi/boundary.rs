@@ -2,7 +2,7 @@
 //! panic boundary every export goes through, and NULL-checked pointer access.
 
 use super::types::ncclResult_t;
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{panic_message, Error, ErrorKind, Result};
 use std::cell::RefCell;
 use std::ffi::CString;
 use std::os::raw::c_char;
@@ -55,11 +55,7 @@ pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> ncc
             code(error.kind)
         }
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".into());
+            let what = panic_message(&*panic).unwrap_or_else(|| "unknown panic".into());
             set_last_error(&format!(
                 "{function}: internal error (please report): {what}"
             ));

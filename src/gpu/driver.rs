@@ -7,7 +7,7 @@
 //! error, and every cudarc call runs inside [`guard`]. Every call goes through [`call`], which
 //! also turns a failing `CUresult` into an error carrying the driver's own text.
 
-use crate::error::{Error, Result};
+use crate::error::{panic_message, Error, Result};
 use cudarc::driver::sys::{self, CUresult};
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -30,11 +30,7 @@ pub(crate) fn dlerror() -> String {
 /// Runs a cudarc call, turning its panics (a missing library or symbol) into errors.
 pub(crate) fn guard<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
     catch_unwind(AssertUnwindSafe(f)).map_err(|panic| {
-        let detail = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
+        let detail = panic_message(&*panic).unwrap_or_default();
         Error::system(format!("{what}: {detail}"))
     })
 }

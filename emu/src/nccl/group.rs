@@ -33,13 +33,9 @@ pub fn depth() -> u32 {
     ncclreshard_nccl_api::group_depth()
 }
 
-fn set_depth(depth: u32) {
-    ncclreshard_nccl_api::set_group_depth(depth)
-}
-
 /// `ncclGroupStart`.
 pub fn start() {
-    set_depth(depth() + 1);
+    ncclreshard_nccl_api::enter_group();
 }
 
 /// Defers a communicator's init to the end of the open group.
@@ -111,23 +107,10 @@ pub fn post(comm: &Arc<Comm>, kind: OpKind, stream: usize) -> NResult<i32> {
 
 /// `ncclGroupEnd`.
 pub fn end() -> NResult<i32> {
-    let finished = GROUP.with(|g| {
-        let mut g = g.borrow_mut();
-        match depth() {
-            0 => return Err(()),
-            1 => set_depth(0),
-            d => {
-                set_depth(d - 1);
-                return Ok(None);
-            }
-        }
-        Ok(Some(std::mem::take(&mut *g)))
-    });
-    let group = match finished {
-        Err(()) => return fail(INVALID_USAGE, "ncclGroupEnd: not in a group call."),
-        Ok(None) => return Ok(SUCCESS),
-        Ok(Some(g)) => g,
-    };
+    if !ncclreshard_nccl_api::leave_group()? {
+        return Ok(SUCCESS);
+    }
+    let group = GROUP.with(|g| std::mem::take(&mut *g.borrow_mut()));
     for p in &group.posted {
         *lock(&p.comm.owner) = None;
     }
