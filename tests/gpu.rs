@@ -1403,23 +1403,11 @@ fn graph_capture_replays_a_plan_with_conversions() {
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         // SAFETY: capture on our own stream; graph objects destroyed below.
         unsafe {
-            ck(
-                sys::cuStreamBeginCapture_v2(fresh.stream, mode),
-                "begin capture",
-            );
-            executor
-                .execute(&buffers, rank.comm, fresh.stream.cast())
-                .unwrap_or_else(|e| panic!("capture: {e}"));
-            let mut graph = std::ptr::null_mut();
-            ck(
-                sys::cuStreamEndCapture(fresh.stream, &mut graph),
-                "end capture",
-            );
-            let mut exec = std::ptr::null_mut();
-            ck(
-                sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
-                "instantiate",
-            );
+            let (graph, exec) = capture_graph(fresh.stream, mode, || {
+                executor
+                    .execute(&buffers, rank.comm, fresh.stream.cast())
+                    .unwrap_or_else(|e| panic!("capture: {e}"));
+            });
             for replay in 0..3 {
                 // Reset the destinations (values and scales), replay, compare with the host.
                 for (&p, b) in recv.iter().zip(&initial) {
@@ -1725,23 +1713,11 @@ fn graph_capture_replays_the_reshard_including_a_first_call_on_a_fresh_stream() 
             let fresh = Device::new(rank.r as usize);
             // SAFETY: as above.
             unsafe {
-                ck(
-                    sys::cuStreamBeginCapture_v2(fresh.stream, mode),
-                    "begin capture",
-                );
-                executor
-                    .execute(&data.buffers(), rank.comm, fresh.stream.cast())
-                    .unwrap_or_else(|e| panic!("{mode:?} capture on a fresh stream: {e}"));
-                let mut graph = std::ptr::null_mut();
-                ck(
-                    sys::cuStreamEndCapture(fresh.stream, &mut graph),
-                    "end capture",
-                );
-                let mut exec = std::ptr::null_mut();
-                ck(
-                    sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
-                    "instantiate",
-                );
+                let (graph, exec) = capture_graph(fresh.stream, mode, || {
+                    executor
+                        .execute(&data.buffers(), rank.comm, fresh.stream.cast())
+                        .unwrap_or_else(|e| panic!("{mode:?} capture on a fresh stream: {e}"));
+                });
                 for _ in 0..3 {
                     // Reset the destination, replay, check.
                     let zeros = vec![0u8; data.recv_len];
@@ -1930,21 +1906,7 @@ fn staging_goes_back_after_each_call_captured_or_not() {
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         // SAFETY: capture on our own stream; graph objects destroyed below.
         let waited = unsafe {
-            ck(
-                sys::cuStreamBeginCapture_v2(fresh.stream, mode),
-                "begin capture",
-            );
-            call(fresh.stream);
-            let mut graph = std::ptr::null_mut();
-            ck(
-                sys::cuStreamEndCapture(fresh.stream, &mut graph),
-                "end capture",
-            );
-            let mut exec = std::ptr::null_mut();
-            ck(
-                sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
-                "instantiate",
-            );
+            let (graph, exec) = capture_graph(fresh.stream, mode, || call(fresh.stream));
             let instantiated = free_memory();
             let mut waited = Duration::ZERO;
             for _ in 0..2 {

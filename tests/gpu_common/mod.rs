@@ -23,6 +23,28 @@ pub fn ck(result: CUresult, what: &str) {
     assert_eq!(result, CUresult::CUDA_SUCCESS, "{what}");
 }
 
+/// Captures what `body` enqueues on `stream` (capture `mode`) into a graph and instantiates
+/// it: (graph, executable graph), for the caller to launch and destroy.
+///
+/// # Safety
+/// `stream` is a live stream of the current context, not capturing yet.
+pub unsafe fn capture_graph(
+    stream: sys::CUstream,
+    mode: sys::CUstreamCaptureMode,
+    body: impl FnOnce(),
+) -> (sys::CUgraph, sys::CUgraphExec) {
+    ck(sys::cuStreamBeginCapture_v2(stream, mode), "begin capture");
+    body();
+    let mut graph = std::ptr::null_mut();
+    ck(sys::cuStreamEndCapture(stream, &mut graph), "end capture");
+    let mut exec = std::ptr::null_mut();
+    ck(
+        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0),
+        "instantiate",
+    );
+    (graph, exec)
+}
+
 pub type Comm = *mut c_void;
 
 /// `ncclUniqueId`.
