@@ -11,8 +11,9 @@ step reuses the first step's plan. Each case prints vLLM's own ``nccl_m2n`` "dir
 coverage" for the same model beside ours (every byte direct).
 
 Default: the cases CI runs (every parameter kind: GQA with KV heads replicated at TP 4, padded
-vocabulary, tied embeddings, MoE with EP and with TP, shared experts, biases; FSDP2, FSDP2 + TP
-and Megatron sources, and vLLM's own ModuleSource). ``NCCLRESHARD_VLLM_SWEEP=1``: every model at TP 1, 2, 4 (MoE also EP 2,
+vocabulary, tied embeddings, MoE with EP and with TP, shared experts, biases, FP8 block-quantized
+dense and MoE models with their scales; FSDP2, FSDP2 + TP and Megatron sources, and vLLM's own
+ModuleSource). ``NCCLRESHARD_VLLM_SWEEP=1``: every model at TP 1, 2, 4 (MoE also EP 2,
 4) from every source. Bad input raises on every rank, trainers and workers, naming the tensor
 and the vLLM parameter, before anything is sent.
 """
@@ -41,6 +42,12 @@ CI_CASES: List[Case] = [
     ("qwen3-moe", 4, True, "fsdp2"),      # EP: whole experts per rank; layer 0 dense
     ("qwen2-moe", 2, False, "fsdp2+tp"),  # experts under TP, shared expert and its gate, biases
     ("qwen3-moe", 2, False, "vllm-source"),  # vLLM's own ModuleSource (WeightSource) over FSDP2
+    # FP8 16 x 16 blocks (vllm_harness.FP8_BLOCK): bf16 from the trainers, FP8 values and
+    # weight_scale_inv written into vLLM's parameters; blocks a trainer shard holds whole are
+    # quantized by their sender, the others (FSDP2 cuts the 8-row router gate) by receivers.
+    ("qwen3-fp8", 4, False, "fsdp2+tp"),   # fused qkv/gate_up in FP8, KV heads replicated
+    ("qwen3-fp8", 2, False, "megatron"),   # interleaved linear_qkv: scales group by group
+    ("qwen3-moe-fp8", 2, True, "fsdp2"),   # FP8 experts under EP, quantized replicated gate
 ]
 
 
@@ -49,6 +56,8 @@ def _sweep() -> List[Case]:
     for model, config in harness.MODELS.items():
         moe = "num_experts" in config
         for tp, ep in [(1, False), (2, False), (4, False)] + ([(2, True), (4, True)] if moe else []):
+            if moe and tp == 4 and not ep and harness.fp8_block(model):
+                continue  # 8 expert rows a rank cut 16-row blocks: vLLM refuses to build it
             for kind in ("fsdp2", "fsdp2+tp", "vllm-source") + (() if moe else ("megatron",)):
                 cases.append((model, tp, ep, kind))
     return cases
@@ -114,6 +123,69 @@ def test_bad_declarations_raise_on_every_rank(world: RefitWorld, options: dict, 
         _raised_everywhere(world, failure.value, 2, message)
     finally:
         world.stop_engines(2)
+
+
+def test_an_fp8_model_refuses_a_trainer_tensor_it_cannot_quantize_on_every_rank(world: RefitWorld) -> None:
+    world.build("qwen3-fp8", 2)
+    try:
+        with pytest.raises(RemoteFailure) as failure:
+            world.start("qwen3-fp8", "fsdp2", 2, 1, edit="fp8")
+        _raised_everywhere(world, failure.value, 2,
+                           r"model\.layers\.0\.self_attn\.q_proj\.weight: the trainer sends "
+                           r"torch\.float8_e4m3fn; vLLM's model\.layers\.0\.self_attn\.qkv_proj\.weight "
+                           r"is torch\.float8_e4m3fn in blocks")
+    finally:
+        world.stop_engines(2)
+
+
+@pytest.mark.parametrize("quantization, block, message", [
+    ("fp8", None, r"the model is quantized \(fp8 per tensor\)"),
+    ("awq", None, r"the model is quantized \(awq\)"),
+])
+def test_quantizations_other_than_fp8_blocks_are_refused(quantization, block, message) -> None:
+    from types import SimpleNamespace
+
+    import torch
+    from ncclreshard.vllm.layouts import destination_pieces
+    from ncclreshard.vllm.specs import RefitError
+
+    config = SimpleNamespace(model_config=SimpleNamespace(quantization=quantization),
+                             quant_config=SimpleNamespace(weight_block_size=block))
+    with pytest.raises(RefitError, match=message):
+        destination_pieces(torch.nn.Linear(2, 2), config)
+
+
+def test_fp8_kernels_that_transform_loaded_weights_are_named() -> None:
+    """An in-place refit writes the checkpoint's FP8 format: kernels whose post-load step
+    changes it (DeepGEMM, Marlin, converting MoE backends) are refused by name."""
+    from types import SimpleNamespace
+
+    from ncclreshard.vllm.layouts import _fp8_kernel_change
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+        Fp8BlockScaledMMLinearKernel,
+    )
+
+    class Keeps(Fp8BlockScaledMMLinearKernel):
+        @classmethod
+        def is_supported(cls, compute_capability=None):
+            return True, None
+
+        def apply_block_scaled_mm(self, A, B, As, Bs):  # noqa: N803 - vLLM's names
+            raise NotImplementedError
+
+    class Repacks(Keeps):
+        def process_weights_after_loading(self, layer):
+            pass
+
+    def layer(**method):
+        return SimpleNamespace(quant_method=SimpleNamespace(**method))
+
+    keeps, repacks = object.__new__(Keeps), object.__new__(Repacks)
+    assert _fp8_kernel_change(layer(fp8_linear=keeps)) is None
+    assert "Repacks transforms" in _fp8_kernel_change(layer(fp8_linear=repacks))
+    assert "Marlin" in _fp8_kernel_change(layer(use_marlin=True, fp8_linear=keeps))
+    assert _fp8_kernel_change(layer(fp8_backend=SimpleNamespace(value="TRITON"))) is None
+    assert "DEEPGEMM converts" in _fp8_kernel_change(layer(fp8_backend=SimpleNamespace(value="DEEPGEMM")))
 
 
 def test_bad_updates_raise_on_every_rank_before_anything_is_sent(world: RefitWorld) -> None:

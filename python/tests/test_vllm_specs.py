@@ -137,10 +137,78 @@ def test_build_refuses_naming_the_tensor_and_parameter(declarations, message) ->
         build(declarations)
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_workers(scale_ranks=(2, 3), block=(2, 2), grid_rows=2):
+    """q of [4, 8] column-parallel at TP 2 in FP8 2 x 2 blocks (each rank 2 rows: one row of
+    blocks) and its scales, [2, 4], in `grid_rows` rows of the parameter `q_scale`."""
+    workers = []
+    for r in (2, 3):
+        pieces = [DestinationPiece("q", (4, 8), FP8, "q_w", ((2 * (r - 2), 2 * (r - 1)), (0, 8)), 0,
+                                   block=block)]
+        if r in scale_ranks:
+            pieces.append(DestinationPiece("q_scale_inv", (grid_rows, 4), torch.float32, "q_scale",
+                                           ((r - 2, r - 1), (0, 4)), 0, scale_of="q"))
+        workers.append(_worker(r, *pieces))
+    return workers
+
+
+def test_an_fp8_destination_is_quantized_on_the_way_with_its_scales_laid_out_as_held() -> None:
+    """vLLM's FP8 block weight: the trainer's bf16 tensor becomes a block-quantized spec whose
+    scale layout comes from the workers' scale pieces (a row of blocks per rank)."""
+    src = SourceTensor("q", (4, 8), BF16, ROW)
+    refit = build([_trainer(0, src), _trainer(1, src)] + _fp8_workers())
+    (spec,) = refit.specs
+    assert spec.dst_dtype == FP8 and spec.dst == nr.Layout([2], [2, 3], [nr.Shard(0)])
+    assert spec.quant == nr.Quant("block", block=(2, 2), scale_layout=nr.Layout([2], [2, 3], [nr.Shard(0)]))
+    assert {r: p.param for r, p in refit.scales[0].items()} == {2: "q_scale", 3: "q_scale"}
+    assert refit.subset(["q"]).scales == refit.scales
+    plan = nr.Plan(list(refit.specs), 2)
+    try:
+        (view,) = plan.scale_views()
+        assert view.shape == (2, 4) and view.local_shape == (1, 4)
+    finally:
+        plan.close()
+
+
+def test_an_fp8_destination_from_a_split_source_keeps_whole_blocks() -> None:
+    """Megatron's [groups, rows per group, hidden] view of an FP8 weight: blocks and scales map
+    group by group when a group is whole blocks; otherwise refused."""
+    src = SourceTensor("q", (2, 2, 8), BF16, nr.Layout([2], [0, 1], [nr.Shard(0)]))
+    refit = build([_trainer(0, src), _trainer(1, src)] + _fp8_workers())
+    assert refit.specs[0].quant.scale_layout == nr.Layout([2], [2, 3], [nr.Shard(0)])
+    assert refit.specs[0].quant.scale_shape(src.shape) == (2, 1, 4)
+    odd = SourceTensor("q", (4, 1, 8), BF16, nr.Layout([2], [0, 1], [nr.Shard(0)]))
+    with pytest.raises(RefitError, match=r"q: the trainer declares it as \[4, 1, 8\], groups of 1 rows, "
+                                         r"which cut vLLM's 2-row FP8 blocks"):
+        build([_trainer(0, odd), _trainer(1, odd)] + _fp8_workers())
+
+
+@pytest.mark.parametrize("declarations, message", [
+    ([_trainer(0, SourceTensor("q", (4, 8), FP8, ROW))] + _fp8_workers(),
+     r"q: the trainer sends torch.float8_e4m3fn; vLLM's q_w is torch.float8_e4m3fn in blocks, "
+     r"quantized on the way from bfloat16, float16 or float32 only"),
+    ([_trainer(0, SourceTensor("q", (4, 8), BF16, ROW))] + _fp8_workers(scale_ranks=(2,)),
+     r"q: vLLM ranks \[2, 3\] hold its FP8 values but ranks \[2\] its scales"),
+    ([_trainer(0, SourceTensor("q", (4, 8), BF16, ROW))] + _fp8_workers(grid_rows=3),
+     r"q: vLLM's q_scale holds a scale grid of \[3, 4\], not the \[2, 4\] of \[4, 8\] in 2 x 2 blocks"),
+    ([_trainer(0, SourceTensor("q", (4, 8), BF16, ROW))]
+     + [_worker(2, DestinationPiece("q_scale_inv", (2, 4), torch.float32, "q_scale", ((0, 2), (0, 4)), 0,
+                                    scale_of="q"))],
+     r"q: vLLM's q_scale holds its scales but no rank its values"),
+], ids=["fp8-source", "scales-elsewhere", "refined-grid", "scales-only"])
+def test_fp8_destinations_refuse_naming_the_tensor_and_parameter(declarations, message) -> None:
+    with pytest.raises(RefitError, match=message):
+        build(declarations)
+
+
 def test_declarations_travel_as_json() -> None:
     d = Declaration(3, "worker", pieces=(_piece("q", (16, 4), "qkv_proj", ((4, 8), (0, 4)), offset=16),),
                     error=None)
     assert Declaration.from_json(d.to_json()) == d
+    for w in _fp8_workers():
+        assert Declaration.from_json(w.to_json()) == w
     t = _trainer(0, SourceTensor("o", (4, 8), BF16, nr.Layout([2], [0, 1], [nr.ShardBlocks(0, 3)], (8, 1))))
     assert Declaration.from_json(t.to_json()) == t
 

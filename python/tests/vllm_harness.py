@@ -110,6 +110,24 @@ MODELS: Dict[str, Dict[str, Any]] = {
     },
 }
 
+# FP8 block quantization as DeepSeek-V3's checkpoints carry it (vLLM's "fp8" method with
+# `weight_block_size`): every linear layer's weight in float8_e4m3fn with one float32
+# dequantization multiplier per block (`weight_scale_inv`); embeddings, LM head, norms and the
+# router gate stay bf16. Blocks of 16 x 16 make several blocks per shard of these tiny layers
+# (DeepSeek's are 128 x 128), and vLLM's own CPU kernels (AMX, 128-column blocks only) never
+# take them: the stand-in kernel below does.
+FP8_BLOCK = [16, 16]
+_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": FP8_BLOCK}
+MODELS["qwen3-fp8"] = dict(_QWEN3, quantization_config=_FP8)
+MODELS["qwen3-moe-fp8"] = dict(MODELS["qwen3-moe"], quantization_config=_FP8)
+
+
+def fp8_block(model: str) -> Optional[Tuple[int, int]]:
+    """The FP8 block (rows, cols) of `model`'s checkpoint, None when it is not quantized."""
+    q = MODELS[model].get("quantization_config")
+    return tuple(q["weight_block_size"]) if q else None  # type: ignore[return-value]
+
 
 # ---------------------------------------------------------------------------------------------
 # The checkpoint: Hugging Face names and shapes, values from a per-name seed
@@ -178,8 +196,63 @@ def checkpoint_tensor(name: str, shape: Sequence[int], seed: int = 0) -> torch.T
     return (torch.randn(tuple(shape), generator=gen) * 0.05).to(torch.bfloat16)
 
 
-def checkpoint(model: str, seed: int = 0) -> Dict[str, torch.Tensor]:
+def trainer_checkpoint(model: str, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """The checkpoint as a trainer holds it: every tensor bf16."""
     return {n: checkpoint_tensor(n, s, seed) for n, s in checkpoint_shapes(model).items()}
+
+
+def is_quantized(model: str, name: str) -> bool:
+    """Whether vLLM keeps checkpoint tensor `name` of `model` in FP8: the weight of every
+    linear layer built with the quantization config: attention, MLP, experts and shared
+    expert (all named ``*_proj.weight`` here) and Qwen3-MoE's router gate (a replicated linear
+    layer, fewer rows than a block), nothing else."""
+    return fp8_block(model) is not None and name.endswith(("_proj.weight", ".mlp.gate.weight"))
+
+
+def unloaded_by_design(model: str, names: Sequence[str]) -> List[str]:
+    """The parameters of `model` its checkpoint does not carry, which `load_weights` leaves as
+    the model was built: an FP8 model's attention layers get KV-cache scales
+    (``attn.k_scale``, ``v_scale``, ``q_scale``, ``prob_scale``), which only a checkpoint with
+    a quantized KV cache has."""
+    if fp8_block(model) is None:
+        return []
+    suffixes = tuple(f".attn.{s}_scale" for s in ("k", "v", "q", "prob"))
+    return [n for n in names if n.endswith(suffixes)]
+
+
+def quantize_blocks(w: torch.Tensor, block: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D tensor in float8_e4m3fn blocks and their float32 dequantization multipliers, as
+    DeepSeek-V3's `weight_quant` makes its checkpoints, over the whole tensor: per block
+    ``s = max(amax, 1e-4) / 448`` (the 1e-4 floor of DeepGEMM's `per_block_cast_to_fp8`),
+    values ``x / s`` rounded to nearest-even and clamped to +-448; `s` stored. Written
+    independently of the library's quantizers (docs/quantization.md §3 states the same)."""
+    rows, cols = w.shape
+    bn, bk = block
+    x = w.float()
+    values = torch.empty((rows, cols), dtype=torch.float8_e4m3fn)
+    scales = torch.empty((-(-rows // bn), -(-cols // bk)), dtype=torch.float32)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            part = x[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            s = part.abs().max().clamp(min=1e-4) / 448.0
+            values[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (part / s).clamp(-448.0, 448.0).to(
+                torch.float8_e4m3fn
+            )
+            scales[i, j] = s
+    return values, scales
+
+
+def checkpoint(model: str, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """The checkpoint vLLM's loader reads: the trainer's bf16 tensors, and for an FP8 model each
+    quantized weight in FP8 blocks followed by its ``weight_scale_inv``."""
+    out: Dict[str, torch.Tensor] = {}
+    block = fp8_block(model)
+    for name, w in trainer_checkpoint(model, seed).items():
+        if block is not None and is_quantized(model, name):
+            out[name], out[f"{name}_scale_inv"] = quantize_blocks(w, block)
+        else:
+            out[name] = w
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +312,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _TorchFp8BlockKernel:
+    """Made a subclass of vLLM's Fp8BlockScaledMMLinearKernel by `_register_fp8_stand_in`."""
+
+
+def _register_fp8_stand_in() -> None:
+    """Registers with vLLM (its own `register_linear_kernel`, for the CPU platform) a block-FP8
+    linear kernel in plain torch ops: the weight dequantized block by block, then a matmul. A
+    test double for hardware this machine lacks: vLLM's CPU FP8 kernels need AMX and 128-column
+    blocks, so without it vLLM refuses to build an FP8 model here. Its post-load processing is
+    vLLM's base class's (what its CUDA Triton and CUTLASS block kernels do: the loaded bytes
+    stay as loaded), so parameters keep the loader's layout, as on those GPUs."""
+    global _TorchFp8BlockKernel
+    from vllm.model_executor.kernels.linear import register_linear_kernel
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+        Fp8BlockScaledMMLinearKernel,
+    )
+    from vllm.platforms import PlatformEnum, current_platform
+
+    if issubclass(_TorchFp8BlockKernel, Fp8BlockScaledMMLinearKernel):
+        return  # once per process
+
+    class TorchFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
+        apply_input_quant = False  # bf16 activations times dequantized weights
+
+        @classmethod
+        def is_supported(cls, compute_capability: Optional[int] = None) -> Tuple[bool, Optional[str]]:
+            if not current_platform.is_cpu():
+                return False, "the test harness's CPU stand-in"
+            return True, None
+
+        def apply_block_scaled_mm(self, A: torch.Tensor, B: torch.Tensor, As: torch.Tensor,
+                                  Bs: torch.Tensor) -> torch.Tensor:
+            bn, bk = self.weight_group_shape.row, self.weight_group_shape.col
+            n, k = B.shape
+            scale = Bs.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+            return A.float() @ (B.float() * scale).t()
+
+    TorchFp8BlockKernel.__qualname__ = TorchFp8BlockKernel.__name__ = "TorchFp8BlockKernel"
+    register_linear_kernel(TorchFp8BlockKernel, PlatformEnum.CPU, "fp8_block")
+    _TorchFp8BlockKernel = TorchFp8BlockKernel
+
+
 def configure(model_name: str, tp: int, ep: bool, workdir: Path, rank: int = 0) -> Any:
     """A new VllmConfig of `model_name` at TP `tp` (`ep`: expert parallel) for TP rank `rank`,
     its config.json written under `workdir` (a directory of its own per call). Each model
@@ -247,6 +362,8 @@ def configure(model_name: str, tp: int, ep: bool, workdir: Path, rank: int = 0) 
 
     from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
+    if fp8_block(model_name) is not None:
+        _register_fp8_stand_in()
     model_dir = workdir / "model"
     model_dir.mkdir(parents=True)
     (model_dir / "config.json").write_text(json.dumps(MODELS[model_name]))
@@ -490,7 +607,7 @@ def collect_parameters(ctx: Context) -> RankResult:
     loaded = set(model.load_weights(iter(ckpt.items())))
     seconds_load = time.perf_counter() - t0
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(params) - loaded - set(unloaded_by_design(ctx.model_name, params)))
     if missing:
         raise RuntimeError(f"load_weights left parameters unloaded: {missing}")
 

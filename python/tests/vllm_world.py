@@ -17,7 +17,8 @@ takes most of a process's start):
   WeightTransferConfig(backend="ncclreshard"), ...)``, and run the engine's methods as vLLM's
   worker does (``parse_init_info`` + ``init_transfer_engine``, ``start_weight_update``,
   ``update_weights``, ``finish_weight_update``). Before every update a worker overwrites every
-  byte of every parameter (0xFF: bf16 NaNs), so the refit must write them all; afterwards
+  byte of every parameter (0xFF: bf16 NaNs; all but an FP8 model's KV-cache scales, which no
+  checkpoint of it carries), so the refit must write them all; afterwards
   every parameter must equal, byte for byte, what vLLM's ``load_weights`` of the same
   checkpoint gives in a fresh model (the oracle).
 """
@@ -126,11 +127,19 @@ class _Worker:
         out, self.rpc_errors = self.rpc_errors, []
         return out
 
+    def _written(self) -> List[Any]:
+        """The parameters a refit writes: all but those the checkpoint does not carry."""
+        import vllm_harness as harness
+
+        params = dict(self.model.named_parameters())
+        kept = set(harness.unloaded_by_design(self.case["model"], list(params)))
+        return [p for n, p in params.items() if n not in kept]
+
     def untouched(self) -> bool:
         """True when every byte of every parameter still holds what `start` wrote (0xFF)."""
         import torch
 
-        return all(bool((p.data.view(-1).view(torch.uint8) == 0xFF).all()) for p in self.model.parameters())
+        return all(bool((p.data.view(-1).view(torch.uint8) == 0xFF).all()) for p in self._written())
 
     def _rpc(self, method: str, *args: Any) -> Any:
         """What vLLM's Worker does for each control-plane call (vllm/v1/worker/gpu_worker.py)."""
@@ -145,7 +154,7 @@ class _Worker:
                 engine.init_transfer_engine(engine.parse_init_info(args[0]))
             elif method == "start":
                 with torch.no_grad():
-                    for p in self.model.parameters():
+                    for p in self._written():
                         p.data.view(torch.uint8).fill_(0xFF)
                 engine.start_weight_update()
             elif method == "update":
@@ -171,6 +180,7 @@ class _Worker:
             loaded = set(oracle.load_weights(iter(harness.checkpoint(c["model"], seed).items())))
         expected = dict(oracle.named_parameters())
         got = dict(self.model.named_parameters())
+        loaded |= set(harness.unloaded_by_design(c["model"], list(expected)))
         if set(expected) != set(got) or set(expected) - loaded:
             raise AssertionError(f"parameter sets differ: {sorted(set(expected) ^ set(got))} / "
                                  f"unloaded {sorted(set(expected) - loaded)}")
@@ -436,7 +446,7 @@ class _Trainer:
     def _checkpoint(self, seed: int, drop: Sequence[str] = (), edits: Dict[str, Any] = None) -> Dict[str, Any]:
         import vllm_harness as harness
 
-        ckpt = harness.checkpoint(self.case["model"], seed)
+        ckpt = harness.trainer_checkpoint(self.case["model"], seed)
         for name in drop:
             ckpt.pop(name)
         for name, fn in (edits or {}).items():
@@ -546,6 +556,12 @@ def _float32(w: Any) -> Any:
     return w.float()
 
 
+def _float8(w: Any) -> Any:
+    import torch
+
+    return w.to(torch.float8_e4m3fn)
+
+
 def _groups_of_100(w: Any) -> Any:
     return w.reshape(11, 100, w.shape[1])
 
@@ -557,6 +573,8 @@ _EDITS: Dict[str, Dict[str, Any]] = {
     "dtype": {"model.norm.weight": _float32},
     # Declared as [11, 100, hidden]: vLLM's vocabulary shards (rows [0, 576) at TP 2) cut groups.
     "cut": {"model.embed_tokens.weight": _groups_of_100},
+    # An FP8 model's weight sent already in FP8: the backend quantizes bf16/fp16/fp32 only.
+    "fp8": {"model.layers.0.self_attn.q_proj.weight": _float8},
 }
 
 

@@ -19,10 +19,18 @@ zeroes (the vocabulary's padding rows). It follows the loaders of vLLM 0.33
   down columns of this rank's expert-TP slice, names and experts from the layer's own
   ``get_expert_mapping()`` and expert map (EP: only the rank's experts).
 
+FP8 block-quantized models (vLLM's ``fp8`` method with ``weight_block_size``, DeepSeek-V3's
+checkpoint format): a linear layer's or the experts' ``weight`` is float8_e4m3fn, placed by the
+rules above, and its pieces carry the block; its ``weight_scale_inv`` (one float32 multiplier
+per block) gets the same pieces over the block grid (``scale_of`` the weight's checkpoint name),
+which requires every piece to start and end on a block boundary (or the tensor's end). KV-cache
+scales (``attn.k_scale``, …) are not in such a checkpoint: they are kept as the model has them.
+
 Every piece is a run of whole rows of a contiguous parameter, so it is one contiguous range
 of it; the pieces and zeroed ranges of each parameter must tile it exactly (checked), so a
-refit writes every byte of every parameter. A parameter no rule covers, or a quantized model,
-raises :class:`~ncclreshard.vllm.specs.RefitError` naming it.
+refit writes every byte of every parameter it does not keep. A parameter no rule covers, or a
+quantization other than FP8 blocks, raises :class:`~ncclreshard.vllm.specs.RefitError` naming
+it.
 """
 
 from __future__ import annotations
@@ -39,11 +47,51 @@ from .specs import Box, DestinationPiece, RefitError
 @dataclass(frozen=True)
 class ModelPieces:
     """One worker's pieces, the ranges of its parameters vLLM's loader zeroes
-    (``(param, offset, count)``), and its parameters by name."""
+    (``(param, offset, count)``), its parameters by name, and those a refit keeps as they are
+    (no checkpoint tensor writes them: an FP8 model's KV-cache scales)."""
 
     pieces: Tuple[DestinationPiece, ...]
     zeros: Tuple[Tuple[str, int, int], ...]
     params: Dict[str, torch.nn.Parameter]
+    kept: Tuple[str, ...] = ()
+
+
+# The scale of a quantized parameter `<weight>` is `<weight>_scale_inv` (vLLM's Fp8LinearMethod
+# and Fp8MoEMethod with blocks: `weight_scale_inv`, `w13_weight_scale_inv`, `w2_weight_scale_inv`).
+_SCALE_SUFFIX = "_scale_inv"
+_FP8 = (torch.float8_e4m3fn,)
+_KV_CACHE_SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale")
+# vLLM's FP8 MoE backends whose post-load conversion leaves the loaded values and scales as they
+# are (`convert_to_fp8_moe_kernel_format`'s fall-through); NONE: no kernel converted them.
+_FP8_MOE_KEEPS_LOADED = ("TRITON", "BATCHED_TRITON", "VLLM_CUTLASS", "BATCHED_VLLM_CUTLASS", "NONE")
+
+
+def _fp8_kernel_change(module: Any) -> Optional[str]:
+    """What vLLM's FP8 kernel of `module` does to the loaded weight and scales after loading
+    that an in-place refit would have to redo (None: it keeps them as loaded): a block linear
+    kernel that overrides the base class's post-load step (DeepGEMM re-lays out scales and on
+    Blackwell re-quantizes them to UE8M0; vLLM's CPU kernels prepack; Marlin repacks), or an
+    MoE backend that converts experts (DeepGEMM, FlashInfer, Marlin, AITER, CPU)."""
+    method = getattr(module, "quant_method", None)
+    backend = getattr(method, "fp8_backend", None)
+    if backend is not None:
+        name = getattr(backend, "value", str(backend))
+        if name not in _FP8_MOE_KEEPS_LOADED:
+            return f"vLLM's FP8 MoE backend {name} converts the experts after loading"
+        return None
+    if getattr(method, "use_marlin", False):
+        return "vLLM's Marlin FP8 kernel repacks the weight after loading"
+    kernel = getattr(method, "fp8_linear", None)
+    if kernel is None:
+        return None
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+        Fp8BlockScaledMMLinearKernel,
+    )
+
+    base = Fp8BlockScaledMMLinearKernel.process_weights_after_loading
+    if getattr(type(kernel), "process_weights_after_loading", base) is not base:
+        return f"vLLM's FP8 kernel {type(kernel).__name__} transforms the weight or scales after loading"
+    return None
 
 
 def _whole(shape: Sequence[int]) -> Box:
@@ -213,11 +261,60 @@ class _Walker:
         if not held and param.numel():
             raise self.refuse(param_name, m, param, "no expert of the layer's mapping lands in it")
 
+    def scales(self, param_name: str, param: torch.Tensor, module: Any,
+               weight_name: str, weight: torch.Tensor) -> None:
+        """The block scales `param` of the FP8 `weight`: each of the weight's pieces over the
+        block grid (leading dims as they are, rows and columns in blocks), the weight's pieces
+        marked with the block."""
+        block = getattr(module, "weight_block_size", None)
+        if not block or len(block) != 2:
+            raise self.refuse(param_name, module, param,
+                              "an FP8 scale without a block size (per-tensor FP8 is not supported)")
+        bn, bk = int(block[0]), int(block[1])
+        grid = tuple(weight.shape[:-2]) + (-(-weight.shape[-2] // bn), -(-weight.shape[-1] // bk))
+        if tuple(param.shape) != grid:
+            raise self.refuse(
+                param_name, module, param,
+                f"its shape is not the block grid {list(grid)} of {weight_name} "
+                f"{list(weight.shape)} in {bn} x {bk} blocks (vLLM refines MoE scale grids "
+                "whose shards cut blocks: give each rank whole blocks)",
+            )
+        rows, cols = weight.shape[-2], weight.shape[-1]
+        for i, piece in enumerate(self.pieces):
+            if piece.param != weight_name:
+                continue
+            edges = []
+            for d, ((a, b), n) in enumerate(zip(piece.box, piece.shape)):
+                size = bn if d == len(piece.shape) - 2 else bk if d == len(piece.shape) - 1 else 1
+                if a % size or (b % size and b != n):
+                    raise self.refuse(
+                        param_name, module, param,
+                        f"{piece.name}'s rows/columns [{a}, {b}) along dim {d} cut its "
+                        f"{bn} x {bk} blocks; a rank must hold whole blocks",
+                    )
+                edges.append((a // size, -(-b // size)))
+            if len(piece.shape) < 2:
+                raise self.refuse(param_name, module, param, f"{piece.name} is not a matrix")
+            row = piece.offset // cols
+            lead, r = divmod(row, rows)
+            if piece.offset % cols or r % bn:
+                raise self.refuse(param_name, module, param,
+                                  f"{piece.name} starts inside a block of {weight_name}")
+            offset = (lead * grid[-2] + r // bn) * grid[-1]
+            shape = tuple(piece.shape[:-2]) + (-(-piece.shape[-2] // bn), -(-piece.shape[-1] // bk))
+            self.pieces[i] = DestinationPiece(piece.name, piece.shape, piece.dtype, piece.param,
+                                              piece.box, piece.offset, block=(bn, bk))
+            self.pieces.append(DestinationPiece(
+                piece.name + _SCALE_SUFFIX, shape, param.dtype, param_name, tuple(edges), offset,
+                scale_of=piece.name,
+            ))
+
 
 def destination_pieces(model: Any, vllm_config: Any = None) -> ModelPieces:
     """Every checkpoint piece this worker's live `model` holds (see the module doc), with the
-    ranges its loader zeroes. Raises RefitError naming the first parameter it cannot place,
-    and for quantized models (`vllm_config.model_config.quantization` set)."""
+    ranges its loader zeroes and the parameters a refit keeps. Raises RefitError naming the
+    first parameter it cannot place, and for a quantization other than FP8 blocks
+    (`vllm_config.model_config.quantization`, `vllm_config.quant_config.weight_block_size`)."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
@@ -231,25 +328,52 @@ def destination_pieces(model: Any, vllm_config: Any = None) -> ModelPieces:
 
     model_config = getattr(vllm_config, "model_config", None)
     quantization = getattr(model_config, "quantization", None)
-    if quantization is not None:
+    block = getattr(getattr(vllm_config, "quant_config", None), "weight_block_size", None)
+    if quantization is not None and (quantization != "fp8" or not block):
         raise RefitError(
-            f"the model is quantized ({quantization}); this backend writes bf16/fp16/fp32 "
-            "parameters only (FP8 block-quantized models: python/README.md, 'From vLLM')"
+            f"the model is quantized ({quantization}"
+            f"{'' if quantization != 'fp8' else ' per tensor'}); this backend writes "
+            "bf16/fp16/fp32 parameters and FP8 block-quantized ones (quantization 'fp8' with "
+            "weight_block_size) only"
         )
+    fp8 = quantization is not None
     owners: Dict[int, Tuple[str, Any]] = {}
     for module_name, module in model.named_modules():
         for _, p in module.named_parameters(recurse=False):
             owners.setdefault(id(p), (module_name, module))
     walker = _Walker(model)
     params: Dict[str, torch.nn.Parameter] = {}
+    kept: List[str] = []
+    scales: List[Tuple[str, torch.nn.Parameter, Any]] = []
     for param_name, param in model.named_parameters():
         params[param_name] = param
         module_path, module = owners[id(param)]
         leaf = param_name.rsplit(".", 1)[-1]
         if not param.data.is_contiguous():
             raise walker.refuse(param_name, module, param, "not contiguous")
-        if param.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        if fp8 and leaf in _KV_CACHE_SCALES and param.numel() <= 1:
+            kept.append(param_name)  # KV-cache scales: no FP8 block checkpoint has them
+            continue
+        if fp8 and leaf.endswith("weight" + _SCALE_SUFFIX):
+            if param.dtype != torch.float32:
+                raise walker.refuse(param_name, module, param,
+                                    f"scale dtype {param.dtype} (float32 block scales only)")
+            scales.append((param_name, param, module))
+            continue
+        allowed = (torch.bfloat16, torch.float16, torch.float32) + (_FP8 if fp8 else ())
+        if param.dtype not in allowed:
             raise walker.refuse(param_name, module, param, f"dtype {param.dtype}")
+        if param.dtype in _FP8 and not hasattr(module, leaf + _SCALE_SUFFIX):
+            raise walker.refuse(param_name, module, param,
+                                f"FP8 without a block scale {leaf}{_SCALE_SUFFIX}")
+        change = _fp8_kernel_change(module) if param.dtype in _FP8 else None
+        if change is not None:
+            raise walker.refuse(
+                param_name, module, param,
+                f"{change}, so the checkpoint's format the refit writes is not what it computes "
+                "with; use a kernel that keeps it (VLLM_USE_DEEP_GEMM=0 and the Triton or "
+                "CUTLASS block kernels, the Triton MoE backend)",
+            )
         for flag in ("packed_dim", "packed_factor", "is_sharded_weight", "needs_scalar_to_array"):
             if getattr(param, flag, None):
                 raise walker.refuse(param_name, module, param, f"the loader flag {flag} is set")
@@ -281,6 +405,12 @@ def destination_pieces(model: Any, vllm_config: Any = None) -> ModelPieces:
             walker.whole(param_name, param_name, param)
         else:
             raise walker.refuse(param_name, module, param, "no layout rule for this layer and loader")
+    for param_name, param, module in scales:
+        weight_name = param_name[: -len(_SCALE_SUFFIX)]
+        weight = params.get(weight_name)
+        if weight is None or weight.dtype not in _FP8:
+            raise walker.refuse(param_name, module, param, f"scales {weight_name}, not an FP8 weight")
+        walker.scales(param_name, param, module, weight_name, weight)
 
     ranges: Dict[str, List[Tuple[int, int, str]]] = {}
     for p in walker.pieces:
@@ -288,6 +418,8 @@ def destination_pieces(model: Any, vllm_config: Any = None) -> ModelPieces:
     for param_name, offset, count in walker.zeros:
         ranges.setdefault(param_name, []).append((offset, count, "zeros"))
     for param_name, param in params.items():
+        if param_name in kept:
+            continue
         at = 0
         for offset, count, what in sorted(ranges.get(param_name, [])):
             if offset != at:
@@ -301,4 +433,4 @@ def destination_pieces(model: Any, vllm_config: Any = None) -> ModelPieces:
             raise RefitError(
                 f"vLLM parameter {param_name}: its pieces cover {at} of {param.numel()} elements"
             )
-    return ModelPieces(tuple(walker.pieces), tuple(walker.zeros), params)
+    return ModelPieces(tuple(walker.pieces), tuple(walker.zeros), params, tuple(kept))

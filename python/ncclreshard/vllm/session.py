@@ -218,20 +218,22 @@ class Session:
         before: Optional[Any] = None,
     ) -> float:
         """Update `step` (the trainer's count, the same on every rank) of `refit`: `views(plan)`
-        gives this rank's ``(src, dst)`` view lists; each rank checks them against the plan and
+        gives this rank's ``(src, dst, scales)`` view lists (`scales`: one per quantized tensor
+        of the plan, ``plan.info.scale_tensors``); each rank checks them against the plan and
         all ranks agree (RefitError naming the first rank's problem, before anything is sent);
         then `before()` runs (e.g. zeroing padding) and the transport moves the data. Returns
         the transfer's seconds."""
         plan, transport = self.plan(epoch, refit)
         src: List[Optional[torch.Tensor]] = []
         dst: List[Optional[torch.Tensor]] = []
+        scales: List[Optional[torch.Tensor]] = []
         error: Optional[str] = None
         try:
-            src, dst = views(plan)
+            src, dst, scales = views(plan)
             if transport is not None:
-                transport.check_tensors(src, dst)
+                transport.check_tensors(src, dst, scales)
             else:
-                plan.check_views(src, dst)
+                plan.check_views(src, dst, scales)
         except Exception as e:  # this rank's views are wrong: every rank must learn it
             error = f"{type(e).__name__}: {e}"
         self.agree(f"update/{step}", error)
@@ -241,11 +243,11 @@ class Session:
             before()
         start = time.perf_counter()
         if transport is not None:
-            transport.reshard(src, dst)
+            transport.reshard(src, dst, scales)
         else:
             from ..comm import comm_wait
 
-            plan.reshard(src, dst, self.comm)
+            plan.reshard(src, dst, self.comm, scales=scales)
             if self.config.timeout_ms:
                 comm_wait(self.comm)  # raises RemoteError when a peer missed the deadline
             torch.cuda.current_stream(self.device).synchronize()

@@ -28,7 +28,7 @@ import torch
 from .. import dtypes
 from ..layout import Layout, local_runs
 from ..placements import Placement, Replicate, Shard, ShardBlocks
-from ..spec import TensorSpec
+from ..spec import Quant, TensorSpec
 
 Box = Tuple[Tuple[int, int], ...]
 
@@ -78,20 +78,31 @@ class DestinationPiece:
     param: str
     box: Box
     offset: int
+    # An FP8 block-quantized weight: its block (rows, cols); its scale's pieces name it in
+    # `scale_of` (their `name` is the weight's plus "_scale_inv", `shape` the block grid).
+    block: Optional[Tuple[int, int]] = None
+    scale_of: Optional[str] = None
 
     @property
     def numel(self) -> int:
         return math.prod(b - a for a, b in self.box)
 
     def to_json(self) -> Dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": dtypes.name(self.dtype),
-                "param": self.param, "box": [list(b) for b in self.box], "offset": self.offset}
+        out = {"name": self.name, "shape": list(self.shape), "dtype": dtypes.name(self.dtype),
+               "param": self.param, "box": [list(b) for b in self.box], "offset": self.offset}
+        if self.block is not None:
+            out["block"] = list(self.block)
+        if self.scale_of is not None:
+            out["scale_of"] = self.scale_of
+        return out
 
     @classmethod
     def from_json(cls, value: Mapping[str, Any]) -> "DestinationPiece":
+        block = value.get("block")
         return cls(value["name"], tuple(value["shape"]), dtypes.to_dtype(value["dtype"]),
                    value["param"], tuple((int(a), int(b)) for a, b in value["box"]),
-                   int(value["offset"]))
+                   int(value["offset"]), tuple(int(b) for b in block) if block else None,
+                   value.get("scale_of"))
 
 
 @dataclass(frozen=True)
@@ -133,10 +144,17 @@ class Declaration:
 @dataclass(frozen=True)
 class Refit:
     """The specs every rank plans from, in one order, and where each lands on the workers:
-    ``pieces[i][rank]`` is worker `rank`'s piece of ``specs[i]`` (absent: it holds none)."""
+    ``pieces[i][rank]`` is worker `rank`'s piece of ``specs[i]`` (absent: it holds none) and,
+    for a quantized spec, ``scales[i][rank]`` its piece of the block scales (empty dicts for
+    the others)."""
 
     specs: Tuple[TensorSpec, ...]
     pieces: Tuple[Dict[int, DestinationPiece], ...]
+    scales: Tuple[Dict[int, DestinationPiece], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.scales:
+            object.__setattr__(self, "scales", tuple({} for _ in self.specs))
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -159,7 +177,8 @@ class Refit:
             twice = next(n for n in wanted if wanted.count(n) > 1)
             raise RefitError(f"{twice!r} is named twice in one update")
         keep = sorted(index[n] for n in wanted)
-        return Refit(tuple(self.specs[i] for i in keep), tuple(self.pieces[i] for i in keep))
+        return Refit(tuple(self.specs[i] for i in keep), tuple(self.pieces[i] for i in keep),
+                     tuple(self.scales[i] for i in keep))
 
 
 def _split_box(box: Box, shape: Sequence[int], groups: int, rows: int, rank: int, name: str, param: str) -> Box:
@@ -299,9 +318,10 @@ def build(declarations: Sequence[Declaration]) -> Refit:
     sources = {name: _merge_sources(name, found) for name, found in declared.items()}
     order = list(declared)
     pieces: Dict[str, Dict[int, DestinationPiece]] = {}
+    scales: Dict[str, Dict[int, DestinationPiece]] = {}
     for d in sorted(declarations, key=lambda d: d.rank):
         for p in d.pieces:
-            held = pieces.setdefault(p.name, {})
+            held = (scales if p.scale_of is not None else pieces).setdefault(p.scale_of or p.name, {})
             if d.rank in held:
                 raise RefitError(
                     f"{p.name}: vLLM rank {d.rank} holds it in two parameters "
@@ -316,8 +336,13 @@ def build(declarations: Sequence[Declaration]) -> Refit:
                 f"{name}: vLLM's parameter {param} needs this checkpoint tensor and no trainer "
                 "sends it"
             )
+    for name, held in scales.items():
+        if name not in pieces:
+            param = next(iter(held.values())).param
+            raise RefitError(f"{name}: vLLM's {param} holds its scales but no rank its values")
     specs: List[TensorSpec] = []
     placed: List[Dict[int, DestinationPiece]] = []
+    placed_scales: List[Dict[int, DestinationPiece]] = []
     for name in order:
         source = sources[name]
         held = pieces.get(name)
@@ -333,13 +358,14 @@ def build(declarations: Sequence[Declaration]) -> Refit:
                     f"{name}: vLLM ranks disagree on its shape or dtype ({p.param} on rank "
                     f"{rank}: {list(p.shape)} {p.dtype}, not {list(first.shape)} {first.dtype})"
                 )
-        if source.dtype != first.dtype:
+        if first.block is None and source.dtype != first.dtype:
             raise RefitError(
                 f"{name}: the trainer sends {source.dtype} but vLLM's {first.param} is "
                 f"{first.dtype}"
             )
         boxes = {r: p.box for r, p in held.items()}
-        if source.shape != first.shape:
+        split = source.shape != first.shape
+        if split:
             splits = (
                 len(source.shape) == len(first.shape) + 1
                 and source.shape[0] * source.shape[1] == first.shape[0]
@@ -355,6 +381,57 @@ def build(declarations: Sequence[Declaration]) -> Refit:
                 for r, b in boxes.items()
             }
         layout = layout_from_boxes(f"{name} (vLLM's {first.param})", source.shape, boxes)
-        specs.append(TensorSpec(name, source.shape, source.dtype, source.layout, layout))
+        scale_held = scales.get(name, {})
+        if first.block is None and not scale_held:
+            specs.append(TensorSpec(name, source.shape, source.dtype, source.layout, layout))
+        else:
+            quant = _block_quant(name, source, held, scale_held, split)
+            specs.append(TensorSpec(name, source.shape, source.dtype, source.layout, layout,
+                                    dst_dtype=first.dtype, quant=quant))
         placed.append(held)
-    return Refit(tuple(specs), tuple(placed))
+        placed_scales.append(scale_held)
+    return Refit(tuple(specs), tuple(placed), tuple(placed_scales))
+
+
+def _block_quant(name: str, source: SourceTensor, held: Mapping[int, DestinationPiece],
+                 scale_held: Mapping[int, DestinationPiece], split: bool) -> Quant:
+    """The block quantization of a tensor the workers keep in FP8: the block they all declare,
+    the scales stored as the dequantization multiplier (vLLM's ``weight_scale_inv``), laid out
+    as the workers' scale pieces say."""
+    first = next(iter(held.values()))
+    blocks = {p.block for p in held.values()}
+    if len(blocks) != 1 or None in blocks:
+        raise RefitError(f"{name}: vLLM ranks disagree on its FP8 block ({sorted(map(str, blocks))})")
+    if set(scale_held) != set(held):
+        raise RefitError(
+            f"{name}: vLLM ranks {sorted(held)} hold its FP8 values but ranks "
+            f"{sorted(scale_held)} its scales; each rank must hold both"
+        )
+    if source.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise RefitError(
+            f"{name}: the trainer sends {source.dtype}; vLLM's {first.param} is {first.dtype} "
+            "in blocks, quantized on the way from bfloat16, float16 or float32 only"
+        )
+    bn, bk = first.block  # type: ignore[misc]
+    scale = next(iter(scale_held.values()))
+    quant = Quant("block", block=(bn, bk))
+    grid = quant.scale_shape(first.shape)
+    if tuple(scale.shape) != grid:
+        raise RefitError(
+            f"{name}: vLLM's {scale.param} holds a scale grid of {list(scale.shape)}, not the "
+            f"{list(grid)} of {list(first.shape)} in {bn} x {bk} blocks"
+        )
+    shape: Tuple[int, ...] = grid
+    boxes = {r: p.box for r, p in scale_held.items()}
+    if split:
+        groups, rows = source.shape[0], source.shape[1]
+        if rows % bn:
+            raise RefitError(
+                f"{name}: the trainer declares it as {list(source.shape)}, groups of {rows} "
+                f"rows, which cut vLLM's {bn}-row FP8 blocks; declare the checkpoint's shape"
+            )
+        shape = (groups, rows // bn) + grid[1:]
+        boxes = {r: _split_box(b, shape, groups, rows // bn, r, scale.name, scale_held[r].param)
+                 for r, b in boxes.items()}
+    layout = layout_from_boxes(f"{scale.name} (vLLM's {scale.param})", shape, boxes)
+    return Quant("block", block=(bn, bk), scale_layout=layout)

@@ -379,7 +379,7 @@ class NcclReshardTrainerEngine(TrainerWeightTransferEngine[NcclReshardTrainerIni
 
                 def pick(plan: Any) -> Any:
                     src = [views.get(s.name) if self.rank in s.src.ranks else None for s in refit.specs]
-                    return src, [None] * len(refit.specs)
+                    return src, [None] * len(refit.specs), [None] * plan.info.scale_tensors
 
                 self.last_transfer_s = self.session.run(self.epoch, self._round, refit, pick)
             except BaseException as e:

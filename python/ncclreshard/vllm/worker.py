@@ -172,17 +172,21 @@ class NcclReshardWeightTransferEngine(WeightTransferEngine[NcclReshardInitInfo, 
         rank = self.group_rank
         params = self._pieces.params
 
+        def view(piece: Any, shape: Any) -> torch.Tensor:
+            flat = params[piece.param].data.view(-1)
+            return flat[piece.offset:piece.offset + piece.numel].view(shape)
+
         def views(plan: Any) -> Any:
             dst = []
             for i, held in enumerate(refit.pieces):
                 piece = held.get(rank)
-                if piece is None:
-                    dst.append(None)
-                    continue
-                shape = plan.local_shape(i, "dst")
-                flat = params[piece.param].data.view(-1)
-                dst.append(flat[piece.offset:piece.offset + piece.numel].view(shape))
-            return [None] * len(dst), dst
+                dst.append(None if piece is None else view(piece, plan.local_shape(i, "dst")))
+            # One scale view per quantized tensor, in tensor order (FP8 block scales).
+            scales = []
+            for s in plan.scale_views():
+                piece = refit.scales[s.tensor].get(rank)
+                scales.append(None if piece is None else view(piece, s.local_shape))
+            return [None] * len(dst), dst, scales
 
         touched = {held[rank].param for held in refit.pieces if rank in held}
 
