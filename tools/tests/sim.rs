@@ -1347,7 +1347,8 @@ fn conversions_run_at_their_stated_speed_and_fp8_halves_the_bytes() {
 #[test]
 fn the_critical_path_adds_up_to_the_last_ranks_finish() {
     // Where the time goes: the last rank's parts sum to the run's time (no jitter), none is
-    // negative, and the transfers hold at least the rank's own bytes at rated speed.
+    // negative, and the transfers hold at least the rank's own bytes at achievable speed plus
+    // the latencies no byte of it overlaps (so the named parts never exceed the whole).
     let cluster = Cluster::dgx_h100();
     let mesh2 =
         |first: u32, rows: u64, cols: u64| Mesh::contiguous(vec![rows, cols], first).unwrap();
@@ -1373,5 +1374,12 @@ fn the_critical_path_adds_up_to_the_last_ranks_finish() {
         assert_close(parts.iter().sum::<f64>(), report.time_s);
         assert!(c.transfers_s >= c.rated_s * (1.0 - 1e-9), "{mode:?}: {c:?}");
         assert!(c.rated_s > 0.0 && c.latency_s > 0.0, "{mode:?}: {c:?}");
+        // Its bytes cross a NIC (another NVLink domain): efficiency is NCCL's 94 % of it.
+        assert_close(
+            c.efficiency_s,
+            c.rated_s * (1.0 / cluster.nic_efficiency - 1.0),
+        );
+        let named = c.rated_s + c.efficiency_s + c.latency_s;
+        assert!(c.transfers_s >= named * (1.0 - 1e-9), "{mode:?}: {c:?}");
     }
 }

@@ -212,11 +212,15 @@ pub struct CriticalJson {
     waits_s: f64,
     transfers_s: f64,
     /// Inside `transfers_s`: the rank's own bytes at rated speed on its busiest port, the
-    /// pairs' per-message latencies, and the rest (link efficiency, sharing links with other
-    /// ranks' flows, waiting for peers to reach the round).
+    /// per-message latencies no byte of the rank overlaps (per round, its pairs' shortest), and
+    /// the rest: link efficiency (`transfers_efficiency_s`, the same bytes at achievable
+    /// speed) and sharing links with other ranks' flows, incast and waiting for peers to
+    /// reach the round (`transfers_sharing_s`).
     transfers_rated_s: f64,
     transfers_latency_s: f64,
     transfers_sharing_and_efficiency_s: f64,
+    transfers_efficiency_s: f64,
+    transfers_sharing_s: f64,
     unpacks_s: f64,
     late_tail_s: f64,
     /// `reshard_s - nominal_s`: what jitter adds to the median.
@@ -240,6 +244,9 @@ impl CriticalJson {
             transfers_rated_s: c.rated_s,
             transfers_latency_s: c.latency_s,
             transfers_sharing_and_efficiency_s: (c.transfers_s - c.rated_s - c.latency_s).max(0.0),
+            transfers_efficiency_s: c.efficiency_s,
+            transfers_sharing_s: (c.transfers_s - c.rated_s - c.latency_s - c.efficiency_s)
+                .max(0.0),
             unpacks_s: c.unpacks_s,
             late_tail_s: c.late_tail_s,
             jitter_s: s.reshard.time_s - nominal,

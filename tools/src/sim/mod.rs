@@ -146,8 +146,10 @@ pub struct SimReport {
 /// The critical path of a simulated reshard: the rank that finishes last, its clock split into
 /// what it spent on (docs/simulator.md §7, "Where the time goes"). The parts sum to its finish
 /// time (`packs_s + conversions_s + waits_s + transfers_s + unpacks_s + late_tail_s`, unpacks
-/// including receiver-side conversions). `latency_s` is the part of `transfers_s` that the
-/// pairs' per-message latencies account for at most (they overlap with bytes moving).
+/// including receiver-side conversions). Inside `transfers_s`: `rated_s` (the rank's bytes at
+/// rated speed), `efficiency_s` (what link efficiency adds to them) and `latency_s` (per round,
+/// the latency before any of its bytes move); the rest is sharing links with other ranks'
+/// flows, incast and waiting for peers to reach a round.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CriticalPath {
     pub rank: u32,
@@ -161,8 +163,11 @@ pub struct CriticalPath {
     /// From a round's start until its last flow is done: bytes over shared links, at achievable
     /// speed, plus per-message latencies and waiting for peers to reach the round.
     pub transfers_s: f64,
-    /// The pairs' per-message latencies inside `transfers_s`.
+    /// The per-message latencies inside `transfers_s` that no byte of the rank overlaps: per
+    /// round, the shortest of its pairs' (their other latencies overlap with bytes moving).
     pub latency_s: f64,
+    /// What link efficiency (NCCL's achievable against rated speed) adds to `rated_s`.
+    pub efficiency_s: f64,
     /// The rank's own bytes at rated speed on its busiest port: what `transfers_s` would be
     /// with no other traffic, full link efficiency and no latency (the rest is link
     /// efficiency, sharing with other ranks' flows, incast and waiting for peers).

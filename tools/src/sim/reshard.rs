@@ -157,13 +157,15 @@ struct Model<'a> {
     /// Per rank: its conversions' seconds before and after the rounds (inside `pack` of its
     /// first round and `unpack` of its last), for the critical path's breakdown.
     converts: Vec<(f64, f64)>,
-    /// Per (rank, round): the pair flows' summed per-message latencies it takes part in, and
-    /// their bytes at rated speed over the rank's busiest port (what transfers cost without
-    /// sharing, efficiency or latency).
+    /// Per (rank, round): the shortest per-message latency of the pair flows it takes part
+    /// in (a flow starts its bytes after its pair's latencies, so before that none of the
+    /// rank's bytes move; the longer latencies of its other flows overlap with these bytes).
     latency: Vec<f64>,
     /// Per rank: its own bytes at rated speed on its busiest port (NIC for other NVLink
     /// domains, NVLink inside its own), the least its transfers could take.
     rated: Vec<f64>,
+    /// Per rank: the same bytes at achievable speed (link efficiency), the least NCCL could take.
+    achievable: Vec<f64>,
     ends_of: Vec<Vec<u32>>,
     flows: Vec<Flow>,
     meta: Vec<PairFlow>,
@@ -295,7 +297,7 @@ impl<'a> Model<'a> {
         let mut posted = vec![0.0f64; n * nr];
         let mut host = vec![0.0f64; n];
         let mut converts_s = vec![(0.0f64, 0.0f64); n];
-        let mut latency = vec![0.0f64; n * nr];
+        let mut latency = vec![f64::INFINITY; n * nr];
         // Per rank: bytes (sent, received) over NICs and over NVLink.
         let mut port_bytes = vec![[0u64; 4]; n];
         let mut ends_of: Vec<Vec<u32>> = vec![Vec::new(); n * nr];
@@ -350,10 +352,8 @@ impl<'a> Model<'a> {
                         port_bytes[i][nic] += bytes;
                         port_bytes[j][nic + 1] += bytes;
                     }
-                    latency[i * nr + k] += latency_s;
-                    if j != i {
-                        latency[j * nr + k] += latency_s;
-                    }
+                    latency[i * nr + k] = latency[i * nr + k].min(latency_s);
+                    latency[j * nr + k] = latency[j * nr + k].min(latency_s);
                     meta.push(PairFlow {
                         round: k,
                         from: i,
@@ -387,12 +387,23 @@ impl<'a> Model<'a> {
             posted,
             host,
             converts: converts_s,
-            latency,
+            latency: latency
+                .into_iter()
+                .map(|l| if l.is_finite() { l } else { 0.0 })
+                .collect(),
             rated: port_bytes
                 .iter()
                 .map(|b| {
                     let nic = b[0].max(b[1]) as f64 / cluster.nic_bw;
                     let nvlink = b[2].max(b[3]) as f64 / cluster.nvlink_bw;
+                    nic.max(nvlink)
+                })
+                .collect(),
+            achievable: port_bytes
+                .iter()
+                .map(|b| {
+                    let nic = b[0].max(b[1]) as f64 / cluster.nic_achievable();
+                    let nvlink = b[2].max(b[3]) as f64 / cluster.nvlink_achievable();
                     nic.max(nvlink)
                 })
                 .collect(),
@@ -577,6 +588,7 @@ impl<'a> Model<'a> {
                 exit = done_at[slot] + unpack[slot];
             }
             c.rated_s = self.rated[i];
+            c.efficiency_s = (self.achievable[i] - self.rated[i]).max(0.0);
             let (before, after) = self.converts[i];
             c.conversions_s = before + after;
             c.packs_s = (c.packs_s - before).max(0.0);
