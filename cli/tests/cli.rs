@@ -582,6 +582,25 @@ fn simulate_json_reports_every_method_the_floors_and_the_costs() {
     );
     assert!(json["bytes_total"].as_u64().unwrap() >= json["model_bytes"].as_u64().unwrap());
     assert!(json["busiest_link"]["busy_fraction"].as_f64().unwrap() > 0.0);
+    // NIC bytes per side: the 8 training ranks send over their NICs and the 8 inference ranks
+    // (another node) take in every byte that crossed nodes; none exceeds the busiest link.
+    let nic = &json["nic_bytes"];
+    let side = |s: &str, d: &str, k: &str| nic[s][d][k].as_f64().unwrap_or_else(|| panic!("{nic}"));
+    assert!(side("train", "egress", "min") > 0.0 && side("train", "ingress", "max") == 0.0);
+    let offnode = json["bytes_offnode"].as_f64().unwrap();
+    assert!(
+        (side("infer", "ingress", "mean") * 8.0 - offnode).abs() <= 8.0,
+        "{nic} {offnode}"
+    );
+    let busiest = json["busiest_link"]["bytes"].as_f64().unwrap();
+    for s in ["train", "infer"] {
+        for d in ["egress", "ingress"] {
+            assert!(
+                side(s, d, "min") <= side(s, d, "mean") && side(s, d, "mean") <= side(s, d, "max")
+            );
+            assert!(side(s, d, "max") <= busiest, "{nic}");
+        }
+    }
 
     // The text form names every method; a custom cluster is taken.
     let toy = |cluster: &str, json: &[&str]| {

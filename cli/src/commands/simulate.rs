@@ -203,6 +203,43 @@ pub fn simulate(
 
 /// [`sim::CriticalPath`] as `simulate --json` prints it, with the floor and jitter beside it.
 #[derive(Serialize)]
+pub struct SideNicJson {
+    egress: SpreadJson,
+    ingress: SpreadJson,
+}
+
+#[derive(Serialize)]
+pub struct SpreadJson {
+    max: u64,
+    mean: f64,
+    min: u64,
+}
+
+impl SideNicJson {
+    /// The spread of `nic` (rank, egress, ingress; ranks absent carried nothing) over `ranks`.
+    fn new(nic: &[(u32, u64, u64)], ranks: std::ops::Range<u32>) -> SideNicJson {
+        let spread = |pick: fn(&(u32, u64, u64)) -> u64| {
+            let values: Vec<u64> = ranks
+                .clone()
+                .map(|r| {
+                    nic.binary_search_by_key(&r, |e| e.0)
+                        .map_or(0, |at| pick(&nic[at]))
+                })
+                .collect();
+            SpreadJson {
+                max: values.iter().copied().max().unwrap_or(0),
+                mean: values.iter().sum::<u64>() as f64 / values.len().max(1) as f64,
+                min: values.iter().copied().min().unwrap_or(0),
+            }
+        };
+        SideNicJson {
+            egress: spread(|e| e.1),
+            ingress: spread(|e| e.2),
+        }
+    }
+}
+
+#[derive(Serialize)]
 pub struct CriticalJson {
     rank: u32,
     /// Sum of the parts: the run without jitter.
@@ -443,6 +480,9 @@ struct Output {
     /// The rank needing the most device memory (staging plus NCCL buffers) and what is free.
     memory: Option<MemoryJson>,
     busiest_link: Option<LinkJson>,
+    /// Bytes through each GPU's NIC, per side (training ranks, inference ranks) and direction:
+    /// the largest, mean and smallest over the side's ranks (the run without jitter).
+    nic_bytes: BTreeMap<&'static str, SideNicJson>,
     /// Where the time goes: the last rank's clock split into parts (the run without jitter;
     /// docs/simulator.md §7).
     critical_path: Option<CriticalJson>,
@@ -610,6 +650,10 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
                 busy_fraction: l.busy_fraction,
             }
         }),
+        nic_bytes: [("train", &refit.train_ranks), ("infer", &refit.infer_ranks)]
+            .into_iter()
+            .map(|(side, ranks)| (side, SideNicJson::new(&s.reshard.nic_bytes, ranks.clone())))
+            .collect(),
         critical_path: s.reshard.critical.map(|c| CriticalJson::new(&c, &s)),
         reshard_phases: phases(&s.reshard),
         m2n_hierarchical: M2nJson::new(&s.m2n_hierarchical),

@@ -240,6 +240,7 @@ pub fn gather_broadcast_with(
         },
         bytes_max_per_rank: total_bytes,
         busiest_link,
+        nic_bytes: Vec::new(),
         phases: vec![
             Phase {
                 name: "gather",

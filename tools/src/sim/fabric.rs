@@ -159,6 +159,35 @@ impl<'a> Network<'a> {
         }
     }
 
+    /// Bytes through each GPU's NIC, (rank, egress, ingress), for ranks whose NIC carried any,
+    /// by rank.
+    pub fn nic_bytes(&self, link_bytes: &[f64]) -> Vec<(u32, u64, u64)> {
+        let mut out: Vec<(u32, u64, u64)> = Vec::new();
+        for (l, link) in self.links.iter().enumerate() {
+            let Link::Gpu { rank, port } = *link else {
+                continue;
+            };
+            let (kind, direction) = PORTS[port as usize];
+            if kind != LinkKind::Nic || link_bytes[l] <= 0.0 {
+                continue;
+            }
+            let at = match out.binary_search_by_key(&rank, |e| e.0) {
+                Ok(at) => at,
+                Err(at) => {
+                    out.insert(at, (rank, 0, 0));
+                    at
+                }
+            };
+            let bytes = link_bytes[l].round() as u64;
+            if direction == Direction::Egress {
+                out[at].1 += bytes;
+            } else {
+                out[at].2 += bytes;
+            }
+        }
+        out
+    }
+
     /// The GPU port with the highest busy fraction over `time_s` (ties: the lowest id).
     pub fn busiest_port(&self, link_bytes: &[f64], time_s: f64) -> Option<LinkUse> {
         (0..self.links.len())

@@ -670,6 +670,7 @@ pub fn m2n(
             messages_mean_per_rank: calls_total as f64,
             bytes_max_per_rank: 0,
             busiest_link,
+            nic_bytes: Vec::new(),
             phases: vec![Phase {
                 name: "host",
                 seconds: host_s,

@@ -125,6 +125,10 @@ pub struct SimReport {
     pub bytes_max_per_rank: u64,
     /// The link with the highest busy fraction; `None` when nothing crossed a link.
     pub busiest_link: Option<LinkUse>,
+    /// Bytes through each GPU's NIC as (rank, egress, ingress), for ranks whose NIC carried
+    /// any (the run without jitter; with PXN a byte leaves on the receiver's rail, through a
+    /// node mate's NIC); empty where the method does not simulate links per GPU.
+    pub nic_bytes: Vec<(u32, u64, u64)>,
     pub phases: Vec<Phase>,
     /// The 90th percentile of the time over the Monte Carlo trials (`time_s` when there were
     /// none).

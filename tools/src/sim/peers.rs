@@ -66,6 +66,7 @@ pub fn nemo_rl_reshard(
             + broadcast.messages_mean_per_rank,
         bytes_max_per_rank: broadcast.bytes_max_per_rank,
         busiest_link: reshard.sim.busiest_link.clone(),
+        nic_bytes: Vec::new(),
         phases: vec![
             Phase {
                 name: "m2n",

@@ -85,6 +85,7 @@ pub fn simulate_with(
     let mut report = report(programs, counts, nominal, (time, trials), setup_s, memory);
     report.p90_s = p90;
     report.busiest_link = model.network.busiest_port(&link_bytes, report.time_s);
+    report.nic_bytes = model.network.nic_bytes(&link_bytes);
     report
 }
 
@@ -734,6 +735,7 @@ fn report(
             .max()
             .unwrap_or(0),
         busiest_link: None,
+        nic_bytes: Vec::new(),
         phases: vec![
             Phase {
                 name: "prepare",
