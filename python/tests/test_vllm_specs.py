@@ -197,7 +197,11 @@ def test_an_fp8_destination_from_a_split_source_keeps_whole_blocks() -> None:
      + [_worker(2, DestinationPiece("q_scale_inv", (2, 4), torch.float32, "q_scale", ((0, 2), (0, 4)), 0,
                                     scale_of="q"))],
      r"q: vLLM's q_scale holds its scales but no rank its values"),
-], ids=["fp8-source", "scales-elsewhere", "refined-grid", "scales-only"])
+    ([_trainer(0, SourceTensor("q", (4, 8), BF16, ROW), SourceTensor("q_scale_inv", (2, 4), torch.float32, ROW))]
+     + _fp8_workers(),
+     r"q_scale_inv: the trainer sends FP8 scales, but vLLM's q_scale gets the block scales of q computed "
+     r"on the way"),
+], ids=["fp8-source", "scales-elsewhere", "refined-grid", "scales-only", "scales-sent"])
 def test_fp8_destinations_refuse_naming_the_tensor_and_parameter(declarations, message) -> None:
     with pytest.raises(RefitError, match=message):
         build(declarations)

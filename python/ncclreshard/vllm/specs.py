@@ -346,6 +346,14 @@ def build(declarations: Sequence[Declaration]) -> Refit:
     for name in order:
         source = sources[name]
         held = pieces.get(name)
+        scaled = name[: -len("_scale_inv")] if name.endswith("_scale_inv") else None
+        if not held and scaled in scales:
+            param = next(iter(scales[scaled].values())).param
+            raise RefitError(
+                f"{name}: the trainer sends FP8 scales, but vLLM's {param} gets the block "
+                f"scales of {scaled} computed on the way; send {scaled} in bfloat16, float16 "
+                "or float32 and not its scales"
+            )
         if not held:
             raise RefitError(
                 f"{name}: the trainer sends it but the vLLM model has no parameter for it "
