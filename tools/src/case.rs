@@ -266,16 +266,17 @@ fn optional_name(map: &Map<String, Value>, prefix: &str) -> Parsed<Option<String
         .transpose()
 }
 
-const TENSOR_KEYS: [&str; 7] = ["name", "shape", "dtype", "src", "dst", "dst_dtype", "quant"];
-const QUANT_KEYS: [&str; 5] = [
+/// The keys each object of a case file may have (every other key is an error).
+pub const TENSOR_KEYS: [&str; 7] = ["name", "shape", "dtype", "src", "dst", "dst_dtype", "quant"];
+pub const QUANT_KEYS: [&str; 5] = [
     "scheme",
     "block",
     "scale_format",
     "scale_inverse",
     "scale_layout",
 ];
-const SIDE_KEYS: [&str; 5] = ["mesh", "ranks", "first_rank", "placements", "strides"];
-const CONFIG_KEYS: [&str; 7] = [
+pub const SIDE_KEYS: [&str; 5] = ["mesh", "ranks", "first_rank", "placements", "strides"];
+pub const CONFIG_KEYS: [&str; 7] = [
     "mode",
     "ranks_per_node",
     "node_of_rank",

@@ -51,14 +51,19 @@ Exit status: 0 all passed, 1 some case failed, 2 usage or input-file error.
 
 Case file format (JSON): one case or an array of cases.
   single tensor: {"name"?, "shape": [..], "dtype": "bfloat16", "src": SIDE, "dst": SIDE,
-                  "config"?: CONFIG}
-  multi-tensor:  {"name"?, "tensors": [{"name"?, "shape", "dtype", "src", "dst"}, ..],
-                  "config"?: CONFIG}
-  SIDE:   {"mesh": [..], "ranks": [..] | "first_rank": N (default 0, contiguous),
-           "placements": ["Replicate", "Shard(0)", "StridedShard(0,2)", ..],
+                  "dst_dtype"?, "quant"?: QUANT, "config"?: CONFIG}
+  multi-tensor:  {"name"?, "tensors": [{"name"?, "shape", "dtype", "src", "dst",
+                  "dst_dtype"?, "quant"?}, ..], "config"?: CONFIG}
+  SIDE:   {"mesh": [..], "ranks": [..] (null: a rank that is gone) | "first_rank": N
+           (default 0, contiguous), "placements": ["Replicate", "Shard(0)",
+           "StridedShard(0,2)", "ShardBlocks(0,288)", ..],
            "strides"?: [..] (element strides of every rank's local view)}
+  QUANT:  {"scheme": "none"|"per_tensor"|"per_channel"|"block", "block"?: [rows, cols],
+           "scale_format"?: "float32"|"e8m0", "scale_inverse"?: bool, "scale_layout"?: SIDE}
+           (docs/quantization.md; needs "dst_dtype")
   CONFIG: {"mode"?: "groupable"|"staged"|"auto" (absent: every mode),
-           "ranks_per_node"?: N | "node_of_rank"?: [..], "split_min_bytes"?: N}
+           "ranks_per_node"?: N | "node_of_rank"?: [..], "split_min_bytes"?: N,
+           "rounds"?: N, "relay"?: bool, "failed_ranks"?: [..]}
 dtype names are torch's (bfloat16, float32, int8, float8_e4m3fn, ...). Unknown keys are
 errors.
 "#;
@@ -204,6 +209,26 @@ fn check_one(job: &Job) -> Outcome {
                 .or_else(|| payload.downcast_ref::<&str>().copied())
                 .unwrap_or("(no message)");
             Outcome::Failed(format!("the library panicked (a bug): {message}"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_help_names_every_key_a_case_file_may_have() {
+        let keys = case::TENSOR_KEYS
+            .iter()
+            .chain(&case::QUANT_KEYS)
+            .chain(&case::SIDE_KEYS)
+            .chain(&case::CONFIG_KEYS);
+        for key in keys {
+            assert!(
+                HELP.contains(&format!("\"{key}\"")),
+                "{key} missing from the help"
+            );
         }
     }
 }
