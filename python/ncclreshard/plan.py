@@ -189,6 +189,7 @@ class Plan:
             (self._local(t.src, t, i, "src"), self._local(t.dst, t, i, "dst"))
             for i, t in enumerate(case.tensors)
         ]
+        self._scale_views: Optional[Tuple[ScaleView, ...]] = None
         library = _lib.lib()
         version = library.struct_version
         keep: List[object] = []
@@ -291,20 +292,23 @@ class Plan:
 
     def scale_views(self) -> List[ScaleView]:
         """One entry per quantized tensor, in the order ``reshard(scales=…)`` takes their
-        views: what this rank's scale view of each must be (to allocate them)."""
-        out = []
-        for i, spec in enumerate(self.tensors):
-            quant = spec.quant
-            if quant is None or quant.scheme == "none":
-                continue
-            layout = quant.scale_layout or Layout(spec.dst.mesh_shape, spec.dst.ranks, spec.dst.placements)
-            shape = quant.scale_shape(spec.shape)
-            held = self.original_rank in layout.ranks
-            out.append(ScaleView(
-                i, shape, layout, quant.scale_dtype,
-                local_shape(layout, shape, self.original_rank) if held else None,
-            ))
-        return out
+        views: what this rank's scale view of each must be (to allocate them). Worked out once
+        per plan: every call checks its scale views against it."""
+        if self._scale_views is None:
+            out = []
+            for i, spec in enumerate(self.tensors):
+                quant = spec.quant
+                if quant is None or quant.scheme == "none":
+                    continue
+                layout = quant.scale_layout or Layout(spec.dst.mesh_shape, spec.dst.ranks, spec.dst.placements)
+                shape = quant.scale_shape(spec.shape)
+                held = self.original_rank in layout.ranks
+                out.append(ScaleView(
+                    i, shape, layout, quant.scale_dtype,
+                    local_shape(layout, shape, self.original_rank) if held else None,
+                ))
+            self._scale_views = tuple(out)
+        return list(self._scale_views)
 
     def check_scales(self, scales: Sequence[TensorOrNone]) -> List[Tuple[str, torch.Tensor]]:
         """Checks the scale views against the plan (one per quantized tensor, None where the

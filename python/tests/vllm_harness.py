@@ -254,7 +254,7 @@ def checkpoint(model: str, seed: int = 0) -> Dict[str, torch.Tensor]:
     out: Dict[str, torch.Tensor] = {}
     block = fp8_block(model)
     for name, w in trainer_checkpoint(model, seed).items():
-        if block is not None and is_quantized(model, name):
+        if is_quantized(model, name):
             out[name], out[f"{name}_scale_inv"] = quantize_blocks(w, block)
         else:
             out[name] = w
@@ -318,8 +318,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _TorchFp8BlockKernel:
-    """Made a subclass of vLLM's Fp8BlockScaledMMLinearKernel by `_register_fp8_stand_in`."""
+_fp8_stand_in_registered = False
 
 
 def _register_fp8_stand_in() -> None:
@@ -329,15 +328,14 @@ def _register_fp8_stand_in() -> None:
     blocks, so without it vLLM refuses to build an FP8 model here. Its post-load processing is
     vLLM's base class's (what its CUDA Triton and CUTLASS block kernels do: the loaded bytes
     stay as loaded), so parameters keep the loader's layout, as on those GPUs."""
-    global _TorchFp8BlockKernel
+    global _fp8_stand_in_registered
+    if _fp8_stand_in_registered:
+        return  # once per process
     from vllm.model_executor.kernels.linear import register_linear_kernel
     from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
         Fp8BlockScaledMMLinearKernel,
     )
     from vllm.platforms import PlatformEnum, current_platform
-
-    if issubclass(_TorchFp8BlockKernel, Fp8BlockScaledMMLinearKernel):
-        return  # once per process
 
     class TorchFp8BlockKernel(Fp8BlockScaledMMLinearKernel):
         apply_input_quant = False  # bf16 activations times dequantized weights
@@ -355,9 +353,8 @@ def _register_fp8_stand_in() -> None:
             scale = Bs.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
             return A.float() @ (B.float() * scale).t()
 
-    TorchFp8BlockKernel.__qualname__ = TorchFp8BlockKernel.__name__ = "TorchFp8BlockKernel"
     register_linear_kernel(TorchFp8BlockKernel, PlatformEnum.CPU, "fp8_block")
-    _TorchFp8BlockKernel = TorchFp8BlockKernel
+    _fp8_stand_in_registered = True
 
 
 def configure(model_name: str, tp: int, ep: bool, workdir: Path, rank: int = 0) -> Any:

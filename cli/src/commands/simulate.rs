@@ -201,7 +201,7 @@ pub fn simulate(
     })
 }
 
-/// [`sim::CriticalPath`] as `simulate --json` prints it, with the floor and jitter beside it.
+/// One side's NIC bytes (training or inference ranks), per direction.
 #[derive(Serialize)]
 pub struct SideNicJson {
     egress: SpreadJson,
@@ -239,6 +239,7 @@ impl SideNicJson {
     }
 }
 
+/// [`sim::CriticalPath`] as `simulate --json` prints it, with the floor and jitter beside it.
 #[derive(Serialize)]
 pub struct CriticalJson {
     rank: u32,

@@ -41,7 +41,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .specs import Box, DestinationPiece, RefitError
+from ..spec import Quant
+from .specs import SCALE_SUFFIX, Box, DestinationPiece, RefitError
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,6 @@ class ModelPieces:
     kept: Tuple[str, ...] = ()
 
 
-# The scale of a quantized parameter `<weight>` is `<weight>_scale_inv` (vLLM's Fp8LinearMethod
-# and Fp8MoEMethod with blocks: `weight_scale_inv`, `w13_weight_scale_inv`, `w2_weight_scale_inv`).
-_SCALE_SUFFIX = "_scale_inv"
 _FP8 = (torch.float8_e4m3fn,)
 _KV_CACHE_SCALES = ("k_scale", "v_scale", "q_scale", "prob_scale")
 # vLLM's FP8 MoE backends whose post-load conversion leaves the loaded values and scales as they
@@ -271,7 +269,8 @@ class _Walker:
             raise self.refuse(param_name, module, param,
                               "an FP8 scale without a block size (per-tensor FP8 is not supported)")
         bn, bk = int(block[0]), int(block[1])
-        grid = tuple(weight.shape[:-2]) + (-(-weight.shape[-2] // bn), -(-weight.shape[-1] // bk))
+        quant = Quant("block", block=(bn, bk))
+        grid = quant.scale_shape(weight.shape)
         if tuple(param.shape) != grid:
             raise self.refuse(
                 param_name, module, param,
@@ -283,9 +282,11 @@ class _Walker:
         for i, piece in enumerate(self.pieces):
             if piece.param != weight_name:
                 continue
+            if len(piece.shape) < 2:
+                raise self.refuse(param_name, module, param, f"{piece.name} is not a matrix")
             edges = []
-            for d, ((a, b), n) in enumerate(zip(piece.box, piece.shape)):
-                size = bn if d == len(piece.shape) - 2 else bk if d == len(piece.shape) - 1 else 1
+            sizes = quant.block_shape(piece.shape)
+            for d, ((a, b), n, size) in enumerate(zip(piece.box, piece.shape, sizes)):
                 if a % size or (b % size and b != n):
                     raise self.refuse(
                         param_name, module, param,
@@ -293,19 +294,17 @@ class _Walker:
                         f"{bn} x {bk} blocks; a rank must hold whole blocks",
                     )
                 edges.append((a // size, -(-b // size)))
-            if len(piece.shape) < 2:
-                raise self.refuse(param_name, module, param, f"{piece.name} is not a matrix")
             row = piece.offset // cols
             lead, r = divmod(row, rows)
             if piece.offset % cols or r % bn:
                 raise self.refuse(param_name, module, param,
                                   f"{piece.name} starts inside a block of {weight_name}")
             offset = (lead * grid[-2] + r // bn) * grid[-1]
-            shape = tuple(piece.shape[:-2]) + (-(-piece.shape[-2] // bn), -(-piece.shape[-1] // bk))
+            shape = quant.scale_shape(piece.shape)
             self.pieces[i] = DestinationPiece(piece.name, piece.shape, piece.dtype, piece.param,
                                               piece.box, piece.offset, block=(bn, bk))
             self.pieces.append(DestinationPiece(
-                piece.name + _SCALE_SUFFIX, shape, param.dtype, param_name, tuple(edges), offset,
+                piece.name + SCALE_SUFFIX, shape, param.dtype, param_name, tuple(edges), offset,
                 scale_of=piece.name,
             ))
 
@@ -354,7 +353,7 @@ def destination_pieces(model: Any, vllm_config: Any = None) -> ModelPieces:
         if fp8 and leaf in _KV_CACHE_SCALES and param.numel() <= 1:
             kept.append(param_name)  # KV-cache scales: no FP8 block checkpoint has them
             continue
-        if fp8 and leaf.endswith("weight" + _SCALE_SUFFIX):
+        if fp8 and leaf.endswith("weight" + SCALE_SUFFIX):
             if param.dtype != torch.float32:
                 raise walker.refuse(param_name, module, param,
                                     f"scale dtype {param.dtype} (float32 block scales only)")
@@ -363,9 +362,9 @@ def destination_pieces(model: Any, vllm_config: Any = None) -> ModelPieces:
         allowed = (torch.bfloat16, torch.float16, torch.float32) + (_FP8 if fp8 else ())
         if param.dtype not in allowed:
             raise walker.refuse(param_name, module, param, f"dtype {param.dtype}")
-        if param.dtype in _FP8 and not hasattr(module, leaf + _SCALE_SUFFIX):
+        if param.dtype in _FP8 and not hasattr(module, leaf + SCALE_SUFFIX):
             raise walker.refuse(param_name, module, param,
-                                f"FP8 without a block scale {leaf}{_SCALE_SUFFIX}")
+                                f"FP8 without a block scale {leaf}{SCALE_SUFFIX}")
         change = _fp8_kernel_change(module) if param.dtype in _FP8 else None
         if change is not None:
             raise walker.refuse(
@@ -406,7 +405,7 @@ def destination_pieces(model: Any, vllm_config: Any = None) -> ModelPieces:
         else:
             raise walker.refuse(param_name, module, param, "no layout rule for this layer and loader")
     for param_name, param, module in scales:
-        weight_name = param_name[: -len(_SCALE_SUFFIX)]
+        weight_name = param_name[: -len(SCALE_SUFFIX)]
         weight = params.get(weight_name)
         if weight is None or weight.dtype not in _FP8:
             raise walker.refuse(param_name, module, param, f"scales {weight_name}, not an FP8 weight")

@@ -32,6 +32,10 @@ from ..spec import Quant, TensorSpec
 
 Box = Tuple[Tuple[int, int], ...]
 
+# The block scales of an FP8 weight `<name>` are `<name>_scale_inv` (vLLM's `weight_scale_inv`,
+# `w13_weight_scale_inv`, `w2_weight_scale_inv`; DeepSeek-V3's checkpoint names).
+SCALE_SUFFIX = "_scale_inv"
+
 
 class RefitError(ValueError):
     """A refit that cannot be planned: a tensor the model does not have, a vLLM parameter no
@@ -79,7 +83,7 @@ class DestinationPiece:
     box: Box
     offset: int
     # An FP8 block-quantized weight: its block (rows, cols); its scale's pieces name it in
-    # `scale_of` (their `name` is the weight's plus "_scale_inv", `shape` the block grid).
+    # `scale_of` (their `name` is the weight's plus SCALE_SUFFIX, `shape` the block grid).
     block: Optional[Tuple[int, int]] = None
     scale_of: Optional[str] = None
 
@@ -346,7 +350,7 @@ def build(declarations: Sequence[Declaration]) -> Refit:
     for name in order:
         source = sources[name]
         held = pieces.get(name)
-        scaled = name[: -len("_scale_inv")] if name.endswith("_scale_inv") else None
+        scaled = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
         if not held and scaled in scales:
             param = next(iter(scales[scaled].values())).param
             raise RefitError(

@@ -3,7 +3,7 @@
 
 use super::flows::{Flow, MAX_LINKS};
 use super::{Cluster, Direction, LinkKind, LinkUse};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// GPU ports per GPU, in link-id order: NVLink egress, NVLink ingress, NIC egress, NIC ingress.
 const PORTS: [(LinkKind, Direction); 4] = [
@@ -162,30 +162,24 @@ impl<'a> Network<'a> {
     /// Bytes through each GPU's NIC, (rank, egress, ingress), for ranks whose NIC carried any,
     /// by rank.
     pub fn nic_bytes(&self, link_bytes: &[f64]) -> Vec<(u32, u64, u64)> {
-        let mut out: Vec<(u32, u64, u64)> = Vec::new();
-        for (l, link) in self.links.iter().enumerate() {
+        let mut out: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+        for (link, &bytes) in self.links.iter().zip(link_bytes) {
             let Link::Gpu { rank, port } = *link else {
                 continue;
             };
             let (kind, direction) = PORTS[port as usize];
-            if kind != LinkKind::Nic || link_bytes[l] <= 0.0 {
+            if kind != LinkKind::Nic || bytes <= 0.0 {
                 continue;
             }
-            let at = match out.binary_search_by_key(&rank, |e| e.0) {
-                Ok(at) => at,
-                Err(at) => {
-                    out.insert(at, (rank, 0, 0));
-                    at
-                }
-            };
-            let bytes = link_bytes[l].round() as u64;
-            if direction == Direction::Egress {
-                out[at].1 += bytes;
+            let (egress, ingress) = out.entry(rank).or_default();
+            let ends = if direction == Direction::Egress {
+                egress
             } else {
-                out[at].2 += bytes;
-            }
+                ingress
+            };
+            *ends += bytes.round() as u64;
         }
-        out
+        out.into_iter().map(|(r, (e, i))| (r, e, i)).collect()
     }
 
     /// The GPU port with the highest busy fraction over `time_s` (ties: the lowest id).

@@ -392,22 +392,12 @@ impl<'a> Model<'a> {
                 .into_iter()
                 .map(|l| if l.is_finite() { l } else { 0.0 })
                 .collect(),
-            rated: port_bytes
-                .iter()
-                .map(|b| {
-                    let nic = b[0].max(b[1]) as f64 / cluster.nic_bw;
-                    let nvlink = b[2].max(b[3]) as f64 / cluster.nvlink_bw;
-                    nic.max(nvlink)
-                })
-                .collect(),
-            achievable: port_bytes
-                .iter()
-                .map(|b| {
-                    let nic = b[0].max(b[1]) as f64 / cluster.nic_achievable();
-                    let nvlink = b[2].max(b[3]) as f64 / cluster.nvlink_achievable();
-                    nic.max(nvlink)
-                })
-                .collect(),
+            rated: busiest_port_s(&port_bytes, cluster.nic_bw, cluster.nvlink_bw),
+            achievable: busiest_port_s(
+                &port_bytes,
+                cluster.nic_achievable(),
+                cluster.nvlink_achievable(),
+            ),
             ends_of,
             flows,
             meta,
@@ -700,6 +690,19 @@ fn counts(programs: &[RankProgram], cluster: &Cluster) -> (u64, u64, u64) {
         .map(|(_, b)| b)
         .sum();
     (total, offnode, local)
+}
+
+/// Per rank, the seconds its busiest port takes for its bytes (`port_bytes`: sent and received
+/// over NICs, then over NVLink) at `nic_bw` and `nvlink_bw`.
+fn busiest_port_s(port_bytes: &[[u64; 4]], nic_bw: f64, nvlink_bw: f64) -> Vec<f64> {
+    port_bytes
+        .iter()
+        .map(|b| {
+            let nic = b[0].max(b[1]) as f64 / nic_bw;
+            let nvlink = b[2].max(b[3]) as f64 / nvlink_bw;
+            nic.max(nvlink)
+        })
+        .collect()
 }
 
 /// The report of a call: times as simulated, message and byte counts from the programs.
