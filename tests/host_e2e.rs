@@ -11,6 +11,7 @@ use ncclreshard::{
 };
 use oracle::strategies::{layout_on, mesh, tensor_on};
 use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Bytes past the end of every destination view: a program writing beyond the view's extent
 /// shows up as a changed sentinel. Source buffers are exactly the extent, so an out-of-view
@@ -928,5 +929,67 @@ fn forwarded_data_reaches_node_mates_of_every_receiving_node() {
                 },
             );
         }
+    }
+}
+
+/// One sender feeding 48 replicas of 16 tensors, one per node, over 24 rounds: every chunk is
+/// forwarded,
+/// and a hub forwarding each chunk to all 47 other nodes in the next round would make every
+/// two receivers exchange a message in every round (2 × 47 × 23 = 2,162 per rank, over half
+/// the auto-mode budget). The hub spreads its forwards over two rounds instead: two
+/// receivers exchange messages only in rounds of one parity, and every byte still arrives.
+#[test]
+fn forwards_between_many_receiving_nodes_are_spread_over_rounds() {
+    let receivers = 48;
+    let spec = TensorSpec {
+        shape: vec![512, 64],
+        dtype: DType::Bfloat16,
+        src: layout(grid(&[1], 0), &[Placement::Replicate]),
+        dst: layout(grid(&[receivers], 1), &[Placement::Replicate]),
+    };
+    for mode in [Mode::Staged, Mode::Auto] {
+        let config = Config {
+            mode,
+            topology: Topology::RanksPerNode(1),
+            split_min_bytes: 64,
+            rounds: 24,
+            ..Default::default()
+        };
+        let programs = run_checked(&vec![spec.clone(); 16], &config);
+        // Rounds in which each receiver sends to each other receiver.
+        let mut rounds_of: BTreeMap<(u32, u32), BTreeSet<u32>> = BTreeMap::new();
+        for p in programs.iter().filter(|p| p.rank != 0) {
+            for round in p.rounds() {
+                for m in round.sends {
+                    rounds_of
+                        .entry((p.rank, m.peer))
+                        .or_default()
+                        .insert(round.round);
+                }
+            }
+        }
+        assert!(
+            rounds_of.len() > 1000,
+            "{mode:?}: {} pairs",
+            rounds_of.len()
+        );
+        for ((from, to), rounds) in &rounds_of {
+            let parities: BTreeSet<u32> = rounds.iter().map(|r| r % 2).collect();
+            assert_eq!(
+                parities.len(),
+                1,
+                "{mode:?}: {from} → {to} in rounds {rounds:?}"
+            );
+        }
+        assert!(
+            rounds_of.values().any(|r| r.len() >= 3),
+            "{mode:?}: pairs forward in several rounds"
+        );
+        let most = programs
+            .iter()
+            .map(|p| p.sends.len() + p.recvs.len())
+            .max()
+            .unwrap();
+        assert!(most <= 1200, "{mode:?}: a rank posts {most} messages");
     }
 }

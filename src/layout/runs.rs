@@ -265,6 +265,12 @@ impl IndexRuns {
     /// `(global start, length)`; pieces come in increasing order.
     pub fn contiguous_pieces(&self, holders: &[&IndexRuns]) -> Vec<(u64, u64)> {
         let mut pieces = Vec::new();
+        self.contiguous_pieces_into(holders, &mut pieces);
+        pieces
+    }
+
+    /// [`IndexRuns::contiguous_pieces`], appended to `pieces`.
+    pub fn contiguous_pieces_into(&self, holders: &[&IndexRuns], pieces: &mut Vec<(u64, u64)>) {
         for run in self.runs.iter() {
             let mut start = run.start;
             while start < run.end {
@@ -283,7 +289,6 @@ impl IndexRuns {
                 start = end;
             }
         }
-        pieces
     }
 
     /// Splits the set by local position into `parts` nearly equal consecutive pieces

@@ -5,7 +5,7 @@
 //! sees a unit — a sender enumerating destination shards or a receiver enumerating source
 //! shards — computes the same assignment from the unit alone, so no communication is needed.
 
-use super::config::{Config, Mode};
+use super::config::{Config, Mode, AUTO_MESSAGES_PER_RANK};
 use super::fingerprint::mix;
 use super::fxhash::FxHashMap;
 use super::loads::{Loads, FORWARD_SCALE};
@@ -103,6 +103,9 @@ pub(crate) struct Prepared {
     /// none). Then every network receiver is in a relay group (one per node) and the fanout's
     /// relay groups list them all.
     forward_share: u64,
+    /// A hub forwards to each other relay group in one round in this many
+    /// ([`Prepared::forward_round`], [`hub_spread`]; 1: in the round after the chunk arrived).
+    hub_spread: u32,
     /// The network legs listed and split, when there are fewer than senders; `None`: every
     /// leg whole, as the fanout's segments give them.
     split: Option<Vec<Leg>>,
@@ -554,6 +557,11 @@ impl Prepared {
             Vec::new()
         };
         let fanout = groups.fanout(forward_share > 0);
+        let spread = if forward_share > 0 {
+            hub_spread(fanout.relay_groups.len() as u64, rounds)
+        } else {
+            1
+        };
         let mut prepared = Prepared {
             coords,
             rotates: !fanout.relay_groups.is_empty(),
@@ -565,6 +573,7 @@ impl Prepared {
             on_node: Vec::new(),
             chunks: chunks.len() as u32,
             forward_share,
+            hub_spread: spread,
             split: None,
             senders: senders.clone(),
             rounds,
@@ -739,13 +748,12 @@ impl Prepared {
             for g in groups {
                 let members = self.fanout.relay_groups.get(g as u32);
                 let (entry, _) = self.relay_leg(g as u32, chunk, turn);
-                if g != hub_group as usize {
-                    emit(hub, entry, 1 + chunk, Some(round + 1), true);
-                }
                 let mates_round = if g == hub_group as usize {
                     round + 1
                 } else {
-                    round + 2
+                    let at = self.forward_round(hub_group, g as u32, round);
+                    emit(hub, entry, 1 + chunk, Some(at), true);
+                    at + 1
                 };
                 for &r in members.iter().filter(|&&r| r != entry) {
                     emit(entry, r, 1 + chunk, Some(mates_round), true);
@@ -801,8 +809,20 @@ impl Prepared {
         let c = u64::from(chunk);
         let group = ((c + turn.rotation / 8_191) % self.fanout.relay_groups.len() as u64) as u32;
         let (member, _) = self.relay_leg(group, chunk, turn);
-        let round = ((c + turn.rotation / 65_521) % u64::from(self.rounds - 1)) as u32;
+        let last = self.rounds - self.hub_spread;
+        let round = ((c + turn.rotation / 65_521) % u64::from(last)) as u32;
         (group, member, round)
+    }
+
+    /// The round a hub of `hub_group` forwards a chunk that reached it in `round` to group
+    /// `group`'s entry: the first after `round` congruent to −(`hub_group` + `group`) modulo
+    /// [`Prepared::hub_spread`], so two groups' ranks exchange forwards in one round in
+    /// `hub_spread` whatever the chunks' rounds.
+    fn forward_round(&self, hub_group: u32, group: u32, round: u32) -> u32 {
+        let s = u64::from(self.hub_spread);
+        let next = u64::from(round) + 1;
+        let wait = (s - (next + u64::from(hub_group) + u64::from(group)) % s) % s;
+        (next + wait) as u32
     }
 
     /// The member relay chunk `chunk` of `group` crosses the network to, and its round.
@@ -1088,6 +1108,22 @@ struct Turn {
 /// A relayed overlap is cut into chunks of at least this many times `split_min_bytes` (8 MiB
 /// by default): each chunk is one message per replica it is forwarded to.
 const RELAY_CHUNK_FACTOR: u64 = 8;
+
+/// In how many rounds a forwarded chunk's hub spreads its forwards to the other relay groups
+/// ([`Prepared::forward_round`]) when `groups` relay groups forward over `rounds` rounds.
+/// Forwarding each chunk to every group in the round after it arrived makes every two groups'
+/// ranks exchange a message in every round (sends and receives: `2 (groups − 1) (rounds − 1)`
+/// per rank, 2,772 with 64 receiving replicas over 23 rounds); spreading the forwards over `s`
+/// rounds, each pair of groups in one round of `s`, divides that by `s` at the cost of some
+/// forwards arriving up to `s − 1` rounds later (a hub's egress per round stays the same). The
+/// least spread that keeps them within half of [`AUTO_MESSAGES_PER_RANK`], at most `groups`
+/// and leaving forwarded chunks at least one round to cross the network in.
+fn hub_spread(groups: u64, rounds: u32) -> u32 {
+    let forwards = 2 * groups.saturating_sub(1) * u64::from(rounds.saturating_sub(1));
+    let spread = forwards.div_ceil(AUTO_MESSAGES_PER_RANK / 2);
+    let most = groups.min(u64::from(rounds.saturating_sub(1))).max(1);
+    spread.clamp(1, most) as u32
+}
 
 /// Receives one assignment: (from, to, region index, fixed round, relay).
 pub(crate) type Emit<'a> = dyn FnMut(u32, u32, u32, Option<u32>, bool) + 'a;

@@ -130,72 +130,83 @@ pub(crate) fn assignment_blocks(
     src: &RankView,
     dst: &RankView,
 ) -> Vec<Block> {
-    let assignment = movement;
+    let mut blocks = Vec::new();
+    assignment_blocks_into(&mut blocks, region, movement, src, dst);
+    blocks
+}
+
+/// [`assignment_blocks`], appended to `out`. A rank's planning calls it once per assignment
+/// it takes part in (tens of thousands at thousands of ranks): its working lists are two
+/// allocations, whatever the number of dims.
+pub(crate) fn assignment_blocks_into(
+    out: &mut Vec<Block>,
+    region: &[IndexRuns],
+    movement: Movement,
+    src: &RankView,
+    dst: &RankView,
+) {
     let ndim = region.len();
-    let pieces: Vec<Vec<(u64, u64)>> = (0..ndim)
-        .map(|d| region[d].contiguous_pieces(&[&src.indices[d], &dst.indices[d]]))
-        .collect();
-    if pieces.iter().any(Vec::is_empty) {
-        return Vec::new();
+    // Each dim's contiguous pieces, one list: dim d's are pieces[bounds[d]..bounds[d + 1]].
+    let mut pieces: Vec<(u64, u64)> = Vec::new();
+    // choice (the piece of each dim), then the block's first position in either view.
+    let mut at = vec![0u64; 3 * ndim + ndim + 1];
+    let (choice, rest) = at.split_at_mut(ndim);
+    let (src_pos, rest) = rest.split_at_mut(ndim);
+    let (dst_pos, bounds) = rest.split_at_mut(ndim);
+    for d in 0..ndim {
+        region[d].contiguous_pieces_into(&[&src.indices[d], &dst.indices[d]], &mut pieces);
+        bounds[d + 1] = pieces.len() as u64;
+        if bounds[d + 1] == bounds[d] {
+            return;
+        }
     }
-    let src_strides = src.view.byte_strides();
-    let dst_strides = dst.view.byte_strides();
-    let mut copies = Vec::new();
-    let mut choice = vec![0usize; ndim];
-    let mut src_pos = vec![0u64; ndim];
-    let mut dst_pos = vec![0u64; ndim];
-    let mut dims = vec![
-        CopyDim {
-            count: 0,
-            src_stride: 0,
-            dst_stride: 0
-        };
-        ndim
-    ];
+    let piece = |d: usize, choice: &[u64]| pieces[(bounds[d] + choice[d]) as usize];
+    let mut dims = Vec::with_capacity(ndim);
     loop {
+        dims.clear();
         for d in 0..ndim {
-            let (start, len) = pieces[d][choice[d]];
+            let (start, len) = piece(d, choice);
             src_pos[d] = src.indices[d]
                 .position_of(start)
                 .expect("sender holds its region");
             dst_pos[d] = dst.indices[d]
                 .position_of(start)
                 .expect("receiver holds its region");
-            dims[d] = CopyDim {
+            dims.push(CopyDim {
                 count: len,
-                src_stride: src_strides[d],
-                dst_stride: dst_strides[d],
-            };
+                src_stride: src.view.strides[d] * src.view.elem_size,
+                dst_stride: dst.view.strides[d] * dst.view.elem_size,
+            });
         }
         let copy = StridedCopy::new(
             Loc {
-                buffer: if assignment.relay {
+                buffer: if movement.relay {
                     Buffer::Dst
                 } else {
                     Buffer::Src
                 },
-                tensor: assignment.tensor,
-                offset: src.view.byte_offset(&src_pos),
+                tensor: movement.tensor,
+                offset: src.view.byte_offset(src_pos),
             },
             Loc {
                 buffer: Buffer::Dst,
-                tensor: assignment.tensor,
-                offset: dst.view.byte_offset(&dst_pos),
+                tensor: movement.tensor,
+                offset: dst.view.byte_offset(dst_pos),
             },
             src.view.elem_size,
             &dims,
         );
-        copies.push(Block {
-            tensor: assignment.tensor,
-            from: assignment.from,
-            to: assignment.to,
-            start: (0..ndim).map(|d| pieces[d][choice[d]].0).collect(),
-            count: (0..ndim).map(|d| pieces[d][choice[d]].1).collect(),
+        out.push(Block {
+            tensor: movement.tensor,
+            from: movement.from,
+            to: movement.to,
+            start: (0..ndim).map(|d| piece(d, choice).0).collect(),
+            count: (0..ndim).map(|d| piece(d, choice).1).collect(),
             copy,
-            round: assignment.round,
+            round: movement.round,
         });
-        if !next_index(&mut choice, |d| pieces[d].len()) {
-            return copies;
+        if !next_index(choice, |d| bounds[d + 1] - bounds[d]) {
+            return;
         }
     }
 }

@@ -9,7 +9,7 @@
 //! neither mesh does no work for a tensor and a participant never loops over rank pairs.
 
 use super::assign::{Assignment, Grouping, Prepared, Receivers, View};
-use super::blocks::{assignment_blocks, Block, Move, Moved, Movement};
+use super::blocks::{assignment_blocks_into, Block, Move, Moved, Movement};
 use super::config::{
     Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_MESSAGES_PER_RANK, ROUND_TARGET_BYTES,
 };
@@ -417,13 +417,19 @@ impl CorePlanner {
             relay: pick.relay,
         };
         let region = &sides.unit(pick).regions[pick.region as usize];
-        let start = cache.templates.len() as u32;
-        cache.templates.extend(
-            assignment_blocks(region, movement, &from, &to)
-                .into_iter()
-                .filter(|b| b.copy.bytes() > 0),
-        );
-        let range = start..cache.templates.len() as u32;
+        let templates = &mut cache.templates;
+        let start = templates.len();
+        assignment_blocks_into(templates, region, movement, &from, &to);
+        // Keep the blocks that move bytes, in order.
+        let mut kept = start;
+        for i in start..templates.len() {
+            if templates[i].copy.bytes() > 0 {
+                templates.swap(kept, i);
+                kept += 1;
+            }
+        }
+        templates.truncate(kept);
+        let range = start as u32..kept as u32;
         cache.blocks.insert(key, range.clone());
         Ok(range)
     }

@@ -285,6 +285,38 @@ fn kimi_k2_per_expert_auto_plans_stay_under_4096_messages_per_rank() {
     }
 }
 
+#[test]
+fn deepseek_v3_on_3072_ranks_stays_under_4096_messages_per_rank() {
+    // Issue 23: 1,024 training ranks → 64 inference replicas of 32 ranks on 8-GPU nodes. The
+    // training side sends twice what an inference node takes in, so half of the data is
+    // forwarded between receiving nodes; a hub forwarding to all 63 other replicas in the
+    // round after each chunk arrived gave an inference rank 4,828 messages (2 × 63 × 22 of
+    // them forwards). Forwards spread over two rounds keep every rank under the bound.
+    let refit = refit(
+        &ModelConfig::preset("deepseek-v3").unwrap(),
+        &TrainSpec::parse("pp16,ep64").unwrap(),
+        &InferSpec::parse("tp32,dp64").unwrap(),
+        &options(ExpertStorage::Stacked),
+    )
+    .unwrap();
+    let config = Config {
+        topology: Topology::RanksPerNode(8),
+        ..Config::default()
+    };
+    let planner = Planner::new(refit.tensors, config).unwrap();
+    assert_eq!(planner.ranks().len(), 3072);
+    // The first and last training and inference ranks, and the one with the most messages
+    // (`ncclreshard bench --plan --model deepseek-v3 --train pp16,ep64 --infer tp32,dp64`).
+    for rank in [0, 1023, 1024, 1196, 2126, 3071] {
+        let program = planner.rank_program(rank).unwrap();
+        let messages = (program.sends.len() + program.recvs.len()) as u64;
+        assert!(
+            messages <= AUTO_MESSAGES_PER_RANK,
+            "rank {rank}: {messages} messages"
+        );
+    }
+}
+
 // ---- The public NCCL M2N configs (tests/data/m2n-configs) ----
 
 fn m2n_dir() -> PathBuf {
