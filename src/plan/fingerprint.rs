@@ -9,6 +9,12 @@ use super::config::{Config, Mode, Topology};
 use crate::layout::{Layout, Placement, TensorSpec};
 use crate::quant::{Conversion, ScaleFormat, Scheme};
 
+/// Which planner made a plan: raised whenever the same descriptors and config would be planned
+/// into other programs (0.6: forwards spread over rounds), so that ranks running planners that
+/// disagree never agree on a fingerprint (the exchange at the first call refuses the mix
+/// instead of posting messages the peer does not expect). Before 0.6 it was not hashed.
+const PLANNER_REVISION: u64 = 6;
+
 /// FNV-1a (a word per step) over a canonical encoding of the inputs: equal on all ranks iff
 /// they passed the same descriptors and config (the rank itself is not part of it). Tensors'
 /// layouts are interned: `layout_ids` per tensor (source, destination) index `layouts`. A model repeats a few layouts over thousands of tensors:
@@ -28,6 +34,7 @@ pub(crate) fn of_interned(
         })
         .collect();
     let mut h = Fnv::default();
+    h.word(PLANNER_REVISION);
     h.word(tensors.len() as u64);
     for (t, ids) in tensors.iter().zip(layout_ids) {
         h.words(&t.shape);
