@@ -71,8 +71,10 @@ impl Assignment {
 ///   receiving nodes): when the unit's senders are busier than any receiver
 ///   ([`Loads::forward_fraction`]), that share of the chunks (picked by a hash of the rotation
 ///   and the chunk) crosses the network once, to one member of one node (the hub), in a round
-///   r ≤ rounds − 2; the hub forwards it to its node mates and to one member (the entry) of
-///   every other node in r + 1, and each entry to its node mates in r + 2.
+///   r ≤ rounds − 1 − s; the hub forwards it to its node mates in r + 1 and to one member (the
+///   entry) of every other node in one of the rounds r + 1 … r + s ([`hub_spread`] `s`, 1
+///   unless that would cost too many messages), and each entry to its node mates in the round
+///   after.
 /// - Network and on-node parts are dealt round-robin over the candidate senders; when there
 ///   are fewer parts than candidates, parts are split further (down to `split_min_bytes`) so
 ///   that every candidate sends.
@@ -804,7 +806,9 @@ impl Prepared {
             && mix([turn.rotation, u64::from(chunk)]) % FORWARD_SCALE < self.forward_share
     }
 
-    /// A forwarded chunk's hub: (relay group, member, round it arrives in, ≤ rounds − 2).
+    /// A forwarded chunk's hub: (relay group, member, round it arrives in, at most
+    /// rounds − 1 − [`Prepared::hub_spread`], so that its forwards and the entries' relays land
+    /// by the plan's extra round).
     fn hub(&self, chunk: u32, turn: Turn) -> (u32, u32, u32) {
         let c = u64::from(chunk);
         let group = ((c + turn.rotation / 8_191) % self.fanout.relay_groups.len() as u64) as u32;

@@ -522,6 +522,18 @@ mod tests {
                 src: layout(&[2], &[0, 1], &[Placement::Replicate]),
                 dst: layout(&[6], &[4, 5, 8, 9, 12, 13], &[Placement::Replicate]),
             },
+            // One sender, a replica on each of 48 nodes: over 24 rounds, forwards spread over
+            // two rounds (`assign::hub_spread`).
+            TensorSpec {
+                shape: vec![256, 64],
+                dtype: DType::Bfloat16,
+                src: layout(&[1], &[0], &[Placement::Replicate]),
+                dst: layout(
+                    &[48],
+                    &(1..=48).map(|n| 4 * n).collect::<Vec<u32>>(),
+                    &[Placement::Replicate],
+                ),
+            },
             // Many replicas, few receivers: legs split so every replica sends a part.
             TensorSpec {
                 shape: vec![96, 32],
@@ -538,7 +550,7 @@ mod tests {
             (Mode::Auto, false),
         ] {
             for spec in &specs {
-                for rounds in [2, 3, 5] {
+                for rounds in [2, 3, 5, 24] {
                     // Each layout pair alone (its loads decide forwarding), as several
                     // tensors: rotations differ between them.
                     let planner = Planner::new(
