@@ -131,19 +131,21 @@ pub(crate) fn assignment_blocks(
     dst: &RankView,
 ) -> Vec<Block> {
     let mut blocks = Vec::new();
-    assignment_blocks_into(&mut blocks, region, movement, src, dst);
+    assignment_blocks_into(&mut blocks, region, movement, src, dst, true);
     blocks
 }
 
-/// [`assignment_blocks`], appended to `out`. A rank's planning calls it once per assignment
-/// it takes part in (tens of thousands at thousands of ranks): its working lists are two
-/// allocations, whatever the number of dims.
+/// [`assignment_blocks`], appended to `out`, with their boxes (`start`, `count`) only when
+/// `boxes` is set (empty otherwise). A rank's planning calls it once per assignment it takes
+/// part in (tens of thousands at thousands of ranks): its working lists are two allocations,
+/// whatever the number of dims, and a rank's program needs no boxes.
 pub(crate) fn assignment_blocks_into(
     out: &mut Vec<Block>,
     region: &[IndexRuns],
     movement: Movement,
     src: &RankView,
     dst: &RankView,
+    boxes: bool,
 ) {
     let ndim = region.len();
     // Each dim's contiguous pieces, one list: dim d's are pieces[bounds[d]..bounds[d + 1]].
@@ -200,8 +202,14 @@ pub(crate) fn assignment_blocks_into(
             tensor: movement.tensor,
             from: movement.from,
             to: movement.to,
-            start: (0..ndim).map(|d| piece(d, choice).0).collect(),
-            count: (0..ndim).map(|d| piece(d, choice).1).collect(),
+            start: match boxes {
+                true => (0..ndim).map(|d| piece(d, choice).0).collect(),
+                false => Vec::new(),
+            },
+            count: match boxes {
+                true => (0..ndim).map(|d| piece(d, choice).1).collect(),
+                false => Vec::new(),
+            },
             copy,
             round: movement.round,
         });

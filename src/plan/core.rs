@@ -419,7 +419,7 @@ impl CorePlanner {
         let region = &sides.unit(pick).regions[pick.region as usize];
         let templates = &mut cache.templates;
         let start = templates.len();
-        assignment_blocks_into(templates, region, movement, &from, &to);
+        assignment_blocks_into(templates, region, movement, &from, &to, cache.boxes);
         // Keep the blocks that move bytes, in order.
         let mut kept = start;
         for i in start..templates.len() {
@@ -437,7 +437,7 @@ impl CorePlanner {
     /// This rank's blocks — every box of data it receives, sends or copies locally, with the
     /// copy geometry on both ends — in canonical order (tensor, region corner, block order).
     pub fn rank_blocks(&self, rank: u32) -> Result<Vec<Block>> {
-        let (items, templates) = self.rank_items(rank)?;
+        let (items, templates) = self.rank_items(rank, true)?;
         Ok(items
             .iter()
             .map(|item| templates[item.template as usize].of_tensor(item.tensor, item.round))
@@ -446,8 +446,12 @@ impl CorePlanner {
 
     /// Every block of this rank in canonical order, as a tensor and its round over the block
     /// as the class's first tensor has it (`templates`, each computed once).
-    fn rank_items(&self, rank: u32) -> Result<(Vec<Item>, Vec<Block>)> {
+    /// `boxes`: fill in the blocks' boxes (`Block::start`, `count`), which only the blocks'
+    /// users need, not a program (a rank has tens of thousands of blocks at thousands of
+    /// ranks: two allocations each).
+    fn rank_items(&self, rank: u32, boxes: bool) -> Result<(Vec<Item>, Vec<Block>)> {
         let mut cache = RankCache::new(self.class_first.len());
+        cache.boxes = boxes;
         let mut picks = Vec::new();
         let mut items = Vec::with_capacity(self.tensors.len());
         for t in 0..self.tensors.len() as u32 {
@@ -488,7 +492,7 @@ impl CorePlanner {
         // The same as program_from_transfers(rank_blocks(rank), ...), without the blocks' boxes and
         // without listing the rank's transfers: each pair's are made, formed into messages
         // and dropped in turn.
-        let (items, templates) = self.rank_items(rank)?;
+        let (items, templates) = self.rank_items(rank, false)?;
         let moves: Vec<Move> = items
             .iter()
             .map(|item| Move {
@@ -816,6 +820,8 @@ struct RankCache<'a> {
     blocks: FxHashMap<BlockKey, Range<u32>>,
     /// Blocks as the first tensor of their class has them.
     templates: Vec<Block>,
+    /// Whether `templates` get their boxes ([`CorePlanner::rank_items`]).
+    boxes: bool,
     /// Units' groupings by (layout ids, shard coordinates): tensors on the same layouts
     /// share them; and destination shards' replicas by (layout id, coordinates).
     groupings: Groupings,
@@ -849,6 +855,7 @@ impl RankCache<'_> {
             picks: vec![ClassPicks::Unknown; classes],
             resolved: vec![None; classes],
             templates: Vec::new(),
+            boxes: true,
             blocks: FxHashMap::default(),
             groupings: Groupings::default(),
         }
