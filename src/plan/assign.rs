@@ -1153,3 +1153,26 @@ fn split_region(region: &[IndexRuns], parts: u64) -> Vec<Vec<IndexRuns>> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::hub_spread;
+
+    #[test]
+    fn hub_spread_is_the_least_that_keeps_forwards_within_half_the_message_bound() {
+        // DeepSeek-V3 tp32,dp8 (8 receiving nodes per shard, 12 rounds): 2·7·11 = 154.
+        assert_eq!(hub_spread(8, 12), 1);
+        // tp32,dp64 (64 nodes, 23 rounds): 2·63·22 = 2,772 → 2 (1,386 ≤ 2,048).
+        assert_eq!(hub_spread(64, 23), 2);
+        // tp32,dp256 (256 nodes, 23 rounds): 2·255·22 = 11,220 → 6.
+        assert_eq!(hub_spread(256, 23), 6);
+        // Exactly twice the budget: 2·64·32 = 4,096 → 2; a group more, 4,160 → 3.
+        assert_eq!(hub_spread(65, 33), 2);
+        assert_eq!(hub_spread(66, 33), 3);
+        // At most the rounds a forwarded chunk may wait (rounds − 1) and the groups.
+        assert_eq!(hub_spread(5000, 4), 3);
+        assert_eq!(hub_spread(2, 1000), 1);
+        assert_eq!(hub_spread(3, 2), 1);
+        assert_eq!(hub_spread(1, 2), 1);
+    }
+}
