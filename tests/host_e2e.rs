@@ -933,10 +933,9 @@ fn forwarded_data_reaches_node_mates_of_every_receiving_node() {
 }
 
 /// One sender feeding 48 replicas of 16 tensors, one per node, over 24 rounds: every chunk is
-/// forwarded,
-/// and a hub forwarding each chunk to all 47 other nodes in the next round would make every
-/// two receivers exchange a message in every round (2 × 47 × 23 = 2,162 per rank, over half
-/// the auto-mode budget). The hub spreads its forwards over two rounds instead: two
+/// forwarded, and a hub forwarding each chunk to all 47 other nodes in the next round would
+/// make every two receivers exchange a message in every round (2 × 47 × 23 = 2,162 per rank,
+/// over half the auto-mode budget). The hub spreads its forwards over two rounds instead: two
 /// receivers exchange messages only in rounds of one parity, and every byte still arrives.
 #[test]
 fn forwards_between_many_receiving_nodes_are_spread_over_rounds() {

@@ -262,7 +262,14 @@ impl LocalView {
 
     /// Byte strides, one per dim.
     pub fn byte_strides(&self) -> Vec<u64> {
-        self.strides.iter().map(|&s| s * self.elem_size).collect()
+        (0..self.strides.len())
+            .map(|d| self.byte_stride(d))
+            .collect()
+    }
+
+    /// Dim `d`'s byte stride ([`LocalView::byte_strides`] without the list).
+    pub fn byte_stride(&self, d: usize) -> u64 {
+        self.strides[d] * self.elem_size
     }
 }
 

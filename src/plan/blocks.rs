@@ -150,8 +150,9 @@ pub(crate) fn assignment_blocks_into(
     let ndim = region.len();
     // Each dim's contiguous pieces, one list: dim d's are pieces[bounds[d]..bounds[d + 1]].
     let mut pieces: Vec<(u64, u64)> = Vec::new();
-    // choice (the piece of each dim), then the block's first position in either view.
-    let mut at = vec![0u64; 3 * ndim + ndim + 1];
+    // One working list: the piece chosen in each dim, the block's first position in either
+    // view, and where each dim's pieces start in `pieces` (ndim + 1 bounds).
+    let mut at = vec![0u64; 3 * ndim + (ndim + 1)];
     let (choice, rest) = at.split_at_mut(ndim);
     let (src_pos, rest) = rest.split_at_mut(ndim);
     let (dst_pos, bounds) = rest.split_at_mut(ndim);
@@ -176,8 +177,8 @@ pub(crate) fn assignment_blocks_into(
                 .expect("receiver holds its region");
             dims.push(CopyDim {
                 count: len,
-                src_stride: src.view.strides[d] * src.view.elem_size,
-                dst_stride: dst.view.strides[d] * dst.view.elem_size,
+                src_stride: src.view.byte_stride(d),
+                dst_stride: dst.view.byte_stride(d),
             });
         }
         let copy = StridedCopy::new(
@@ -198,18 +199,17 @@ pub(crate) fn assignment_blocks_into(
             src.view.elem_size,
             &dims,
         );
+        let (start, count) = if boxes {
+            (0..ndim).map(|d| piece(d, choice)).unzip()
+        } else {
+            (Vec::new(), Vec::new())
+        };
         out.push(Block {
             tensor: movement.tensor,
             from: movement.from,
             to: movement.to,
-            start: match boxes {
-                true => (0..ndim).map(|d| piece(d, choice).0).collect(),
-                false => Vec::new(),
-            },
-            count: match boxes {
-                true => (0..ndim).map(|d| piece(d, choice).1).collect(),
-                false => Vec::new(),
-            },
+            start,
+            count,
             copy,
             round: movement.round,
         });

@@ -3,7 +3,7 @@
 
 use ncclreshard::layout::Side;
 use ncclreshard::plan::AUTO_MESSAGES_PER_RANK;
-use ncclreshard::{Config, DType, Planner, Topology};
+use ncclreshard::{Config, DType, Planner, RankProgram, Topology};
 use ncclreshard_tools::check::check;
 use ncclreshard_tools::models::{
     inventory, refit, refit_params, ExpertStorage, InferSpec, M2nSide, ModelConfig, Param, Refit,
@@ -261,21 +261,12 @@ fn kimi_k2_per_expert_auto_plans_stay_under_4096_messages_per_rank() {
     )
     .unwrap();
     assert_eq!(refit.tensors.len(), 69_975);
-    let config = Config {
-        topology: Topology::RanksPerNode(8),
-        ..Config::default()
-    };
-    let planner = Planner::new(refit.tensors, config).unwrap();
+    let planner = planner_on_8_gpu_nodes(refit);
     assert!(planner.rounds() > 1);
     // Training ranks of the first and last stages; inference ranks of the first, a middle
     // and the last replica (every inference rank takes a slice of every tensor).
     for rank in [0, 480, 512, 640, 767] {
-        let program = planner.rank_program(rank).unwrap();
-        let messages = (program.sends.len() + program.recvs.len()) as u64;
-        assert!(
-            messages <= AUTO_MESSAGES_PER_RANK,
-            "rank {rank}: {messages} messages"
-        );
+        let program = program_within_message_bound(&planner, rank);
         if rank >= 512 {
             // The bound binds: one message per peer and round would be over three times more.
             let pairs_by_round = program.peers().len() as u64 * u64::from(planner.rounds());
@@ -299,22 +290,34 @@ fn deepseek_v3_on_3072_ranks_stays_under_4096_messages_per_rank() {
         &options(ExpertStorage::Stacked),
     )
     .unwrap();
-    let config = Config {
-        topology: Topology::RanksPerNode(8),
-        ..Config::default()
-    };
-    let planner = Planner::new(refit.tensors, config).unwrap();
+    let planner = planner_on_8_gpu_nodes(refit);
     assert_eq!(planner.ranks().len(), 3072);
     // The first and last training and inference ranks, and the one with the most messages
     // (`ncclreshard bench --plan --model deepseek-v3 --train pp16,ep64 --infer tp32,dp64`).
     for rank in [0, 1023, 1024, 1196, 2126, 3071] {
-        let program = planner.rank_program(rank).unwrap();
-        let messages = (program.sends.len() + program.recvs.len()) as u64;
-        assert!(
-            messages <= AUTO_MESSAGES_PER_RANK,
-            "rank {rank}: {messages} messages"
-        );
+        program_within_message_bound(&planner, rank);
     }
+}
+
+/// A refit's planner in auto mode on 8-GPU nodes (the topology `bench --plan` and `simulate`
+/// plan for `dgx-h100`).
+fn planner_on_8_gpu_nodes(refit: Refit) -> Planner {
+    let config = Config {
+        topology: Topology::RanksPerNode(8),
+        ..Config::default()
+    };
+    Planner::new(refit.tensors, config).unwrap()
+}
+
+/// `rank`'s program, asserted to post at most auto mode's messages per rank.
+fn program_within_message_bound(planner: &Planner, rank: u32) -> RankProgram {
+    let program = planner.rank_program(rank).unwrap();
+    let messages = (program.sends.len() + program.recvs.len()) as u64;
+    assert!(
+        messages <= AUTO_MESSAGES_PER_RANK,
+        "rank {rank}: {messages} messages"
+    );
+    program
 }
 
 // ---- The public NCCL M2N configs (tests/data/m2n-configs) ----
