@@ -932,6 +932,59 @@ fn forwarded_data_reaches_node_mates_of_every_receiving_node() {
     }
 }
 
+/// Overlaps forwarded between nodes that each hold one receiver are cut into chunks of
+/// `split_min_bytes` (not eight times that, as for NVLink relays, where each chunk is one
+/// message per node mate), so each receiver takes every tensor in pieces over nearly every
+/// round instead of in a few lumps: one sender, eight replicas on eight nodes, twelve rounds,
+/// tensors of 4 KiB: twelve chunks, which reach each receiver in at least nine rounds (some
+/// forwarded ones arrive in the same round as others); before, eight chunks reached it in seven
+/// or eight. Byte-exact on the host executor.
+#[test]
+fn forwarded_overlaps_spread_over_every_round() {
+    let rounds = 12;
+    let spec = TensorSpec {
+        shape: vec![32, 64],
+        dtype: DType::Bfloat16,
+        src: layout(grid(&[1], 0), &[Placement::Replicate]),
+        dst: layout(grid(&[8], 1), &[Placement::Replicate]),
+    };
+    let tensors = vec![spec; 16];
+    for mode in [Mode::Staged, Mode::Auto] {
+        let config = Config {
+            mode,
+            topology: Topology::RanksPerNode(1),
+            split_min_bytes: 64,
+            rounds,
+            ..Default::default()
+        };
+        run_checked(&tensors, &config);
+        let planner = Planner::new(tensors.clone(), config).unwrap();
+        let mut forwarded = 0;
+        for rank in 1..=8 {
+            let blocks = planner.rank_blocks(rank).unwrap();
+            forwarded += blocks
+                .iter()
+                .filter(|b| b.to == rank && b.from != 0)
+                .count();
+            let mut rounds_of: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+            for t in planner.transfers(&blocks) {
+                let block = &blocks[t.block];
+                if block.to == rank {
+                    rounds_of.entry(block.tensor).or_default().insert(t.round);
+                }
+            }
+            assert_eq!(rounds_of.len(), 16, "{mode:?}: rank {rank}");
+            for (tensor, taken) in &rounds_of {
+                assert!(
+                    taken.len() >= 9,
+                    "{mode:?}: rank {rank} takes tensor {tensor} in rounds {taken:?}"
+                );
+            }
+        }
+        assert!(forwarded > 0, "{mode:?}: nothing is forwarded");
+    }
+}
+
 /// One sender feeding 48 replicas of 16 tensors, one per node, over 24 rounds: every chunk is
 /// forwarded, and a hub forwarding each chunk to all 47 other nodes in the next round would
 /// make every two receivers exchange a message in every round (2 × 47 × 23 = 2,162 per rank,

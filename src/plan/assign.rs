@@ -552,7 +552,7 @@ impl Prepared {
         let chunks = if largest_group > 1 || forward_share > 0 {
             let n = u64::from(rounds)
                 .max(largest_group)
-                .min(bytes_of(&region) / config.split_min_bytes.saturating_mul(RELAY_CHUNK_FACTOR))
+                .min(bytes_of(&region) / relay_chunk_min_bytes(largest_group, config))
                 .max(1);
             split_region(&region, n)
         } else {
@@ -1109,9 +1109,27 @@ struct Turn {
     slot: u64,
 }
 
-/// A relayed overlap is cut into chunks of at least this many times `split_min_bytes` (8 MiB
-/// by default): each chunk is one message per replica it is forwarded to.
+/// An overlap relayed over NVLink is cut into chunks of at least this many times
+/// `split_min_bytes` (8 MiB by default): each chunk is one message per node mate it is
+/// relayed to.
 const RELAY_CHUNK_FACTOR: u64 = 8;
+
+/// The smallest chunk of a relayed overlap whose largest relay group has `largest_group`
+/// members. Relayed over NVLink (groups of several members), every chunk is one message per
+/// node mate: [`RELAY_CHUNK_FACTOR`] × `split_min_bytes`. With one receiver per node the
+/// chunks only decide what is forwarded between nodes: a chunk that is not forwarded joins each
+/// receiver's message of its round like any pair's part, so chunks of `split_min_bytes` cost
+/// messages only when forwarded, and they spread the overlap over about every round instead
+/// of landing whole in a few. Whole overlaps placed in rounds one by one leave each receiver's
+/// rounds uneven (DeepSeek-V3 `pp16,ep16 → tp32,dp8`: the busiest inference rank's bytes per
+/// round ±5 % around their mean), and the rounds run at the pace of their busiest ranks.
+fn relay_chunk_min_bytes(largest_group: u64, config: &Config) -> u64 {
+    if largest_group > 1 {
+        config.split_min_bytes.saturating_mul(RELAY_CHUNK_FACTOR)
+    } else {
+        config.split_min_bytes
+    }
+}
 
 /// In how many rounds a forwarded chunk's hub spreads its forwards to the other relay groups
 /// ([`Prepared::forward_round`]) when `groups` relay groups forward over `rounds` rounds.

@@ -10,10 +10,11 @@ use crate::layout::{Layout, Placement, TensorSpec};
 use crate::quant::{Conversion, ScaleFormat, Scheme};
 
 /// Which planner made a plan: raised whenever the same descriptors and config would be planned
-/// into other programs (0.6: forwards spread over rounds), so that ranks running planners that
-/// disagree never agree on a fingerprint (the exchange at the first call refuses the mix
+/// into other programs (0.6: forwards spread over rounds; 0.7: overlaps forwarded between
+/// single-receiver nodes cut into chunks of `split_min_bytes`), so that ranks running planners
+/// that disagree never agree on a fingerprint (the exchange at the first call refuses the mix
 /// instead of posting messages the peer does not expect). Before 0.6 it was not hashed.
-const PLANNER_REVISION: u64 = 6;
+const PLANNER_REVISION: u64 = 7;
 
 /// FNV-1a (a word per step) over a canonical encoding of the inputs: equal on all ranks iff
 /// they passed the same descriptors and config (the rank itself is not part of it). Tensors'
