@@ -5,7 +5,7 @@
 //! sees a unit — a sender enumerating destination shards or a receiver enumerating source
 //! shards — computes the same assignment from the unit alone, so no communication is needed.
 
-use super::config::{Config, Mode, AUTO_MESSAGES_PER_RANK};
+use super::config::{Config, Mode, AUTO_DIRECT_PART_FRACTION, AUTO_MESSAGES_PER_RANK};
 use super::fingerprint::mix;
 use super::fxhash::FxHashMap;
 use super::loads::{Loads, FORWARD_SCALE};
@@ -512,7 +512,7 @@ impl Prepared {
         region: Vec<IndexRuns>,
         grouping: &Grouping,
         config: &Config,
-        rounds: u32,
+        (rounds, part_bytes): (u32, u64),
         loads: &Loads,
         receiver: Option<u32>,
     ) -> Prepared {
@@ -552,7 +552,7 @@ impl Prepared {
         let chunks = if largest_group > 1 || forward_share > 0 {
             let n = u64::from(rounds)
                 .max(largest_group)
-                .min(bytes_of(&region) / relay_chunk_min_bytes(largest_group, config))
+                .min(bytes_of(&region) / relay_chunk_min_bytes(largest_group, part_bytes, config))
                 .max(1);
             split_region(&region, n)
         } else {
@@ -1115,19 +1115,23 @@ struct Turn {
 const RELAY_CHUNK_FACTOR: u64 = 8;
 
 /// The smallest chunk of a relayed overlap whose largest relay group has `largest_group`
-/// members. Relayed over NVLink (groups of several members), every chunk is one message per
-/// node mate: [`RELAY_CHUNK_FACTOR`] × `split_min_bytes`. With one receiver per node the
-/// chunks only decide what is forwarded between nodes: a chunk that is not forwarded joins each
-/// receiver's message of its round like any pair's part, so chunks of `split_min_bytes` cost
-/// messages only when forwarded, and they spread the overlap over about every round instead
-/// of landing whole in a few. Whole overlaps placed in rounds one by one leave each receiver's
-/// rounds uneven (DeepSeek-V3 `pp16,ep16 → tp32,dp8`: the busiest inference rank's bytes per
-/// round ±5 % around their mean), and the rounds run at the pace of their busiest ranks.
-fn relay_chunk_min_bytes(largest_group: u64, config: &Config) -> u64 {
+/// members, in a plan whose pair part is `part_bytes`. Relayed over NVLink (groups of several
+/// members), every chunk is one message per node mate: [`RELAY_CHUNK_FACTOR`] ×
+/// `split_min_bytes`. With one receiver per node the chunks only decide what is forwarded
+/// between nodes: a chunk that is not forwarded joins each receiver's message of its round like
+/// any pair's part, and a forwarded one is a message of its own, as large as auto mode sends
+/// a piece as it is ([`AUTO_DIRECT_PART_FRACTION`] of a part, at least `split_min_bytes`).
+/// Such chunks spread the overlap over about every round instead of landing whole in a few.
+/// Whole overlaps placed in rounds one by one leave each receiver's rounds uneven
+/// (DeepSeek-V3 `pp16,ep16 → tp32,dp8`: the busiest inference rank's bytes per round ±5 %
+/// around their mean), and the rounds run at the pace of their busiest ranks.
+fn relay_chunk_min_bytes(largest_group: u64, part_bytes: u64, config: &Config) -> u64 {
     if largest_group > 1 {
         config.split_min_bytes.saturating_mul(RELAY_CHUNK_FACTOR)
     } else {
-        config.split_min_bytes
+        config
+            .split_min_bytes
+            .max(part_bytes / AUTO_DIRECT_PART_FRACTION)
     }
 }
 

@@ -361,7 +361,7 @@ impl CorePlanner {
                 &coord,
                 own_is_dst,
                 &self.config,
-                self.rounds,
+                (self.rounds, self.pair_part_bytes),
                 &self.loads,
                 [src_id, dst_id],
                 own_is_dst.then_some(rank),
@@ -873,7 +873,7 @@ fn units(
     coord: &[u64],
     own_is_dst: bool,
     config: &Config,
-    rounds: u32,
+    (rounds, part_bytes): (u32, u64),
     loads: &Loads,
     layout_ids: [u32; 2],
     receiver: Option<u32>,
@@ -932,7 +932,15 @@ fn units(
             })
             .clone();
         out.push(Prepared::new(
-            spec, src_coords, dst_coords, region, &grouping, config, rounds, loads, receiver,
+            spec,
+            src_coords,
+            dst_coords,
+            region,
+            &grouping,
+            config,
+            (rounds, part_bytes),
+            loads,
+            receiver,
         ));
         if !next_index(&mut choice, |d| overlaps[d].len()) {
             return out;
