@@ -932,9 +932,9 @@ fn forwarded_data_reaches_node_mates_of_every_receiving_node() {
     }
 }
 
-/// Overlaps forwarded between nodes that each hold one receiver are cut into chunks of
-/// `split_min_bytes` (not eight times that, as for NVLink relays, where each chunk is one
-/// message per node mate), so each receiver takes every tensor in pieces over nearly every
+/// Overlaps forwarded between nodes that each hold one receiver are cut into chunks as small
+/// as auto mode sends a piece as it is (here `split_min_bytes`; not eight times that, as for
+/// NVLink relays, where each chunk is one message per node mate), so each receiver takes every tensor in pieces over nearly every
 /// round instead of in a few lumps: one sender, eight replicas on eight nodes, twelve rounds,
 /// tensors of 4 KiB: twelve chunks, which reach each receiver in at least nine rounds (some
 /// forwarded ones arrive in the same round as others); before, eight chunks reached it in seven

@@ -11,7 +11,7 @@ use crate::quant::{Conversion, ScaleFormat, Scheme};
 
 /// Which planner made a plan: raised whenever the same descriptors and config would be planned
 /// into other programs (0.6: forwards spread over rounds; 0.7: overlaps forwarded between
-/// single-receiver nodes cut into chunks of `split_min_bytes`), so that ranks running planners
+/// single-receiver nodes cut into about one chunk per round), so that ranks running planners
 /// that disagree never agree on a fingerprint (the exchange at the first call refuses the mix
 /// instead of posting messages the peer does not expect). Before 0.6 it was not hashed.
 const PLANNER_REVISION: u64 = 7;
