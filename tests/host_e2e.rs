@@ -932,31 +932,42 @@ fn forwarded_data_reaches_node_mates_of_every_receiving_node() {
     }
 }
 
-/// Overlaps forwarded between nodes that each hold one receiver are cut into chunks as small
-/// as auto mode sends a piece as it is (here `split_min_bytes`; not eight times that, as for
-/// NVLink relays, where each chunk is one message per node mate), so each receiver takes every tensor in pieces over nearly every
-/// round instead of in a few lumps: one sender, eight replicas on eight nodes, twelve rounds,
-/// tensors of 4 KiB: twelve chunks, which reach each receiver in at least nine rounds (some
-/// forwarded ones arrive in the same round as others); before, eight chunks reached it in seven
-/// or eight. Byte-exact on the host executor.
-#[test]
-fn forwarded_overlaps_spread_over_every_round() {
-    let rounds = 12;
+/// Sixteen bf16 tensors of `rows` × 64 replicated on one sender (rank 0) and on `receivers`
+/// ranks, one per node, planned in `mode` over `rounds` rounds with 64-byte splits: every
+/// receiving node holds one replica, so what the sender cannot send to all is forwarded.
+fn one_sender_to_replicas_on_their_own_nodes(
+    rows: u64,
+    receivers: u64,
+    rounds: u32,
+    mode: Mode,
+) -> (Vec<TensorSpec>, Config) {
     let spec = TensorSpec {
-        shape: vec![32, 64],
+        shape: vec![rows, 64],
         dtype: DType::Bfloat16,
         src: layout(grid(&[1], 0), &[Placement::Replicate]),
-        dst: layout(grid(&[8], 1), &[Placement::Replicate]),
+        dst: layout(grid(&[receivers], 1), &[Placement::Replicate]),
     };
-    let tensors = vec![spec; 16];
+    let config = Config {
+        mode,
+        topology: Topology::RanksPerNode(1),
+        split_min_bytes: 64,
+        rounds,
+        ..Default::default()
+    };
+    (vec![spec; 16], config)
+}
+
+/// Overlaps forwarded between nodes that each hold one receiver are cut into chunks of a pair
+/// part / 8, at least `split_min_bytes` (here that), not eight times `split_min_bytes` as for
+/// NVLink relays (where each chunk is one message per node mate), so each receiver takes every
+/// tensor in pieces over nearly every round instead of in a few lumps: one sender, eight
+/// replicas on eight nodes, twelve rounds, tensors of 4 KiB: twelve chunks, which reach each
+/// receiver in at least nine rounds (some forwarded ones arrive in the same round as others);
+/// before, eight chunks reached it in seven or eight. Byte-exact on the host executor.
+#[test]
+fn forwarded_overlaps_spread_over_every_round() {
     for mode in [Mode::Staged, Mode::Auto] {
-        let config = Config {
-            mode,
-            topology: Topology::RanksPerNode(1),
-            split_min_bytes: 64,
-            rounds,
-            ..Default::default()
-        };
+        let (tensors, config) = one_sender_to_replicas_on_their_own_nodes(32, 8, 12, mode);
         run_checked(&tensors, &config);
         let planner = Planner::new(tensors.clone(), config).unwrap();
         let mut forwarded = 0;
@@ -992,22 +1003,9 @@ fn forwarded_overlaps_spread_over_every_round() {
 /// receivers exchange messages only in rounds of one parity, and every byte still arrives.
 #[test]
 fn forwards_between_many_receiving_nodes_are_spread_over_rounds() {
-    let receivers = 48;
-    let spec = TensorSpec {
-        shape: vec![512, 64],
-        dtype: DType::Bfloat16,
-        src: layout(grid(&[1], 0), &[Placement::Replicate]),
-        dst: layout(grid(&[receivers], 1), &[Placement::Replicate]),
-    };
     for mode in [Mode::Staged, Mode::Auto] {
-        let config = Config {
-            mode,
-            topology: Topology::RanksPerNode(1),
-            split_min_bytes: 64,
-            rounds: 24,
-            ..Default::default()
-        };
-        let programs = run_checked(&vec![spec.clone(); 16], &config);
+        let (tensors, config) = one_sender_to_replicas_on_their_own_nodes(512, 48, 24, mode);
+        let programs = run_checked(&tensors, &config);
         // Rounds in which each receiver sends to each other receiver.
         let mut rounds_of: BTreeMap<(u32, u32), BTreeSet<u32>> = BTreeMap::new();
         for p in programs.iter().filter(|p| p.rank != 0) {

@@ -512,7 +512,8 @@ impl Prepared {
         region: Vec<IndexRuns>,
         grouping: &Grouping,
         config: &Config,
-        (rounds, part_bytes): (u32, u64),
+        rounds: u32,
+        part_bytes: u64,
         loads: &Loads,
         receiver: Option<u32>,
     ) -> Prepared {
@@ -1119,8 +1120,9 @@ const RELAY_CHUNK_FACTOR: u64 = 8;
 /// members), every chunk is one message per node mate: [`RELAY_CHUNK_FACTOR`] ×
 /// `split_min_bytes`. With one receiver per node the chunks only decide what is forwarded
 /// between nodes: a chunk that is not forwarded joins each receiver's message of its round like
-/// any pair's part, and a forwarded one is a message of its own, as large as auto mode sends
-/// a piece as it is ([`AUTO_DIRECT_PART_FRACTION`] of a part, at least `split_min_bytes`).
+/// any pair's part, and a forwarded one is a message of its own, so it is at least a part /
+/// [`AUTO_DIRECT_PART_FRACTION`], the smallest piece auto mode sends as a message of its own
+/// (and at least `split_min_bytes`).
 /// Such chunks spread the overlap over about every round instead of landing whole in a few.
 /// Whole overlaps placed in rounds one by one leave each receiver's rounds uneven
 /// (DeepSeek-V3 `pp16,ep16 → tp32,dp8`: the busiest inference rank's bytes per round ±5 %

@@ -361,7 +361,8 @@ impl CorePlanner {
                 &coord,
                 own_is_dst,
                 &self.config,
-                (self.rounds, self.pair_part_bytes),
+                self.rounds,
+                self.pair_part_bytes,
                 &self.loads,
                 [src_id, dst_id],
                 own_is_dst.then_some(rank),
@@ -873,7 +874,8 @@ fn units(
     coord: &[u64],
     own_is_dst: bool,
     config: &Config,
-    (rounds, part_bytes): (u32, u64),
+    rounds: u32,
+    part_bytes: u64,
     loads: &Loads,
     layout_ids: [u32; 2],
     receiver: Option<u32>,
@@ -932,14 +934,7 @@ fn units(
             })
             .clone();
         out.push(Prepared::new(
-            spec,
-            src_coords,
-            dst_coords,
-            region,
-            &grouping,
-            config,
-            (rounds, part_bytes),
-            loads,
+            spec, src_coords, dst_coords, region, &grouping, config, rounds, part_bytes, loads,
             receiver,
         ));
         if !next_index(&mut choice, |d| overlaps[d].len()) {
