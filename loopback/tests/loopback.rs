@@ -592,42 +592,52 @@ fn a_destroy_waits_for_the_ranks_operations_as_nccls_finalize_does() {
 #[test]
 #[ignore = "needs a CUDA driver (the emulator's: scripts/emulated-gpu-tests.sh)"]
 fn refusals_are_clear_errors() {
+    // NCCL's last error is one buffer for the whole process, and so is the stand-in's: a rank
+    // reads it under this lock, taken before its refused call, or the other rank's next refusal
+    // may overwrite the text first.
+    let last_error_is_mine = Mutex::new(());
     ranks(2, |r, comm| {
         let s = stream();
         let buf = upload(&[0u8; 16], s);
-        assert_eq!(
-            send(buf, 16, 2, comm, s),
-            INVALID_ARGUMENT,
-            "peer out of range"
-        );
-        assert!(
-            last_error().contains("peer 2 is out of range"),
-            "{}",
-            last_error()
-        );
+        {
+            let _mine = last_error_is_mine.lock().unwrap();
+            assert_eq!(
+                send(buf, 16, 2, comm, s),
+                INVALID_ARGUMENT,
+                "peer out of range"
+            );
+            assert!(
+                last_error().contains("peer 2 is out of range"),
+                "{}",
+                last_error()
+            );
+        }
         assert_eq!(
             ncclGroupEnd(),
             INVALID_USAGE,
             "ncclGroupEnd outside a group"
         );
-        // SAFETY: our communicator and buffers.
-        let reduced = unsafe {
-            ncclAllReduce(
-                buf as *const c_void,
-                buf as *mut c_void,
-                4,
-                FLOAT32,
-                0,
-                comm,
-                s.cast(),
-            )
-        };
-        assert_eq!(reduced, INVALID_USAGE, "no collectives");
-        assert!(
-            last_error().contains("point-to-point operations only"),
-            "{}",
-            last_error()
-        );
+        {
+            let _mine = last_error_is_mine.lock().unwrap();
+            // SAFETY: our communicator and buffers.
+            let reduced = unsafe {
+                ncclAllReduce(
+                    buf as *const c_void,
+                    buf as *mut c_void,
+                    4,
+                    FLOAT32,
+                    0,
+                    comm,
+                    s.cast(),
+                )
+            };
+            assert_eq!(reduced, INVALID_USAGE, "no collectives");
+            assert!(
+                last_error().contains("point-to-point operations only"),
+                "{}",
+                last_error()
+            );
+        }
         // An error inside a group is the group's: its end returns it and issues nothing.
         nc(ncclGroupStart(), "start");
         nc(send(buf, 16, 1 - r, comm, s), "send");
