@@ -996,6 +996,57 @@ fn forwarded_overlaps_spread_over_every_round() {
     }
 }
 
+/// An overlap relayed over NVLink is cut into one chunk per (node mate, round) when it is
+/// large enough, so each mate takes a share of it in every round and its sender sends it in
+/// every round: four senders on two nodes, four replicas on two other nodes (two per node),
+/// four rounds, each sender's 4 KiB quarter of a tensor cut into 8 chunks of 512 bytes (8 ×
+/// `split_min_bytes`). Before, the overlap was cut into as many chunks as rounds, which gave
+/// each mate two chunks, in two rounds. Byte-exact on the host executor.
+#[test]
+fn relayed_overlaps_reach_every_node_mate_in_every_round() {
+    for mode in [Mode::Staged, Mode::Auto] {
+        let spec = TensorSpec {
+            shape: vec![128, 64],
+            dtype: DType::Bfloat16,
+            src: layout(grid(&[4], 0), &[Placement::Shard(0)]),
+            dst: layout(grid(&[4], 4), &[Placement::Replicate]),
+        };
+        let config = Config {
+            mode,
+            topology: Topology::RanksPerNode(2),
+            split_min_bytes: 64,
+            rounds: 4,
+            ..Default::default()
+        };
+        let tensors = vec![spec; 8];
+        run_checked(&tensors, &config);
+        let planner = Planner::new(tensors.clone(), config).unwrap();
+        for rank in 4..8 {
+            let blocks = planner.rank_blocks(rank).unwrap();
+            // Rounds in which the rank takes each (tensor, sender) overlap's bytes across the
+            // network (its node mate's share comes over NVLink, in the round after).
+            let mut rounds_of: BTreeMap<(u32, u32), BTreeSet<u32>> = BTreeMap::new();
+            for t in planner.transfers(&blocks) {
+                let block = &blocks[t.block];
+                if block.to == rank && block.from < 4 {
+                    rounds_of
+                        .entry((block.tensor, block.from))
+                        .or_default()
+                        .insert(t.round);
+                }
+            }
+            assert_eq!(rounds_of.len(), 8 * 4, "{mode:?}: rank {rank}");
+            for ((tensor, from), taken) in &rounds_of {
+                assert_eq!(
+                    taken.len(),
+                    4,
+                    "{mode:?}: rank {rank} takes tensor {tensor} from {from} in rounds {taken:?}"
+                );
+            }
+        }
+    }
+}
+
 /// One sender feeding 48 replicas of 16 tensors, one per node, over 24 rounds: every chunk is
 /// forwarded, and a hub forwarding each chunk to all 47 other nodes in the next round would
 /// make every two receivers exchange a message in every round (2 × 47 × 23 = 2,162 per rank,

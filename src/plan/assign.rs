@@ -549,10 +549,13 @@ impl Prepared {
         // Relayed overlaps: the region's chunks, computed once for every relay group. Each
         // chunk goes whole to one member (contiguous where the region is, so it can be
         // forwarded without packing); the rotation spreads chunks over members and rounds.
+        // One chunk per (member, round) where the overlap is large enough: then every member
+        // of a group takes a share of the overlap in every round, and its sender sends it in
+        // every round ([`Prepared::relay_leg`]).
         let largest_group = groups.largest_relay_group();
         let chunks = if largest_group > 1 || forward_share > 0 {
             let n = u64::from(rounds)
-                .max(largest_group)
+                .saturating_mul(largest_group)
                 .min(bytes_of(&region) / relay_chunk_min_bytes(largest_group, part_bytes, config))
                 .max(1);
             split_region(&region, n)
@@ -831,8 +834,9 @@ impl Prepared {
     }
 
     /// The member relay chunk `chunk` of `group` crosses the network to, and its round.
-    /// Independent offsets for round and member: in any round, the units' chunks land on all
-    /// members alike.
+    /// Consecutive chunks take the members in turn, then the next round: an overlap cut into
+    /// members × rounds chunks gives each (member, round) one, and smaller ones land on all
+    /// members alike in any round as the slot rotates.
     fn relay_leg(&self, group: u32, chunk: u32, turn: Turn) -> (u32, u32) {
         let members = self.fanout.relay_groups.get(group);
         let g = members.len() as u64;

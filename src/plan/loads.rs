@@ -26,8 +26,10 @@ pub(crate) struct Loads {
     /// relays forward to node mates over NVLink.
     send_load: FxHashMap<u32, u128>,
     /// The largest bytes per participating GPU a node (or, without a topology, a rank)
-    /// receives: what the busiest receiver takes in, which no plan can beat (every byte of a
-    /// destination shard arrives at its rank at least once).
+    /// receives across the network, a destination shard's replicas on one node counted once
+    /// (relays forward to node mates over NVLink): what the busiest receiver's NICs take in,
+    /// which no plan can beat (every byte of a destination shard reaches its node at least
+    /// once).
     max_receive: u128,
 }
 
@@ -78,8 +80,8 @@ impl Loads {
             })
         };
         // Per distinct layout: bytes each of its ranks sends, of which across the network,
-        // and bytes each receives.
-        let mut per_layout = vec![(0u128, 0u128, 0u128); layouts.len()];
+        // bytes each receives, of which across the network.
+        let mut per_layout = vec![(0u128, 0u128, 0u128, 0u128); layouts.len()];
         for (t, &[src, dst]) in tensors.iter().zip(layout_ids) {
             let bytes = u128::from(t.shape.iter().product::<u64>()) * u128::from(t.elem_size());
             let dst_ranks = t.dst.mesh.size() as u128;
@@ -89,17 +91,20 @@ impl Loads {
             per_layout[src as usize].0 += bytes * replicas / src_ranks;
             per_layout[src as usize].1 += bytes * nodes / src_ranks;
             per_layout[dst as usize].2 += bytes / shards[dst as usize];
+            per_layout[dst as usize].3 += bytes * nodes / (shards[dst as usize] * replicas);
         }
         let mut loads = Loads::default();
         let mut network_sends: FxHashMap<u32, u128> = FxHashMap::default();
-        for (layout, (sends, network, receives)) in layouts.iter().zip(&per_layout) {
+        let mut network_receives: FxHashMap<u32, u128> = FxHashMap::default();
+        for (layout, &(sends, network, receives, network_in)) in layouts.iter().zip(&per_layout) {
             for rank in layout.mesh.live_ranks() {
-                if *sends > 0 {
+                if sends > 0 {
                     *loads.sends.entry(rank).or_default() += sends;
                     *network_sends.entry(rank).or_default() += network;
                 }
-                if *receives > 0 {
+                if receives > 0 {
                     *loads.receives.entry(rank).or_default() += receives;
+                    *network_receives.entry(rank).or_default() += network_in;
                 }
             }
         }
@@ -121,7 +126,7 @@ impl Loads {
             let entry = nodes.entry(node_of(rank)).or_default();
             entry.0 += 1;
             entry.1 += network_sends.get(&rank).copied().unwrap_or(0);
-            entry.2 += loads.receives.get(&rank).copied().unwrap_or(0);
+            entry.2 += network_receives.get(&rank).copied().unwrap_or(0);
         }
         loads.max_receive = nodes
             .values()
@@ -233,6 +238,32 @@ mod tests {
             &Topology::Unknown,
         );
         assert_eq!(loads.forward_fraction(&[0], 2), 0);
+    }
+
+    #[test]
+    fn replicas_on_one_node_count_once_in_what_receivers_take_in() {
+        // Two senders on node 0 each hold half the tensor; four replicas on nodes 1 and 2, two
+        // per node (relays forward to the node mate over NVLink). Each sender's node sends
+        // every byte to both nodes: 2 × 2048 / 2 = 2048 per GPU; each receiving node takes in
+        // 2048 across the network, 1024 per GPU (each GPU receives 2048 in all). The senders
+        // are twice as busy as receivers' NICs: with 2 groups, f = (2048 − 972) · 2 · 1024 /
+        // (2048 · 1) = 1076 → all of it. Counting every replica's bytes as taken in over the
+        // network (2048 per GPU), nothing was forwarded.
+        let t = spec(
+            &[1024],
+            layout(vec![0, 1], vec![Placement::Shard(0)]),
+            layout(vec![2, 3, 4, 5], vec![Placement::Replicate]),
+        );
+        let loads = Loads::new(
+            std::slice::from_ref(&t),
+            &[[0, 1]],
+            &[&t.src, &t.dst],
+            &Topology::RanksPerNode(2),
+        );
+        assert_eq!(loads.receives[&2], 2048);
+        assert_eq!(loads.max_receive, 1024);
+        assert_eq!(loads.send_load[&0], 2048);
+        assert_eq!(loads.forward_fraction(&[0, 1], 2), FORWARD_SCALE);
     }
 
     #[test]
