@@ -601,6 +601,27 @@ fn simulate_json_reports_every_method_the_floors_and_the_costs() {
             assert!(side(s, d, "max") <= busiest, "{nic}");
         }
     }
+    // Each round's busiest link: in round order, none longer than the busiest link's whole
+    // load, and summing to `lockstep_s` (at least that whole load, or one link would carry
+    // more than its bytes).
+    let profile = &json["rounds_profile"];
+    let rounds = profile["rounds"].as_array().unwrap();
+    let total = profile["busiest_total_s"].as_f64().unwrap();
+    let lockstep = profile["lockstep_s"].as_f64().unwrap();
+    assert!(!rounds.is_empty() && total > 0.0, "{profile}");
+    let seconds: Vec<f64> = rounds
+        .iter()
+        .map(|r| r["seconds"].as_f64().unwrap())
+        .collect();
+    assert!(
+        seconds.iter().all(|&s| s > 0.0 && s <= total + 1e-12),
+        "{profile}"
+    );
+    assert!((seconds.iter().sum::<f64>() - lockstep).abs() < 1e-9 && lockstep >= total - 1e-12);
+    assert!((profile["unevenness_s"].as_f64().unwrap() - (lockstep - total)).abs() < 1e-9);
+    assert!(rounds
+        .windows(2)
+        .all(|w| w[0]["round"].as_u64() < w[1]["round"].as_u64()));
 
     // The text form names every method; a custom cluster is taken.
     let toy = |cluster: &str, json: &[&str]| {

@@ -295,6 +295,62 @@ fn ranks_move_through_rounds_on_their_own() {
 }
 
 #[test]
+fn the_rounds_profile_gives_each_rounds_busiest_link() {
+    let cluster = dgx_no_latency();
+    let gb = 1_000_000_000u64;
+    // Rank 0 → 8: 2 GB in round 0, 1 GB in round 1; rank 1 → 17 (its own rail) the other way
+    // round. Round 0's busiest link is rank 0's or 8's NIC (2 GB, 40 ms at 50 GB/s), round 1's
+    // rank 1's or 17's; each link carries 3 GB in all (60 ms). In lockstep the rounds would
+    // take 80 ms: 20 ms of unevenness.
+    let two_rounds = |p: RankProgram, sends: bool| -> RankProgram {
+        let mut p = p;
+        p.round_spans = (0..2)
+            .map(|round| RoundSpan {
+                round,
+                sends_end: if sends { round as usize + 1 } else { 0 },
+                recvs_end: if sends { 0 } else { round as usize + 1 },
+                ..Default::default()
+            })
+            .collect();
+        p
+    };
+    let receives = |rank: u32, from: u32, sizes: [u64; 2]| {
+        let mut p = sender(rank, &[(from, sizes[0]), (from, sizes[1])]);
+        p.recvs = std::mem::take(&mut p.sends);
+        two_rounds(p, false)
+    };
+    let programs = vec![
+        two_rounds(sender(0, &[(8, 2 * gb), (8, gb)]), true),
+        two_rounds(sender(1, &[(17, gb), (17, 2 * gb)]), true),
+        receives(8, 0, [2 * gb, gb]),
+        receives(17, 1, [gb, 2 * gb]),
+    ];
+    let report = simulate(&programs, &cluster);
+    let profile = report.rounds.unwrap();
+    let busiest: Vec<(u32, u32, u64)> = profile
+        .rounds
+        .iter()
+        .map(|r| (r.round, r.rank, r.bytes))
+        .collect();
+    assert_eq!(busiest.len(), 2);
+    assert!(
+        [(0, 0, 2 * gb), (0, 8, 2 * gb)].contains(&busiest[0]),
+        "{busiest:?}"
+    );
+    assert!(
+        [(1, 1, 2 * gb), (1, 17, 2 * gb)].contains(&busiest[1]),
+        "{busiest:?}"
+    );
+    assert!(profile.rounds.iter().all(|r| r.kind == LinkKind::Nic));
+    assert_close(profile.rounds[0].seconds, 0.040);
+    assert_close(profile.busiest_total_s, 0.060);
+    assert_close(profile.lockstep_s(), 0.080);
+    assert_close(profile.unevenness_s(), 0.020);
+    // The two pairs share no rank, so they are not in lockstep: each moves its 3 GB in 60 ms.
+    assert_close(report.time_s, 0.060);
+}
+
+#[test]
 fn relays_bring_each_byte_into_a_node_once() {
     // TP2 on node 0 → TP2 x DP4 on node 1 (4 replicas of each shard on one node): with relays
     // the node's ingress carries the tensor once, not four times.

@@ -487,6 +487,9 @@ struct Output {
     /// Where the time goes: the last rank's clock split into parts (the run without jitter;
     /// docs/simulator.md §7).
     critical_path: Option<CriticalJson>,
+    /// Each round's busiest link against the busiest link's whole load (the run without
+    /// jitter; docs/simulator.md §7).
+    rounds_profile: Option<RoundsJson>,
     reshard_phases: BTreeMap<&'static str, f64>,
     m2n_hierarchical: M2nJson,
     m2n_direct: M2nJson,
@@ -532,15 +535,70 @@ impl ConversionJson {
 }
 
 pub fn link_json(link: &LinkUse) -> (&'static str, &'static str) {
-    let kind = match link.kind {
+    link_names(link.kind, link.direction)
+}
+
+fn link_names(kind: LinkKind, direction: Direction) -> (&'static str, &'static str) {
+    let kind = match kind {
         LinkKind::NvLink => "nvlink",
         LinkKind::Nic => "nic",
     };
-    let direction = match link.direction {
+    let direction = match direction {
         Direction::Egress => "egress",
         Direction::Ingress => "ingress",
     };
     (kind, direction)
+}
+
+/// [`sim::RoundsProfile`] as `simulate --json` prints it (docs/simulator.md §7, "Rounds").
+#[derive(Serialize)]
+struct RoundsJson {
+    /// The most seconds any GPU link needs for all its bytes at achievable speed.
+    busiest_total_s: f64,
+    /// Each round's busiest link's seconds, summed: the transfers' time if all ranks moved
+    /// from round to round together.
+    lockstep_s: f64,
+    /// `lockstep_s − busiest_total_s`: what uneven rounds cost ranks that move in lockstep.
+    unevenness_s: f64,
+    /// Per round: the link whose bytes of that round take longest at achievable speed.
+    rounds: Vec<RoundJson>,
+}
+
+#[derive(Serialize)]
+struct RoundJson {
+    round: u32,
+    rank: u32,
+    /// "nvlink" or "nic".
+    kind: &'static str,
+    /// "egress" or "ingress".
+    direction: &'static str,
+    bytes: u64,
+    seconds: f64,
+}
+
+impl RoundsJson {
+    fn new(profile: &sim::RoundsProfile) -> RoundsJson {
+        RoundsJson {
+            busiest_total_s: profile.busiest_total_s,
+            lockstep_s: profile.lockstep_s(),
+            unevenness_s: profile.unevenness_s(),
+            rounds: profile
+                .rounds
+                .iter()
+                .map(|r| {
+                    let (kind, direction) = link_names(r.kind, r.direction);
+                    RoundJson {
+                        round: r.round,
+                        rank: r.rank,
+                        kind,
+                        direction,
+                        bytes: r.bytes,
+                        seconds: r.seconds,
+                    }
+                })
+                .collect(),
+        }
+    }
 }
 
 fn bound_kind(kind: BoundKind) -> &'static str {
@@ -656,6 +714,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             .map(|(side, ranks)| (side, SideNicJson::new(&s.reshard.nic_bytes, ranks.clone())))
             .collect(),
         critical_path: s.reshard.critical.map(|c| CriticalJson::new(&c, &s)),
+        rounds_profile: s.reshard.rounds.as_ref().map(RoundsJson::new),
         reshard_phases: phases(&s.reshard),
         m2n_hierarchical: M2nJson::new(&s.m2n_hierarchical),
         m2n_direct: M2nJson::new(&s.m2n_direct),

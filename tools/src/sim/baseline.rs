@@ -264,6 +264,7 @@ pub fn gather_broadcast_with(
         setup_s: 0.0,
         memory: None,
         critical: None,
+        rounds: None,
     }
 }
 

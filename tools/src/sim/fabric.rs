@@ -2,7 +2,7 @@
 //! fabric, and the path a point-to-point flow takes through them (PXN or not).
 
 use super::flows::{Flow, MAX_LINKS};
-use super::{Cluster, Direction, LinkKind, LinkUse};
+use super::{Cluster, Direction, LinkKind, LinkUse, RoundLoad, RoundsProfile};
 use std::collections::{BTreeMap, HashMap};
 
 /// GPU ports per GPU, in link-id order: NVLink egress, NVLink ingress, NIC egress, NIC ingress.
@@ -183,6 +183,54 @@ impl<'a> Network<'a> {
     }
 
     /// The GPU port with the highest busy fraction over `time_s` (ties: the lowest id).
+    /// Per round, the GPU link whose bytes of that round take longest at achievable speed,
+    /// and the longest any GPU link takes for all its bytes: `flows` with the index (into
+    /// `labels`, the rounds' numbers) of the round each moves in.
+    pub fn rounds_profile<'f>(
+        &self,
+        flows: impl Iterator<Item = (&'f Flow, usize)>,
+        labels: &[u32],
+    ) -> RoundsProfile {
+        let links = self.links.len();
+        let mut bytes = vec![0.0f64; labels.len() * links];
+        for (flow, round) in flows {
+            for &l in &flow.links[..usize::from(flow.nlinks)] {
+                bytes[round * links + l as usize] += flow.bytes;
+            }
+        }
+        let gpu = |l: usize| match self.links[l] {
+            Link::Gpu { rank, port } => Some((rank, port)),
+            Link::Leaf => None,
+        };
+        let rounds = (0..labels.len())
+            .filter_map(|k| {
+                let of_round = &bytes[k * links..(k + 1) * links];
+                (0..links)
+                    .filter(|&l| of_round[l] > 0.0)
+                    .filter_map(|l| gpu(l).map(|g| (l, g, of_round[l] / self.capacity[l])))
+                    .max_by(|a, b| a.2.total_cmp(&b.2).then(b.0.cmp(&a.0)))
+                    .map(|(l, (rank, port), seconds)| RoundLoad {
+                        round: labels[k],
+                        rank,
+                        kind: PORTS[port as usize].0,
+                        direction: PORTS[port as usize].1,
+                        bytes: of_round[l].round() as u64,
+                        seconds,
+                    })
+            })
+            .collect();
+        let busiest_total_s = (0..links)
+            .filter(|&l| gpu(l).is_some())
+            .map(|l| {
+                (0..labels.len()).map(|k| bytes[k * links + l]).sum::<f64>() / self.capacity[l]
+            })
+            .fold(0.0, f64::max);
+        RoundsProfile {
+            rounds,
+            busiest_total_s,
+        }
+    }
+
     pub fn busiest_port(&self, link_bytes: &[f64], time_s: f64) -> Option<LinkUse> {
         (0..self.links.len())
             .filter_map(|l| match self.links[l] {

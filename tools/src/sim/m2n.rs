@@ -680,6 +680,7 @@ pub fn m2n(
             setup_s: 0.0,
             memory: None,
             critical: None,
+            rounds: None,
         },
         calls: calls_total,
         skipped,

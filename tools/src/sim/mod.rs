@@ -145,6 +145,57 @@ pub struct SimReport {
     /// Where the last rank's time went (the run without jitter); `None` for methods that are
     /// not simulated per rank program.
     pub critical: Option<CriticalPath>,
+    /// Each round's busiest link against the busiest link's whole load (the run without
+    /// jitter); `None` for methods that are not simulated per rank program.
+    pub rounds: Option<RoundsProfile>,
+}
+
+/// How evenly the rounds load the links (docs/simulator.md §7, "Rounds"). A rank's round ends
+/// when its last flow does, and a flow starts only once both its ends have entered its round,
+/// so where every rank pairs with many others in every round (an all-to-all refit) the ranks
+/// move through the rounds nearly in lockstep, each round lasting about as long as its
+/// busiest link needs for that round's bytes. [`lockstep_s`](Self::lockstep_s), the sum of
+/// those, against `busiest_total_s`, what the busiest link needs for all its bytes, is then
+/// what uneven rounds cost, whatever happens inside a round. Ranks that share no peer are not
+/// coupled, and can take less than `lockstep_s`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoundsProfile {
+    /// One entry per round that moves bytes over a GPU link, in round order (relays of a
+    /// round's data move in the round after it, so a plan with relays has one more).
+    pub rounds: Vec<RoundLoad>,
+    /// The most seconds any GPU link needs for its bytes of all rounds at achievable speed.
+    pub busiest_total_s: f64,
+}
+
+impl RoundsProfile {
+    /// The rounds' busiest links' seconds, summed: the transfers' time if all ranks moved
+    /// from round to round together and each round's flows ended together on its busiest
+    /// link.
+    pub fn lockstep_s(&self) -> f64 {
+        self.rounds.iter().map(|r| r.seconds).sum()
+    }
+
+    /// [`lockstep_s`](Self::lockstep_s) − `busiest_total_s`: what uneven rounds cost ranks
+    /// that move in lockstep (0 when one link is the busiest of every round).
+    pub fn unevenness_s(&self) -> f64 {
+        (self.lockstep_s() - self.busiest_total_s).max(0.0)
+    }
+}
+
+/// One round's busiest GPU link: the one whose bytes of that round take longest at its
+/// achievable speed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RoundLoad {
+    /// The round, as the programs number them.
+    pub round: u32,
+    /// The GPU (= rank) the link belongs to.
+    pub rank: u32,
+    pub kind: LinkKind,
+    pub direction: Direction,
+    /// The round's bytes through the link.
+    pub bytes: u64,
+    /// Those bytes at the link's achievable speed.
+    pub seconds: f64,
 }
 
 /// The critical path of a simulated reshard: the rank that finishes last, its clock split into

@@ -82,5 +82,6 @@ pub fn nemo_rl_reshard(
         setup_s: 0.0,
         memory: None,
         critical: None,
+        rounds: None,
     }
 }

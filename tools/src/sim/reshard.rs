@@ -86,6 +86,10 @@ pub fn simulate_with(
     report.p90_s = p90;
     report.busiest_link = model.network.busiest_port(&link_bytes, report.time_s);
     report.nic_bytes = model.network.nic_bytes(&link_bytes);
+    report.rounds = Some(model.network.rounds_profile(
+        model.flows.iter().zip(model.meta.iter().map(|m| m.round)),
+        &model.labels,
+    ));
     report
 }
 
@@ -144,6 +148,8 @@ struct PairFlow {
 /// Everything about a call that does not change between trials.
 struct Model<'a> {
     nr: usize,
+    /// The programs' round numbers, ascending: round index `k` is `labels[k]`.
+    labels: Vec<u32>,
     n: usize,
     /// Per (rank, round): seconds of the packs (and local copies), of the unpacks, and the
     /// time the host has posted the round.
@@ -381,6 +387,7 @@ impl<'a> Model<'a> {
         }
         Model {
             nr,
+            labels,
             n,
             pack,
             unpack,
@@ -721,6 +728,7 @@ fn report(
     let critical = run.critical;
     SimReport {
         critical,
+        rounds: None,
         time_s,
         bytes_total,
         bytes_offnode,
