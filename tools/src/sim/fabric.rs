@@ -182,7 +182,6 @@ impl<'a> Network<'a> {
         out.into_iter().map(|(r, (e, i))| (r, e, i)).collect()
     }
 
-    /// The GPU port with the highest busy fraction over `time_s` (ties: the lowest id).
     /// Per round, the GPU link whose bytes of that round take longest at achievable speed,
     /// and the longest any GPU link takes for all its bytes: `flows` with the index (into
     /// `labels`, the rounds' numbers) of the round each moves in.
@@ -231,6 +230,7 @@ impl<'a> Network<'a> {
         }
     }
 
+    /// The GPU port with the highest busy fraction over `time_s` (ties: the lowest id).
     pub fn busiest_port(&self, link_bytes: &[f64], time_s: f64) -> Option<LinkUse> {
         (0..self.links.len())
             .filter_map(|l| match self.links[l] {
