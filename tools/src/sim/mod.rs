@@ -156,8 +156,9 @@ pub struct SimReport {
 /// move through the rounds nearly in lockstep, each round lasting about as long as its
 /// busiest link needs for that round's bytes. [`lockstep_s`](Self::lockstep_s), the sum of
 /// those, against `busiest_total_s`, what the busiest link needs for all its bytes, is then
-/// what uneven rounds cost, whatever happens inside a round. Ranks that share no peer are not
-/// coupled, and can take less than `lockstep_s`.
+/// what uneven rounds cost, whatever happens inside a round. Ranks are not strictly in
+/// lockstep (a rank whose peers are done enters its next round), so they can take less than
+/// `lockstep_s`; ranks that share no peer are not coupled at all.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RoundsProfile {
     /// One entry per round that moves bytes over a GPU link, in round order (relays of a
