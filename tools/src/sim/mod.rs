@@ -152,13 +152,14 @@ pub struct SimReport {
 
 /// How evenly the rounds load the links (docs/simulator.md §7, "Rounds"). A rank's round ends
 /// when its last flow does, and a flow starts only once both its ends have entered its round,
-/// so where every rank pairs with many others in every round (an all-to-all refit) the ranks
-/// move through the rounds nearly in lockstep, each round lasting about as long as its
-/// busiest link needs for that round's bytes. [`lockstep_s`](Self::lockstep_s), the sum of
-/// those, against `busiest_total_s`, what the busiest link needs for all its bytes, is then
-/// what uneven rounds cost, whatever happens inside a round. Ranks are not strictly in
-/// lockstep (a rank whose peers are done enters its next round), so they can take less than
-/// `lockstep_s`; ranks that share no peer are not coupled at all.
+/// so where every rank pairs with many others in every round (an all-to-all refit) the ranks'
+/// rounds are coupled. If they moved from round to round together, each round would last at
+/// least as long as its busiest link needs for that round's bytes:
+/// [`lockstep_s`](Self::lockstep_s), the sum of those, against `busiest_total_s`, what the
+/// busiest link needs for all its bytes, is what uneven rounds would cost, whatever happens
+/// inside a round. Ranks are not strictly
+/// in lockstep (a rank whose peers are done enters its next round), so they can take less
+/// than `lockstep_s`; ranks that share no peer are not coupled at all.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RoundsProfile {
     /// One entry per round that moves bytes over a GPU link, in round order (relays of a
