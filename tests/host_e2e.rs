@@ -418,6 +418,36 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
+    /// Every rank under a staging limit `eighths` of the way from what its program without
+    /// late unpacks needs to what all of them need: only some of its late unpacks' receives
+    /// move into the arenas, and every byte still lands.
+    #[test]
+    fn random_reshards_under_staging_limits_are_byte_exact(
+        tensors in tensors(),
+        config in config(prop::sample::select(vec![Mode::Staged, Mode::Auto])),
+        eighths in 0u64..8,
+    ) {
+        let Ok(planner) = Planner::new(tensors.clone(), config) else {
+            return Ok(());
+        };
+        let ranks = planner.ranks();
+        let programs: Vec<RankProgram> = ranks
+            .iter()
+            .map(|&r| {
+                let all = planner.rank_program(r).unwrap();
+                let none = planner.rank_program_sequential(r).unwrap();
+                let limit = none.staging_bytes + (all.staging_bytes - none.staging_bytes) * eighths / 8;
+                let p = planner.rank_program_within(r, limit).unwrap();
+                assert!(p.staging_bytes <= limit, "rank {r}: {} > {limit}", p.staging_bytes);
+                p
+            })
+            .collect();
+        let before = initial_buffers(&tensors, &ranks);
+        let mut buffers = before.clone();
+        execute(&programs, &mut buffers).unwrap_or_else(|e| panic!("execute: {e}"));
+        verify(&tensors, &ranks, &before, &buffers);
+    }
+
     #[test]
     fn groupable_plans_never_unpack(
         tensors in tensors(),
@@ -1093,4 +1123,66 @@ fn forwards_between_many_receiving_nodes_are_spread_over_rounds() {
             .unwrap();
         assert!(most <= 1200, "{mode:?}: a rank posts {most} messages");
     }
+}
+
+/// Late unpacks under staging limits between what the program without them needs and what
+/// they all need: each rank keeps within its limit by moving only some rounds' largest
+/// receives into the arenas (docs/executor.md, "Overlapping unpacks"), the other unpacks run
+/// before the next round, and every byte still lands (the host executor runs late unpacks as
+/// late as an executor may).
+#[test]
+fn staging_limits_keep_some_unpacks_late_and_every_byte_right() {
+    // Three column-sharded tensors of different widths into row shards replicated over two
+    // nodes: node-mates receive relayed data into staging in every round, pieces of several
+    // sizes, and nothing later reads what they unpack.
+    let tensors: Vec<TensorSpec> = [96u64, 48, 160]
+        .iter()
+        .map(|&cols| TensorSpec {
+            shape: vec![64, cols],
+            ..tp2_to_tp2_dp4_on_two_nodes()
+        })
+        .collect();
+    let config = Config {
+        mode: Mode::Staged,
+        topology: Topology::RanksPerNode(4),
+        split_min_bytes: 64,
+        rounds: 4,
+        ..Default::default()
+    };
+    let planner = Planner::new(tensors.clone(), config).unwrap();
+    let ranks = planner.ranks();
+    let late = |p: &RankProgram| p.round_spans.iter().map(|s| s.late_unpacks).sum::<usize>();
+    let mut partial = 0;
+    for step in 0..=8u64 {
+        let programs: Vec<RankProgram> = ranks
+            .iter()
+            .map(|&r| {
+                let all = planner.rank_program(r).unwrap();
+                let none = planner.rank_program_sequential(r).unwrap();
+                let limit =
+                    none.staging_bytes + (all.staging_bytes - none.staging_bytes) * step / 8;
+                let p = planner.rank_program_within(r, limit).unwrap();
+                assert!(
+                    p.staging_bytes <= limit,
+                    "rank {r}: {} > {limit}",
+                    p.staging_bytes
+                );
+                assert!(late(&p) <= late(&all), "rank {r}");
+                if step == 8 {
+                    assert_eq!(p, all, "rank {r}: every late unpack fits");
+                }
+                if late(&p) == 0 {
+                    assert_eq!(p, none, "rank {r}: nothing fits {limit}");
+                }
+                assert_eq!((&p.sends, p.recvs.len()), (&none.sends, none.recvs.len()));
+                partial += usize::from(late(&p) > 0 && late(&p) < late(&all));
+                p
+            })
+            .collect();
+        let before = initial_buffers(&tensors, &ranks);
+        let mut buffers = before.clone();
+        execute(&programs, &mut buffers).unwrap_or_else(|e| panic!("step {step}: {e}"));
+        verify(&tensors, &ranks, &before, &buffers);
+    }
+    assert!(partial > 0, "no rank kept only some of its unpacks late");
 }

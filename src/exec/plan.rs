@@ -93,11 +93,12 @@ impl StagingLimit {
     }
 }
 
-/// The program plan creation gives `rank`: the planner's, without the late unpacks' arenas
-/// when they would take the rank past `staging` (the same messages, every unpack before the
-/// next round, docs/executor.md "Overlapping unpacks"); refused when even that does not fit,
-/// or when the transport's `limits` refuse it. [`Plan::new`] is this plus the rank's views;
-/// tools that plan every rank with one planner call it directly.
+/// The program plan creation gives `rank`: the planner's, with only as much of the late
+/// unpacks' arenas as keeps the rank within `staging` (the same messages, the other unpacks
+/// before the next round, docs/executor.md "Overlapping unpacks"); refused when even the
+/// program without arenas does not fit, or when the transport's `limits` refuse it.
+/// [`Plan::new`] is this plus the rank's views; tools that plan every rank with one planner
+/// call it directly.
 pub fn rank_program(
     planner: &Planner,
     rank: u32,
@@ -108,7 +109,8 @@ pub fn rank_program(
     let needs = |p: &RankProgram| p.staging_bytes.saturating_add(p.work_bytes);
     let mut program = planner.rank_program(rank)?;
     if needs(&program) > limit && program.has_late_unpacks() {
-        program = planner.rank_program_sequential(rank)?;
+        let staging = limit.saturating_sub(program.work_bytes);
+        program = planner.rank_program_within(rank, staging)?;
     }
     let needed = needs(&program);
     if needed > limit {

@@ -222,9 +222,12 @@ fn rows_meet_rows(a: &ByteSet, b: &ByteSet) -> bool {
 }
 
 /// Marks late unpacks and gives the staging they read arenas of their own (see the module
-/// documentation). Programs of one round, rounds whose unpacks read staging regions the
-/// rewrite cannot tell apart, and programs past the memory or work budget stay as they are.
-pub fn overlap_unpacks(program: &mut RankProgram) {
+/// documentation), within `limit` bytes of staging in all (and within what auto mode aims one
+/// round's staging at, [`ROUND_TARGET_BYTES`], unless the program already needs more).
+/// Programs of one round, rounds whose unpacks read staging regions the rewrite cannot tell
+/// apart, and programs past the work budget, or where no receive fits the memory, stay as
+/// they are.
+pub fn overlap_unpacks(program: &mut RankProgram, limit: u64) {
     if program.round_spans.len() < 2 || !program.rounds_are_consistent() {
         return;
     }
@@ -259,11 +262,8 @@ pub fn overlap_unpacks(program: &mut RankProgram) {
         .collect();
     let last = program.round_spans.len() - 1;
     let mut work = WORK_MAX;
-    // Per round: the order of its unpacks (early first) and how many are late.
-    let mut plans: Vec<Option<(Vec<usize>, usize)>> = vec![None; program.round_spans.len()];
-    let mut arena_bytes = [0u64; 2];
-    // Per round: its staging receives to move into the arena of its parity.
-    let mut relocated: Vec<Vec<Moved>> = vec![Vec::new(); program.round_spans.len()];
+    // Per round: which of its unpacks could be late, and the staging receive each reads.
+    let mut candidates: Vec<Option<Candidates>> = vec![None; program.round_spans.len()];
     let mut recv_start = 0usize;
     for (k, round) in program.rounds_iter().enumerate() {
         let recvs_here = recv_start..recv_start + round.recvs.len();
@@ -300,63 +300,78 @@ pub fn overlap_unpacks(program: &mut RankProgram) {
             let m = &program.recvs[i];
             (hi <= u128::from(m.loc.offset) + u128::from(m.bytes)).then_some(i)
         };
-        let mut moved: Vec<usize> = Vec::new();
-        let mut clean = true;
-        for (u, &l) in round.unpacks.iter().zip(&late) {
-            match (u.src.buffer == Buffer::Staging, region_of(u)) {
-                (true, Some(i)) => {
-                    if l {
-                        moved.push(i);
-                    }
-                }
-                _ => clean = false,
+        let region: Option<Vec<usize>> = round
+            .unpacks
+            .iter()
+            .map(|u| {
+                (u.src.buffer == Buffer::Staging)
+                    .then(|| region_of(u))
+                    .flatten()
+            })
+            .collect();
+        let Some(region) = region else {
+            continue;
+        };
+        let mut recvs: Vec<usize> = region
+            .iter()
+            .zip(&late)
+            .filter_map(|(&i, &l)| l.then_some(i))
+            .collect();
+        recvs.sort_unstable();
+        recvs.dedup();
+        // Largest first: the receives a capped arena takes (`Candidates::within`).
+        recvs.sort_by_key(|&i| std::cmp::Reverse(program.recvs[i].bytes));
+        candidates[k] = Some(Candidates {
+            late,
+            region,
+            recvs,
+        });
+    }
+    if candidates.iter().all(Option::is_none) {
+        return;
+    }
+    // Memory: the whole staging must stay within what auto mode aims one round's staging at
+    // (or within what the program already needs, if more) and within the caller's limit: the
+    // overlap is worth a few percent of a call, not gigabytes of somebody's KV cache. When
+    // moving every candidate would pass it, each round moves only the largest receives that
+    // fit a cap, the largest cap that keeps the whole within it (found by bisection; the rest
+    // of the round's unpacks stay early).
+    let budget = program.staging_bytes.max(ROUND_TARGET_BYTES).min(limit);
+    let cap_all = candidates
+        .iter()
+        .flatten()
+        .map(|c| c.footprint(program, u64::MAX))
+        .max()
+        .unwrap_or(0);
+    let mut layout = Layout::new(program, &candidates, cap_all);
+    if layout.total > budget {
+        let (mut fits, mut over) = (0u64, cap_all);
+        // To a 256th of the largest round's candidates: 8 or 9 layouts of the program.
+        let resolution = (cap_all / 256).max(1);
+        let mut best: Option<Layout> = None;
+        while over - fits > resolution {
+            let cap = fits + (over - fits) / 2;
+            let tried = Layout::new(program, &candidates, cap);
+            if tried.total <= budget {
+                fits = cap;
+                best = Some(tried);
+            } else {
+                over = cap;
             }
         }
-        if !clean {
-            continue;
+        match best {
+            Some(b) if b.moved.iter().any(|&m| m) => layout = b,
+            _ => return,
         }
-        moved.sort_unstable();
-        moved.dedup();
-        let mut at = 0u64;
-        for &recv in &moved {
-            let m = &program.recvs[recv];
-            let to = staging_aligned(at);
-            at = to + m.bytes;
-            relocated[k].push(Moved {
-                recv,
-                from: m.loc.offset,
-                end: m.loc.offset + m.bytes,
-                to,
-            });
-        }
-        arena_bytes[k % 2] = arena_bytes[k % 2].max(at);
-        let mut order: Vec<usize> = (0..late.len()).filter(|&i| !late[i]).collect();
-        let early = order.len();
-        order.extend((0..late.len()).filter(|&i| late[i]));
-        plans[k] = Some((order, late.len() - early));
     }
-    if plans.iter().all(Option::is_none) {
-        return;
-    }
-    // Each round's main arena closes the gaps the moved regions leave (`squeeze`), by offset.
-    let relocated: Vec<Relocated> = relocated.into_iter().map(Relocated::new).collect();
+    let Layout {
+        relocated,
+        moved,
+        main,
+        arenas,
+        total,
+    } = layout;
     let spans = program.round_spans.clone();
-    let mut moved = vec![false; program.recvs.len()];
-    for m in relocated.iter().flat_map(|r| &r.moved) {
-        moved[m.recv] = true;
-    }
-    let mut main = 0u64;
-    main_locs(program, &spans, &moved, |k, loc, len| {
-        main = main.max(relocated[k].squeeze(loc.offset) + len);
-    });
-    // Memory: the whole staging must stay within what auto mode aims one round's staging at
-    // (or within what the program already needs, if more): the overlap is worth a few percent
-    // of a call, not gigabytes of somebody's KV cache.
-    let (main, arenas) = (staging_aligned(main), arena_bytes.map(staging_aligned));
-    let total = main + arenas[0] + arenas[1];
-    if total > program.staging_bytes.max(ROUND_TARGET_BYTES) {
-        return;
-    }
     main_locs(program, &spans, &moved, |k, loc, _| {
         loc.offset = relocated[k].squeeze(loc.offset);
     });
@@ -367,15 +382,24 @@ pub fn overlap_unpacks(program: &mut RankProgram) {
             program.recvs[m.recv].loc.offset = base[k % 2] + m.to;
         }
     }
-    // Reorder each round's unpacks (early first) and point them at their regions' new places.
+    // Reorder each round's unpacks (early first: those not late, and late ones whose receive
+    // stayed in the main arena) and point them at their regions' new places.
     let mut unpack_start = 0usize;
     for (k, span) in spans.iter().enumerate() {
         let end = span.unpacks_end;
         let old: Vec<StridedCopy> = program.unpacks[unpack_start..end].to_vec();
-        let order: Vec<usize> = match &plans[k] {
-            Some((order, _)) => order.clone(),
-            None => (0..old.len()).collect(),
+        let late: Vec<bool> = match &candidates[k] {
+            Some(c) => c
+                .late
+                .iter()
+                .zip(&c.region)
+                .map(|(&l, &i)| l && moved[i])
+                .collect(),
+            None => vec![false; old.len()],
         };
+        let mut order: Vec<usize> = (0..old.len()).filter(|&i| !late[i]).collect();
+        let early = order.len();
+        order.extend((0..old.len()).filter(|&i| late[i]));
         for (slot, &at) in order.iter().enumerate() {
             let mut u = old[at].clone();
             if u.src.buffer == Buffer::Staging {
@@ -386,10 +410,102 @@ pub fn overlap_unpacks(program: &mut RankProgram) {
             }
             program.unpacks[unpack_start + slot] = u;
         }
-        program.round_spans[k].late_unpacks = plans[k].as_ref().map_or(0, |(_, late)| *late);
+        program.round_spans[k].late_unpacks = old.len() - early;
         unpack_start = end;
     }
     program.staging_bytes = total;
+}
+
+/// One round's unpacks that may run late: per unpack of the round, whether nothing later reads
+/// what it writes (`late`) and the staging receive it reads (`region`, an index into
+/// `recvs` of the program); the receives late unpacks read, largest first.
+#[derive(Clone)]
+struct Candidates {
+    late: Vec<bool>,
+    region: Vec<usize>,
+    recvs: Vec<usize>,
+}
+
+impl Candidates {
+    /// The receives an arena of at most `cap` bytes takes, largest first, each taken when
+    /// its aligned footprint still fits (skipped otherwise), in receive order.
+    fn within(&self, program: &RankProgram, cap: u64) -> Vec<usize> {
+        let mut used = 0u64;
+        let mut taken: Vec<usize> = Vec::new();
+        for &i in &self.recvs {
+            let size = staging_aligned(program.recvs[i].bytes);
+            if used.saturating_add(size) <= cap {
+                used += size;
+                taken.push(i);
+            }
+        }
+        taken.sort_unstable();
+        taken
+    }
+
+    /// The bytes the receives [`Candidates::within`] takes under `cap` span in their arena.
+    fn footprint(&self, program: &RankProgram, cap: u64) -> u64 {
+        self.within(program, cap)
+            .iter()
+            .map(|&i| staging_aligned(program.recvs[i].bytes))
+            .sum()
+    }
+}
+
+/// Where staging goes when each round moves what a cap lets it: the moved receives per round,
+/// which receives moved, and the main arena (squeezed), both parity arenas and their sum.
+struct Layout {
+    relocated: Vec<Relocated>,
+    moved: Vec<bool>,
+    main: u64,
+    arenas: [u64; 2],
+    total: u64,
+}
+
+impl Layout {
+    fn new(program: &mut RankProgram, candidates: &[Option<Candidates>], cap: u64) -> Layout {
+        let mut arenas = [0u64; 2];
+        let mut moved = vec![false; program.recvs.len()];
+        let relocated: Vec<Relocated> = candidates
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                let mut at = 0u64;
+                let list = c.as_ref().map_or(Vec::new(), |c| c.within(program, cap));
+                let list: Vec<Moved> = list
+                    .into_iter()
+                    .map(|recv| {
+                        let m = &program.recvs[recv];
+                        let to = staging_aligned(at);
+                        at = to + m.bytes;
+                        moved[recv] = true;
+                        Moved {
+                            recv,
+                            from: m.loc.offset,
+                            end: m.loc.offset + m.bytes,
+                            to,
+                        }
+                    })
+                    .collect();
+                arenas[k % 2] = arenas[k % 2].max(at);
+                Relocated::new(list)
+            })
+            .collect();
+        // Each round's main arena closes the gaps the moved regions leave (`squeeze`).
+        let spans = program.round_spans.clone();
+        let mut main = 0u64;
+        main_locs(program, &spans, &moved, |k, loc, len| {
+            main = main.max(relocated[k].squeeze(loc.offset) + len);
+        });
+        let (main, arenas) = (staging_aligned(main), arenas.map(staging_aligned));
+        Layout {
+            relocated,
+            moved,
+            main,
+            arenas,
+            total: main + arenas[0] + arenas[1],
+        }
+    }
 }
 
 /// A staging receive moved into its round's arena: its index in `recvs`, where it was

@@ -150,8 +150,16 @@ impl Planner {
     /// them beside the next round (`overlap.rs`; [`Planner::rank_program_sequential`] leaves
     /// every unpack before the next round and needs less staging).
     pub fn rank_program(&self, rank: u32) -> Result<RankProgram> {
+        self.rank_program_within(rank, u64::MAX)
+    }
+
+    /// [`Planner::rank_program`] with at most `staging` bytes of staging for the late unpacks'
+    /// arenas and the rest: where every late unpack's receive would take the rank past it,
+    /// only some rounds' largest receives move (the other unpacks run before the next round);
+    /// where none fits, the program of [`Planner::rank_program_sequential`].
+    pub fn rank_program_within(&self, rank: u32, staging: u64) -> Result<RankProgram> {
         let mut program = self.rank_program_sequential(rank)?;
-        overlap::overlap_unpacks(&mut program);
+        overlap::overlap_unpacks(&mut program, staging);
         Ok(program)
     }
 
@@ -196,7 +204,7 @@ impl Planner {
         transfers: &[Transfer],
     ) -> Result<RankProgram> {
         let mut program = self.program_sequential(rank, blocks, transfers)?;
-        overlap::overlap_unpacks(&mut program);
+        overlap::overlap_unpacks(&mut program, u64::MAX);
         Ok(program)
     }
 
