@@ -15,6 +15,7 @@
 # and fails unless recovered + refused = N.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/scripts/pip-retry.sh"
 cd "$root"
 seed=1
 scenarios=12
@@ -29,8 +30,7 @@ done
 venv="$root/target/native-venv"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -r "$root/scripts/requirements-native.txt"
+  pip_install "$venv/bin/python" --quiet -r "$root/scripts/requirements-native.txt"
   cp "$root/scripts/requirements-native.txt" "$venv/.requirements"
 fi
 nvidia=$("$venv/bin/python" -c "import nvidia, os; print(list(nvidia.__path__)[0])")

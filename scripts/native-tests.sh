@@ -9,14 +9,14 @@
 # cmake and the NVIDIA wheels are installed into a venv under target/ on first use.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/scripts/pip-retry.sh"
 venv="$root/target/native-venv"
 stamp="$venv/.requirements"
 if ! cmp -s "$root/scripts/requirements-native.txt" "$stamp" 2>/dev/null; then
   echo "== installing cmake and NVIDIA header wheels into $venv"
   rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -r "$root/scripts/requirements-native.txt"
+  pip_install "$venv/bin/python" --quiet -r "$root/scripts/requirements-native.txt"
   cp "$root/scripts/requirements-native.txt" "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

@@ -12,6 +12,7 @@
 # The venv is reused while the requirements file is unchanged (torch is about 3 GB).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/scripts/pip-retry.sh"
 cd "$root"
 venv="$root/target/py-venv"
 stamp="$venv/.requirements"
@@ -19,8 +20,7 @@ if ! cmp -s "$root/scripts/requirements-python.txt" "$stamp" 2>/dev/null; then
   echo "== installing torch and pytest into $venv"
   rm -rf "$venv"
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    -r "$root/scripts/requirements-python.txt"
+  pip_install "$venv/bin/python" --quiet -r "$root/scripts/requirements-python.txt"
   cp "$root/scripts/requirements-python.txt" "$stamp"
 fi
 py="$venv/bin/python"

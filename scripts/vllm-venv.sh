@@ -21,8 +21,8 @@ if ! cmp -s "$requirements" "$stamp" 2>/dev/null; then
   python3 -m venv "$venv"
   count=$(grep -c '^[A-Za-z]' "$requirements")
   start=$(date +%s)
-  nice -n 10 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
-    -r "$requirements" >&2
+  nice -n 10 bash -c 'source "$1"; shift; pip_install "$@"' _ "$root/scripts/pip-retry.sh" \
+    "$venv/bin/python" --quiet --no-deps -r "$requirements" >&2
   echo "== $count packages in $(($(date +%s) - start)) s, $(du -sh "$venv" | cut -f1) on disk" >&2
   install_done=1
 else
