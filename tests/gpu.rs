@@ -14,7 +14,6 @@ mod gpu_common;
 use cudarc::driver::sys;
 use gpu_common::*;
 use ncclreshard::exec::buffers::CallBuffers;
-use ncclreshard::exec::{Plan, PlanTensor, StagingLimit};
 use ncclreshard::plan::{Buffer, RankProgram};
 use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
 use ncclreshard::transport::host::{execute, RankBuffers};
@@ -1798,19 +1797,8 @@ fn late_unpacks_overlap_the_next_round() {
             .unwrap()
             .rank_program_sequential(0)
             .unwrap();
-        let (_, _, src, dst, _) = images(&tensors, 0, 0);
-        let in_order = Plan::new(
-            vec![PlanTensor {
-                src_offset: src[0],
-                dst_offset: dst[0],
-                ..PlanTensor::new(tensors[0].clone())
-            }],
-            0,
-            config.clone(),
-            StagingLimit::new(sequential.staging_bytes.max(1)),
-            NcclTransport::LIMITS,
-        )
-        .unwrap();
+        let in_order =
+            plan_of_within(&tensors, 0, &config, sequential.staging_bytes.max(1)).unwrap();
         assert!(!in_order.program().has_late_unpacks());
         let mut ms = Vec::new();
         for plan in [&late, &in_order] {
@@ -1886,23 +1874,7 @@ fn late_unpacks_under_a_staging_limit_are_byte_exact() {
         let all = planner.rank_program(rank.r).unwrap();
         let none = planner.rank_program_sequential(rank.r).unwrap();
         let limit = (none.staging_bytes + all.staging_bytes) / 2;
-        let (_, _, src, dst, _) = images(&tensors, rank.r, 0);
-        let plan = Plan::new(
-            tensors
-                .iter()
-                .zip(src.iter().zip(&dst))
-                .map(|(t, (&s, &d))| PlanTensor {
-                    src_offset: s,
-                    dst_offset: d,
-                    ..PlanTensor::new(t.clone())
-                })
-                .collect(),
-            rank.r,
-            config.clone(),
-            StagingLimit::new(limit.max(1)),
-            NcclTransport::LIMITS,
-        )
-        .unwrap();
+        let plan = plan_of_within(&tensors, rank.r, &config, limit.max(1)).unwrap();
         let program = plan.program();
         assert!(program.staging_bytes <= limit.max(none.staging_bytes));
         let data = prepare(&rank.device, &tensors, rank.r);

@@ -415,6 +415,36 @@ proptest! {
     }
 }
 
+/// A rank's program under a staging limit, with the programs with every late unpack (`all`)
+/// and none (`none`) it lies between.
+struct Limited {
+    program: RankProgram,
+    all: RankProgram,
+    none: RankProgram,
+    limit: u64,
+}
+
+/// Rank `r`'s program under a staging limit `eighths` of the way from what its program without
+/// late unpacks needs to what all of them need (`Planner::rank_program_within`), checked to
+/// keep within it.
+fn under_staging_limit(planner: &Planner, r: u32, eighths: u64) -> Limited {
+    let all = planner.rank_program(r).unwrap();
+    let none = planner.rank_program_sequential(r).unwrap();
+    let limit = none.staging_bytes + (all.staging_bytes - none.staging_bytes) * eighths / 8;
+    let program = planner.rank_program_within(r, limit).unwrap();
+    assert!(
+        program.staging_bytes <= limit,
+        "rank {r}: {} > {limit}",
+        program.staging_bytes
+    );
+    Limited {
+        program,
+        all,
+        none,
+        limit,
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
@@ -433,14 +463,7 @@ proptest! {
         let ranks = planner.ranks();
         let programs: Vec<RankProgram> = ranks
             .iter()
-            .map(|&r| {
-                let all = planner.rank_program(r).unwrap();
-                let none = planner.rank_program_sequential(r).unwrap();
-                let limit = none.staging_bytes + (all.staging_bytes - none.staging_bytes) * eighths / 8;
-                let p = planner.rank_program_within(r, limit).unwrap();
-                assert!(p.staging_bytes <= limit, "rank {r}: {} > {limit}", p.staging_bytes);
-                p
-            })
+            .map(|&r| under_staging_limit(&planner, r, eighths).program)
             .collect();
         let before = initial_buffers(&tensors, &ranks);
         let mut buffers = before.clone();
@@ -1157,16 +1180,12 @@ fn staging_limits_keep_some_unpacks_late_and_every_byte_right() {
         let programs: Vec<RankProgram> = ranks
             .iter()
             .map(|&r| {
-                let all = planner.rank_program(r).unwrap();
-                let none = planner.rank_program_sequential(r).unwrap();
-                let limit =
-                    none.staging_bytes + (all.staging_bytes - none.staging_bytes) * step / 8;
-                let p = planner.rank_program_within(r, limit).unwrap();
-                assert!(
-                    p.staging_bytes <= limit,
-                    "rank {r}: {} > {limit}",
-                    p.staging_bytes
-                );
+                let Limited {
+                    program: p,
+                    all,
+                    none,
+                    limit,
+                } = under_staging_limit(&planner, r, step);
                 assert!(late(&p) <= late(&all), "rank {r}");
                 if step == 8 {
                     assert_eq!(p, all, "rank {r}: every late unpack fits");

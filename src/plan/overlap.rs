@@ -340,7 +340,7 @@ pub fn overlap_unpacks(program: &mut RankProgram, limit: u64) {
     let cap_all = candidates
         .iter()
         .flatten()
-        .map(|c| c.footprint(program, u64::MAX))
+        .map(|c| c.footprint(program))
         .max()
         .unwrap_or(0);
     let mut layout = Layout::new(program, &candidates, cap_all);
@@ -443,9 +443,9 @@ impl Candidates {
         taken
     }
 
-    /// The bytes the receives [`Candidates::within`] takes under `cap` span in their arena.
-    fn footprint(&self, program: &RankProgram, cap: u64) -> u64 {
-        self.within(program, cap)
+    /// The aligned footprints of all the receives, the most an arena of the round takes.
+    fn footprint(&self, program: &RankProgram) -> u64 {
+        self.recvs
             .iter()
             .map(|&i| staging_aligned(program.recvs[i].bytes))
             .sum()

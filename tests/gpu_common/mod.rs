@@ -544,6 +544,19 @@ pub fn plan_at(
     config: &Config,
     offsets: &[(u64, u64, u64)],
 ) -> ncclreshard::Result<Plan> {
+    plan_at_within(tensors, conversions, rank, config, offsets, 0)
+}
+
+/// [`plan_at`] under a staging limit of `staging` bytes (0: the default, as
+/// `config.maxStagingBytes` 0 means).
+fn plan_at_within(
+    tensors: &[TensorSpec],
+    conversions: &[Option<Conversion>],
+    rank: u32,
+    config: &Config,
+    offsets: &[(u64, u64, u64)],
+    staging: u64,
+) -> ncclreshard::Result<Plan> {
     let tensors = tensors
         .iter()
         .zip(conversions)
@@ -560,20 +573,31 @@ pub fn plan_at(
         tensors,
         rank,
         config.clone(),
-        StagingLimit::new(0),
+        StagingLimit::new(staging),
         NcclTransport::LIMITS,
     )
 }
 
 /// `rank`'s plan with the view offsets `prepare` uses.
 pub fn plan_of(tensors: &[TensorSpec], rank: u32, config: &Config) -> ncclreshard::Result<Plan> {
+    plan_of_within(tensors, rank, config, 0)
+}
+
+/// [`plan_of`] under a staging limit of `staging` bytes (0: the default).
+pub fn plan_of_within(
+    tensors: &[TensorSpec],
+    rank: u32,
+    config: &Config,
+    staging: u64,
+) -> ncclreshard::Result<Plan> {
     let (_, _, src_offsets, dst_offsets, _) = images(tensors, rank, 0);
     let offsets: Vec<(u64, u64, u64)> = src_offsets
         .iter()
         .zip(&dst_offsets)
         .map(|(&s, &d)| (s, d, 0))
         .collect();
-    plan_at(tensors, &vec![None; tensors.len()], rank, config, &offsets)
+    let none = vec![None; tensors.len()];
+    plan_at_within(tensors, &none, rank, config, &offsets, staging)
 }
 
 /// Survivor `new`'s plan after `failed` (ranks of `tensors`' layouts) failed, as
