@@ -166,10 +166,26 @@ class _Group:
             )
 
     def post(self, ops: List[Tuple[str, torch.Tensor, int]], device: torch.device) -> List[Tuple[Any, int]]:
-        """Posts one round's ``("send" | "recv", tensor, peer)`` operations as one batch:
-        receives and sends together, so no send waits behind another's receive. Returns
+        """Posts one round's ``("send" | "recv", tensor, peer)`` operations: on NCCL as one
+        batch (receives and sends together, so no send waits behind another's receive); on
+        other backends, whose operations do not wait for each other, peer by peer, so that a
+        peer found gone while posting (gloo raises at once on a closed connection) fails as
+        that peer's work, when the call waits for it, not as the whole call's error. Returns
         (work, peer) pairs; a backend that coalesces the batch into one work names every peer
         for it."""
+        if self.backend == "nccl":
+            return self._post_batch(ops, device)
+        works: List[Tuple[Any, int]] = []
+        for peer in dict.fromkeys(p for _, _, p in ops):
+            mine = [op for op in ops if op[2] == peer]
+            try:
+                works += self._post_batch(mine, device)
+            except RuntimeError as e:  # torch's distributed errors are RuntimeErrors
+                works.append((_FailedWork(e), peer))
+        return works
+
+    def _post_batch(self, ops: List[Tuple[str, torch.Tensor, int]], device: torch.device) -> List[Tuple[Any, int]]:
+        """Posts `ops` as one batch (see :meth:`post`)."""
         peers = [peer for _, _, peer in ops]
         if self.registered:
             p2p = [
@@ -188,6 +204,17 @@ class _Group:
         if len(works) == len(ops):
             return list(zip(works, peers))
         return [(w, p) for w in works for p in sorted(set(peers))]
+
+
+class _FailedWork:
+    """The work of operations that failed as they were posted: waiting for it raises what
+    posting raised."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def wait(self, timeout: Any = None) -> bool:
+        raise self.error
 
 
 class TorchTransport:

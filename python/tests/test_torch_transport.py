@@ -524,14 +524,18 @@ def test_bad_input_raises_before_anything_is_sent(monkeypatch: pytest.MonkeyPatc
 
 
 def _failing_rank(rank: int, world: int, how: str, check: bool) -> Optional[str]:
-    """Ranks 0-1 call with a 1 s deadline; rank 2 stalls past it, or dies, without calling."""
+    """Ranks 0-1 call with a 1 s deadline; rank 2 stalls past it, or dies, without calling
+    (`dead`: maybe while the others post, maybe after; `dead-first`: before they post, so
+    gloo refuses to post to it at once)."""
     spec = nr.TensorSpec("w", (4, 4), torch.float32, nr.Layout([2], 0, [nr.Shard(0)]), nr.Layout([2], 1, [nr.Replicate()]))
     plan = nr.Plan([spec], rank, nr.Config(mode="staged", timeout_ms=1000))
     if rank == 2:
-        if how == "dead":
+        if how.startswith("dead"):
             os._exit(0)
         time.sleep(3)
         return None
+    if how == "dead-first":
+        time.sleep(0.5)
     transport = nr.TorchTransport(plan, check=check)
     start = time.monotonic()
     with pytest.raises(nr.RemoteError) as failure:
@@ -545,9 +549,11 @@ def _failing_rank(rank: int, world: int, how: str, check: bool) -> Optional[str]
     ("stalled", True, r"the fingerprint exchange with peers \[2\] had not completed within its deadline of 1000 ms"),
     ("stalled", False, r"round 0 \(the rank's 1 of 1\) with peers \[2\] had not completed within its deadline of 1000 ms"),
     ("dead", False, r"round 0 \(the rank's 1 of 1\) with peers \[2\] failed; torch said: .*(reset|closed)"),
-], ids=["stalled-fingerprints", "stalled-round", "dead"])
+    ("dead-first", False, r"round 0 \(the rank's 1 of 1\) with peers \[2\] failed; torch said: .*(reset|closed)"),
+], ids=["stalled-fingerprints", "stalled-round", "dead", "dead-before-posting"])
 def test_a_stalled_or_dead_peer_ends_the_call_by_remote_error(how: str, check: bool, stage: str) -> None:
-    results = run_world(3, _failing_rank, [(how, check)] * 3, barrier=False, dying=[2] if how == "dead" else [])
+    dying = [2] if how.startswith("dead") else []
+    results = run_world(3, _failing_rank, [(how, check)] * 3, barrier=False, dying=dying)
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: {stage}", results[rank]), results[rank]
         assert "Config(failed_ranks=...)" in results[rank]
