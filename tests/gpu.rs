@@ -765,7 +765,8 @@ fn multi_rank_cases(n: u32) -> Vec<(&'static str, Vec<TensorSpec>, Config)> {
         // destination shard, so each part crosses the network once and is forwarded (relay).
         // Then column shards into row shards: what a relay forwards is strided on both ends,
         // so its node-mates receive it into staging and nothing later reads what they unpack
-        // (late unpacks, run on a side stream beside the next round).
+        // (late unpacks, run on a side stream beside the next round): the forwarders pack what
+        // they forward from the arena it arrived in, beside those unpacks.
         for (name, shape, src, rounds) in [
             ("relayed TP2 → TP2×DP4", [4096, 512], Placement::Shard(0), 2),
             (
@@ -811,9 +812,15 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
         let outcome = with_ranks(n, true, |rank| {
             let plan = plan_of(&tensors, rank.r, &config).unwrap();
             let program = plan.program();
-            // A relay's forwarder sends from its destination view.
+            // A relay's forwarder sends from its destination view, or packs from it or (where
+            // its data arrived in a late-unpack arena) from the arena.
+            let from_arena = program
+                .packs
+                .iter()
+                .any(|c| c.src.buffer == Buffer::Staging);
             let forwards = program.sends.iter().any(|m| m.loc.buffer == Buffer::Dst)
-                || program.packs.iter().any(|c| c.src.buffer == Buffer::Dst);
+                || program.packs.iter().any(|c| c.src.buffer == Buffer::Dst)
+                || from_arena;
             let late = program.has_late_unpacks();
             let data = prepare(&rank.device, &tensors, rank.r);
             let executor = NcclTransport::for_plan(&plan);
@@ -850,7 +857,7 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
             checked += fresh.verify(&rank.device, &tensors, rank.r);
             data.free(&rank.device);
             fresh.free(&rank.device);
-            (checked, forwards, late)
+            (checked, forwards, late, from_arena)
         });
         let checked: u64 = outcome.iter().map(|o| o.0).sum();
         if name.starts_with("relayed") {
@@ -860,6 +867,10 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
             assert!(
                 outcome.iter().any(|o| o.2),
                 "{name}: no rank has late unpacks"
+            );
+            assert!(
+                outcome.iter().any(|o| o.3),
+                "{name}: no rank forwards from the arena its data arrived in"
             );
         }
         println!(

@@ -848,6 +848,17 @@ fn tp2_to_tp2_dp4_on_two_nodes() -> TensorSpec {
     }
 }
 
+/// Four ranks per node, parts of at least 64 bytes, `rounds` rounds.
+fn on_two_nodes(mode: Mode, rounds: u32) -> Config {
+    Config {
+        mode,
+        topology: Topology::RanksPerNode(4),
+        split_min_bytes: 64,
+        rounds,
+        ..Default::default()
+    }
+}
+
 #[test]
 fn replicas_on_one_node_get_network_data_once_and_relay_it() {
     let spec = tp2_to_tp2_dp4_on_two_nodes();
@@ -861,13 +872,7 @@ fn replicas_on_one_node_get_network_data_once_and_relay_it() {
     };
     for mode in [Mode::Staged, Mode::Auto] {
         for rounds in [0, 1, 3] {
-            let base = Config {
-                mode,
-                topology: Topology::RanksPerNode(4),
-                split_min_bytes: 64,
-                rounds,
-                ..Default::default()
-            };
+            let base = on_two_nodes(mode, rounds);
             let relayed = run_checked(std::slice::from_ref(&spec), &base);
             let direct = run_checked(
                 std::slice::from_ref(&spec),
@@ -881,16 +886,83 @@ fn replicas_on_one_node_get_network_data_once_and_relay_it() {
             // replica pulls its shard across the network.
             assert_eq!(bytes_off_node(&relayed), 2 * tensor_bytes, "{base:?}");
             assert_eq!(bytes_off_node(&direct), 4 * tensor_bytes, "{base:?}");
-            // Relays read the destination view and run in a later round than the data came.
+            // Relays read the destination view (or the staging arena the data arrived in) and
+            // run in a later round than the data came.
             let relay_sends: Vec<&RankProgram> = relayed
                 .iter()
                 .filter(|p| {
                     p.sends.iter().any(|m| m.loc.buffer == Buffer::Dst)
-                        || p.packs.iter().any(|c| c.src.buffer == Buffer::Dst)
+                        || p.packs
+                            .iter()
+                            .any(|c| matches!(c.src.buffer, Buffer::Dst | Buffer::Staging))
                 })
                 .collect();
             assert_eq!(relay_sends.len(), 8, "{base:?}: every replica forwards");
             assert!(relayed[2..].iter().all(|p| p.mode() == ExecMode::Staged));
+        }
+    }
+}
+
+/// A round whose forwards pack from staging follows a round with late unpacks (whose arena
+/// holds what they forward; `tests/transfers.rs` checks the bytes).
+fn arena_forwards_follow_late_unpacks(p: &RankProgram, config: &Config) {
+    let rounds = p.rounds();
+    for (j, round) in rounds.iter().enumerate() {
+        if round.packs.iter().any(|c| c.src.buffer == Buffer::Staging) {
+            assert!(
+                j > 0 && rounds[j - 1].late > 0,
+                "{config:?} rank {}",
+                p.rank
+            );
+        }
+    }
+}
+
+#[test]
+fn relays_forward_from_the_arena_their_data_arrived_in() {
+    // Column shards into row shards, replicas relayed on each node: a member forwards in round
+    // r + 1 column blocks of its rows that arrived in round r, strided in its destination view.
+    // Where the receive they arrived in moves into a late arena, the forward packs them from
+    // there, and the unpack into the destination view need not finish first (it is late).
+    // Without late arenas (the sequential program) the forward packs from the destination
+    // view as before. Every byte lands either way.
+    let spec = tp2_to_tp2_dp4_on_two_nodes();
+    for mode in [Mode::Staged, Mode::Auto] {
+        for rounds in [2, 3, 4] {
+            let config = on_two_nodes(mode, rounds);
+            let programs = run_checked(std::slice::from_ref(&spec), &config);
+            let from_arena = |p: &RankProgram| {
+                p.packs
+                    .iter()
+                    .filter(|c| c.src.buffer == Buffer::Staging)
+                    .count()
+            };
+            let forwarding: Vec<&RankProgram> =
+                programs.iter().filter(|p| from_arena(p) > 0).collect();
+            assert!(
+                !forwarding.is_empty(),
+                "{config:?}: no forward reads an arena"
+            );
+            let planner = Planner::new(vec![spec.clone()], config.clone()).unwrap();
+            for p in forwarding {
+                arena_forwards_follow_late_unpacks(p, &config);
+                let sequential = planner.rank_program_sequential(p.rank).unwrap();
+                assert_eq!(from_arena(&sequential), 0);
+                assert_eq!(sequential.sends, {
+                    // Same messages, in the same order; staged ones read other offsets.
+                    let mut sends = p.sends.clone();
+                    for (m, s) in sends.iter_mut().zip(&sequential.sends) {
+                        m.loc = s.loc;
+                    }
+                    sends
+                });
+                // Under staging limits, only forwards whose receive still moves read an arena.
+                for eighths in 0..=8 {
+                    let limited = under_staging_limit(&planner, p.rank, eighths).program;
+                    arena_forwards_follow_late_unpacks(&limited, &config);
+                    assert!(from_arena(&limited) <= from_arena(p));
+                }
+            }
         }
     }
 }

@@ -1126,11 +1126,50 @@ fn copy_bytes(copy: &ncclreshard::plan::StridedCopy, src: bool) -> Vec<u64> {
 /// The late-unpack contract (docs/executor.md, "Overlapping unpacks"), byte by byte: what a
 /// round's late unpacks write, no later round's pack or send reads; what they read of staging,
 /// nothing writes in the next round, nor the packs of the round after (which run before the
-/// executor waits for them); the last round has none.
+/// executor waits for them); the last round has none. A pack that reads staging (a forward
+/// reading the arena its data arrived in) reads only bytes a staging receive of the round
+/// before landed, which no pack of its own round writes.
 fn check_late_unpacks(p: &RankProgram) {
     use ncclreshard::plan::Buffer;
     use std::collections::HashSet;
     let rounds = p.rounds();
+    for (j, round) in rounds.iter().enumerate() {
+        let from_staging: Vec<_> = round
+            .packs
+            .iter()
+            .filter(|c| c.src.buffer == Buffer::Staging)
+            .collect();
+        if from_staging.is_empty() {
+            continue;
+        }
+        assert!(j > 0, "rank {}: round 0 packs from staging", p.rank);
+        let arrived: HashSet<u64> = rounds[j - 1]
+            .recvs
+            .iter()
+            .filter(|m| m.loc.buffer == Buffer::Staging)
+            .flat_map(|m| m.loc.offset..m.loc.offset + m.bytes)
+            .collect();
+        let packed: HashSet<u64> = round
+            .packs
+            .iter()
+            .filter(|c| c.dst.buffer == Buffer::Staging)
+            .flat_map(|c| copy_bytes(c, false))
+            .collect();
+        for c in from_staging {
+            for b in copy_bytes(c, true) {
+                assert!(
+                    arrived.contains(&b),
+                    "rank {} round {j} packs staging byte {b} that no receive of the round before landed",
+                    p.rank
+                );
+                assert!(
+                    !packed.contains(&b),
+                    "rank {} round {j} packs over staging its own forwards read",
+                    p.rank
+                );
+            }
+        }
+    }
     assert!(p.rounds_are_consistent(), "rank {}", p.rank);
     if let Some(last) = rounds.last() {
         assert_eq!(

@@ -9,6 +9,11 @@
 //! a second stream beside the next round's transfers, as long as they finish before the round
 //! after next starts (which reuses their arena) and before the call ends.
 //!
+//! A relay forwards in round `r + 1` what arrived in round `r`, packing it from its destination
+//! view, so the unpack that writes it there must finish first. When the receive it arrived in
+//! moves into an arena, the forward's pack reads the same bytes there instead (the arena holds
+//! them until the round after next), and that unpack may be late too ([`staged_forwards`]).
+//!
 //! A pure rewrite of one rank's program: its messages keep their order, sizes and peers, so
 //! peers need not know. Decided from the program alone, with interval arithmetic on the
 //! copies' strided byte sets ([`may_overlap`], conservative: a pair it cannot decide within
@@ -18,7 +23,7 @@ use super::config::ROUND_TARGET_BYTES;
 use super::fxhash::FxHashMap;
 use super::messages::staging_aligned;
 use super::program::{RankProgram, RoundSpan};
-use super::steps::{Buffer, Loc, StridedCopy};
+use super::steps::{Buffer, CopyDim, Loc, StridedCopy};
 
 /// One side of a copy or a message as a set of bytes of one buffer: `chunk` bytes at
 /// `offset + Σ i_d · stride_d` for `0 ≤ i_d < count_d` (outermost first).
@@ -231,15 +236,24 @@ pub fn overlap_unpacks(program: &mut RankProgram, limit: u64) {
     if program.round_spans.len() < 2 || !program.rounds_are_consistent() {
         return;
     }
+    // Relay packs that could read what they forward from the staging it arrived in.
+    let forwards = staged_forwards(program);
     // Every later read of a destination view or the workspace: (position of its round, set),
-    // by (buffer, tensor).
+    // by (buffer, tensor). A forward that can read staging instead does not count: if the
+    // receive it reads stays in the main arena, the unpack it waits for stays early anyway.
     let mut reads: FxHashMap<(Buffer, u32), Vec<(usize, ByteSet)>> = FxHashMap::default();
     let tensor_of = |loc: &Loc| match loc.buffer {
         Buffer::Work => 0,
         _ => loc.tensor,
     };
+    let mut pack_at = 0usize;
     for (k, round) in program.rounds_iter().enumerate() {
-        for copy in round.packs {
+        let first_pack = pack_at;
+        pack_at += round.packs.len();
+        for (i, copy) in round.packs.iter().enumerate() {
+            if forwards.contains_key(&(first_pack + i)) {
+                continue;
+            }
             if matches!(copy.src.buffer, Buffer::Dst | Buffer::Work) {
                 reads
                     .entry((copy.src.buffer, tensor_of(&copy.src)))
@@ -413,7 +427,79 @@ pub fn overlap_unpacks(program: &mut RankProgram, limit: u64) {
         program.round_spans[k].late_unpacks = old.len() - early;
         unpack_start = end;
     }
+    // Forwards whose data arrived in a moved receive read it there (the arena holds it until
+    // the round after next), not in the destination view its late unpack writes.
+    for (&pack, (k, u, unpack)) in &forwards {
+        let (k, u) = (*k, *u);
+        let Some(c) = &candidates[k] else { continue };
+        if !moved[c.region[u]] {
+            continue;
+        }
+        let m = relocated[k]
+            .holding(unpack.src.offset)
+            .expect("a moved receive holds what its unpack reads");
+        let src = Loc {
+            offset: base[k % 2] + m.to + (unpack.src.offset - m.from),
+            ..unpack.src
+        };
+        let p = &program.packs[pack];
+        let dims: Vec<CopyDim> = p
+            .dims
+            .iter()
+            .zip(&unpack.dims)
+            .map(|(d, ud)| CopyDim {
+                count: d.count,
+                src_stride: ud.src_stride,
+                dst_stride: d.dst_stride,
+            })
+            .collect();
+        program.packs[pack] = StridedCopy::new(src, p.dst, p.chunk_bytes, &dims);
+    }
     program.staging_bytes = total;
+}
+
+/// Relay packs (a forward reading its destination view) whose bytes an unpack of the round
+/// before wrote from staging with the same geometry: pack index → (round position of the
+/// unpack, its index in the round, the unpack as planned).
+fn staged_forwards(program: &RankProgram) -> FxHashMap<usize, (usize, usize, StridedCopy)> {
+    let mut out = FxHashMap::default();
+    let rounds = program.rounds();
+    let mut pack_at = rounds.first().map_or(0, |r| r.packs.len());
+    for k in 1..rounds.len() {
+        let (before, round) = (&rounds[k - 1], &rounds[k]);
+        let first_pack = pack_at;
+        pack_at += round.packs.len();
+        if !round.packs.iter().any(|p| p.src.buffer == Buffer::Dst) {
+            continue;
+        }
+        let by_dst: FxHashMap<(u32, u64), usize> = before
+            .unpacks
+            .iter()
+            .enumerate()
+            .filter(|(_, u)| u.src.buffer == Buffer::Staging && u.dst.buffer == Buffer::Dst)
+            .map(|(i, u)| ((u.dst.tensor, u.dst.offset), i))
+            .collect();
+        for (i, p) in round.packs.iter().enumerate() {
+            if p.src.buffer != Buffer::Dst {
+                continue;
+            }
+            let Some(&u) = by_dst.get(&(p.src.tensor, p.src.offset)) else {
+                continue;
+            };
+            let unpack = &before.unpacks[u];
+            let same = unpack.chunk_bytes == p.chunk_bytes
+                && unpack.dims.len() == p.dims.len()
+                && unpack
+                    .dims
+                    .iter()
+                    .zip(&p.dims)
+                    .all(|(a, b)| a.count == b.count && a.dst_stride == b.src_stride);
+            if same {
+                out.insert(first_pack + i, (k - 1, u, unpack.clone()));
+            }
+        }
+    }
+    out
 }
 
 /// One round's unpacks that may run late: per unpack of the round, whether nothing later reads

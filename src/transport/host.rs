@@ -180,7 +180,8 @@ impl Memory<'_> {
     }
 
     /// Disjoint source and destination slices of a copy: a view, the staging arena or the
-    /// workspace on each side, never the same buffer twice, never writing a source view.
+    /// workspace on each side, never the same buffer twice but for two disjoint spans of the
+    /// staging arena, never writing a source view.
     fn pair(
         &mut self,
         from: Loc,
@@ -220,6 +221,27 @@ impl Memory<'_> {
                     .map_or(&mut [][..], Vec::as_mut_slice),
             ),
             (Buffer::Work, Buffer::Staging) => (work, staging),
+            // A relay packs what arrived the round before from the arena it landed in
+            // (`plan::overlap`): two disjoint spans of the staging arena.
+            (Buffer::Staging, Buffer::Staging) => {
+                let len = staging.len();
+                let a = bounds(from, from_bytes, len)
+                    .ok_or_else(|| out_of_bounds(from, from_bytes, len))?;
+                let b =
+                    bounds(to, to_bytes, len).ok_or_else(|| out_of_bounds(to, to_bytes, len))?;
+                if a.start < b.end && b.start < a.end {
+                    return Err(Error::internal(
+                        "a copy within the staging arena reads what it writes",
+                    ));
+                }
+                return Ok(if a.end <= b.start {
+                    let (low, high) = staging.split_at_mut(b.start);
+                    (&low[a], &mut high[..b.end - b.start])
+                } else {
+                    let (low, high) = staging.split_at_mut(a.start);
+                    (&high[..a.end - a.start], &mut low[b])
+                });
+            }
             (from, to) if from == to => {
                 return Err(Error::internal("a copy reads and writes the same buffer"))
             }
@@ -467,7 +489,8 @@ fn out_of_bounds(loc: Loc, bytes: u64, len: usize) -> Error {
 }
 
 /// Runs one strided block copy. Source and destination are distinct buffers in every copy
-/// the planner emits (a view, the staging arena or the workspace on each side).
+/// the planner emits (a view, the staging arena or the workspace on each side), or two
+/// disjoint spans of the staging arena (a relay forwarding from the arena its data arrived in).
 fn run_copy(copy: &StridedCopy, memory: &mut Memory<'_>) -> Result<()> {
     if copy.bytes() == 0 {
         return Ok(());
