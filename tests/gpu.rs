@@ -765,7 +765,7 @@ fn multi_rank_cases(n: u32) -> Vec<(&'static str, Vec<TensorSpec>, Config)> {
         // destination shard, so each part crosses the network once and is forwarded (relay).
         // Then column shards into row shards: what a relay forwards is strided on both ends,
         // so its node-mates receive it into staging and nothing later reads what they unpack
-        // (late unpacks, run on a side stream beside the next round): the forwarders pack what
+        // (late unpacks, run on a side stream beside the next round): the forwarders send what
         // they forward from the arena it arrived in, beside those unpacks.
         for (name, shape, src, rounds) in [
             ("relayed TP2 → TP2×DP4", [4096, 512], Placement::Shard(0), 2),
@@ -812,12 +812,19 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
         let outcome = with_ranks(n, true, |rank| {
             let plan = plan_of(&tensors, rank.r, &config).unwrap();
             let program = plan.program();
-            // A relay's forwarder sends from its destination view, or packs from it or (where
-            // its data arrived in a late-unpack arena) from the arena.
-            let from_arena = program
-                .packs
-                .iter()
-                .any(|c| c.src.buffer == Buffer::Staging);
+            // A relay's forwarder sends from its destination view, or packs from it, or (where
+            // its data arrived in a late-unpack arena) packs or sends it from the arena.
+            let from_arena = program.rounds().iter().any(|round| {
+                round.packs.iter().any(|c| c.src.buffer == Buffer::Staging)
+                    || round.sends.iter().any(|m| {
+                        m.loc.buffer == Buffer::Staging
+                            && !round.packs.iter().any(|c| {
+                                c.dst.buffer == Buffer::Staging
+                                    && c.dst.offset <= m.loc.offset
+                                    && m.loc.offset < c.dst.offset + c.bytes()
+                            })
+                    })
+            });
             let forwards = program.sends.iter().any(|m| m.loc.buffer == Buffer::Dst)
                 || program.packs.iter().any(|c| c.src.buffer == Buffer::Dst)
                 || from_arena;

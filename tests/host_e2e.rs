@@ -4,7 +4,7 @@
 
 mod oracle;
 
-use ncclreshard::plan::{Buffer, ExecMode, GROUPABLE_MAX_MESSAGES_PER_RANK};
+use ncclreshard::plan::{Buffer, ExecMode, Message, GROUPABLE_MAX_MESSAGES_PER_RANK};
 use ncclreshard::transport::host::{execute, RankBuffers};
 use ncclreshard::{
     Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
@@ -886,16 +886,10 @@ fn replicas_on_one_node_get_network_data_once_and_relay_it() {
             // replica pulls its shard across the network.
             assert_eq!(bytes_off_node(&relayed), 2 * tensor_bytes, "{base:?}");
             assert_eq!(bytes_off_node(&direct), 4 * tensor_bytes, "{base:?}");
-            // Relays read the destination view (or the staging arena the data arrived in) and
-            // run in a later round than the data came.
+            // Every replica forwards to its node mates.
             let relay_sends: Vec<&RankProgram> = relayed
                 .iter()
-                .filter(|p| {
-                    p.sends.iter().any(|m| m.loc.buffer == Buffer::Dst)
-                        || p.packs
-                            .iter()
-                            .any(|c| matches!(c.src.buffer, Buffer::Dst | Buffer::Staging))
-                })
+                .filter(|p| p.sends.iter().any(|m| m.peer / 4 == p.rank / 4))
                 .collect();
             assert_eq!(relay_sends.len(), 8, "{base:?}: every replica forwards");
             assert!(relayed[2..].iter().all(|p| p.mode() == ExecMode::Staged));
@@ -903,12 +897,42 @@ fn replicas_on_one_node_get_network_data_once_and_relay_it() {
     }
 }
 
-/// A round whose forwards pack from staging follows a round with late unpacks (whose arena
-/// holds what they forward; `tests/transfers.rs` checks the bytes).
+/// Per round of `p`: its forwards that read the arena their data arrived in, as packs reading
+/// staging and as sends reading staging that no pack of the round writes (sent as they
+/// arrived; `tests/transfers.rs` checks the bytes).
+fn arena_forwards(p: &RankProgram) -> Vec<(usize, usize)> {
+    p.rounds()
+        .iter()
+        .map(|round| {
+            let packed = |m: &&Message| {
+                round.packs.iter().any(|c| {
+                    c.dst.buffer == Buffer::Staging
+                        && c.dst.offset <= m.loc.offset
+                        && m.loc.offset < c.dst.offset + c.bytes()
+                })
+            };
+            let packs = round
+                .packs
+                .iter()
+                .filter(|c| c.src.buffer == Buffer::Staging)
+                .count();
+            let sends = round
+                .sends
+                .iter()
+                .filter(|m| m.loc.buffer == Buffer::Staging)
+                .filter(|m| !packed(m))
+                .count();
+            (packs, sends)
+        })
+        .collect()
+}
+
+/// A round that forwards from an arena follows a round with late unpacks (whose arena holds
+/// what it forwards).
 fn arena_forwards_follow_late_unpacks(p: &RankProgram, config: &Config) {
     let rounds = p.rounds();
-    for (j, round) in rounds.iter().enumerate() {
-        if round.packs.iter().any(|c| c.src.buffer == Buffer::Staging) {
+    for (j, (packs, sends)) in arena_forwards(p).into_iter().enumerate() {
+        if packs + sends > 0 {
             assert!(
                 j > 0 && rounds[j - 1].late > 0,
                 "{config:?} rank {}",
@@ -931,12 +955,18 @@ fn relays_forward_from_the_arena_their_data_arrived_in() {
         for rounds in [2, 3, 4] {
             let config = on_two_nodes(mode, rounds);
             let programs = run_checked(std::slice::from_ref(&spec), &config);
-            let from_arena = |p: &RankProgram| {
-                p.packs
-                    .iter()
-                    .filter(|c| c.src.buffer == Buffer::Staging)
-                    .count()
-            };
+            let from_arena =
+                |p: &RankProgram| -> usize { arena_forwards(p).iter().map(|(a, b)| a + b).sum() };
+            // In auto mode a forward to a node mate that would be packed is a message of its
+            // own, sent as it arrived: no pack at all.
+            if mode == Mode::Auto {
+                assert!(
+                    programs
+                        .iter()
+                        .any(|p| arena_forwards(p).iter().any(|&(_, sends)| sends > 0)),
+                    "{config:?}: no forward is sent straight from an arena"
+                );
+            }
             let forwarding: Vec<&RankProgram> =
                 programs.iter().filter(|p| from_arena(p) > 0).collect();
             assert!(
@@ -1265,7 +1295,15 @@ fn staging_limits_keep_some_unpacks_late_and_every_byte_right() {
                 if late(&p) == 0 {
                     assert_eq!(p, none, "rank {r}: nothing fits {limit}");
                 }
-                assert_eq!((&p.sends, p.recvs.len()), (&none.sends, none.recvs.len()));
+                // The same messages (forwards may read the arena their data arrived in).
+                let messages = |p: &RankProgram| -> Vec<(u32, u64)> {
+                    p.sends
+                        .iter()
+                        .chain(&p.recvs)
+                        .map(|m| (m.peer, m.bytes))
+                        .collect()
+                };
+                assert_eq!(messages(&p), messages(&none));
                 partial += usize::from(late(&p) > 0 && late(&p) < late(&all));
                 p
             })

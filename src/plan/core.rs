@@ -627,6 +627,9 @@ impl CorePlanner {
                 }
                 pair_transfers.clear();
                 transfers(indices, (*from, *to), &mut pair_transfers);
+                let topology = &self.config.topology;
+                let node_mates =
+                    topology.node(*from).is_some() && topology.node(*from) == topology.node(*to);
                 let mut copies: Vec<&StridedCopy> = Vec::new();
                 for run in pair_transfers.chunk_by(|a, b| a.round == b.round) {
                     let round = run[0].round as usize;
@@ -644,6 +647,7 @@ impl CorePlanner {
                         self.config.mode,
                         coalesce,
                         self.pair_part_bytes,
+                        node_mates,
                     )?;
                 }
             }

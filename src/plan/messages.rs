@@ -201,7 +201,11 @@ impl Emitter {
     /// several rounds (so it is not groupable anyway): pieces contiguous on both ends of at
     /// least [`AUTO_STAGE_MAX_AVG_BYTES`] and 1/[`AUTO_DIRECT_PART_FRACTION`] of
     /// `part_bytes` (the plan's smallest pair part) go as they are, the rest as one staged
-    /// message.
+    /// message, but for relay forwards between `node_mates` (copies reading the sender's
+    /// destination view) that the sender would pack: each is a staged message of its own, so
+    /// that a forwarder whose data still sits in the arena it arrived in sends it from there
+    /// (`plan::overlap`). Both ends tell them apart from the copies alone.
+    #[allow(clippy::too_many_arguments)]
     pub fn pair(
         &mut self,
         end: End,
@@ -210,6 +214,7 @@ impl Emitter {
         mode: Mode,
         coalesce: bool,
         part_bytes: u64,
+        node_mates: bool,
     ) -> Result<()> {
         let peer = match end {
             End::Sender => pair.1,
@@ -274,6 +279,20 @@ impl Emitter {
                             (&split.0, &split.1)
                         }
                     };
+                // A forward to a node mate that its sender must pack travels alone.
+                let alone = |c: &StridedCopy| {
+                    node_mates && c.src.buffer == Buffer::Dst && !c.src_is_contiguous()
+                };
+                let forwards: (Vec<&StridedCopy>, Vec<&StridedCopy>);
+                let rest = if rest.iter().any(|c| alone(c)) {
+                    forwards = rest.iter().partition(|c| alone(c));
+                    for &c in &forwards.0 {
+                        self.staged_pair(end, peer, &[c]);
+                    }
+                    &forwards.1[..]
+                } else {
+                    rest
+                };
                 let pieces: u64 = rest
                     .iter()
                     .map(|c| groupable_piece_count(c))

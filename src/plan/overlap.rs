@@ -12,7 +12,9 @@
 //! A relay forwards in round `r + 1` what arrived in round `r`, packing it from its destination
 //! view, so the unpack that writes it there must finish first. When the receive it arrived in
 //! moves into an arena, the forward's pack reads the same bytes there instead (the arena holds
-//! them until the round after next), and that unpack may be late too ([`staged_forwards`]).
+//! them until the round after next), and that unpack may be late too ([`staged_forwards`]);
+//! a forward that is a message of its own is then sent straight from the arena
+//! ([`send_from_arenas`]).
 //!
 //! A pure rewrite of one rank's program: its messages keep their order, sizes and peers, so
 //! peers need not know. Decided from the program alone, with interval arithmetic on the
@@ -429,6 +431,7 @@ pub fn overlap_unpacks(program: &mut RankProgram, limit: u64) {
     }
     // Forwards whose data arrived in a moved receive read it there (the arena holds it until
     // the round after next), not in the destination view its late unpack writes.
+    let mut from_arena: Vec<usize> = Vec::new();
     for (&pack, (k, u, unpack)) in &forwards {
         let (k, u) = (*k, *u);
         let Some(c) = &candidates[k] else { continue };
@@ -454,8 +457,65 @@ pub fn overlap_unpacks(program: &mut RankProgram, limit: u64) {
             })
             .collect();
         program.packs[pack] = StridedCopy::new(src, p.dst, p.chunk_bytes, &dims);
+        from_arena.push(pack);
     }
+    send_from_arenas(program, from_arena);
     program.staging_bytes = total;
+}
+
+/// Forwards sent straight from the arena: a pack from an arena that copies one contiguous run
+/// to the run whole sends read (a relay forward to node mates travels as a message of its own,
+/// `plan::messages`) is dropped, and those sends read the run where it arrived.
+fn send_from_arenas(program: &mut RankProgram, mut packs: Vec<usize>) {
+    packs.sort_unstable();
+    let spans = program.round_spans.clone();
+    let mut dropped = vec![false; program.packs.len()];
+    let mut from = RoundSpan::default();
+    let mut next = packs.into_iter().peekable();
+    for span in &spans {
+        let sends = from.sends_end..span.sends_end;
+        while let Some(pack) = next.next_if(|&p| p < span.packs_end) {
+            let p = &program.packs[pack];
+            if !p.dims.is_empty() || p.dst.buffer != Buffer::Staging {
+                continue;
+            }
+            let (lo, hi, src) = (p.dst.offset, p.dst.offset + p.chunk_bytes, p.src);
+            let readers: Vec<usize> = sends
+                .clone()
+                .filter(|&i| {
+                    let m = &program.sends[i];
+                    m.loc.buffer == Buffer::Staging
+                        && m.loc.offset < hi
+                        && lo < m.loc.offset + m.bytes
+                })
+                .collect();
+            let whole = |i: &usize| {
+                let m = &program.sends[*i];
+                m.loc.offset == lo && m.bytes == hi - lo
+            };
+            if readers.is_empty() || !readers.iter().all(whole) {
+                continue;
+            }
+            for i in readers {
+                program.sends[i].loc = src;
+            }
+            dropped[pack] = true;
+        }
+        from = *span;
+    }
+    if !dropped.iter().any(|&d| d) {
+        return;
+    }
+    // Each round's packs end where its kept packs do.
+    for (k, span) in spans.iter().enumerate() {
+        let gone = dropped[..span.packs_end].iter().filter(|&&d| d).count();
+        program.round_spans[k].packs_end = span.packs_end - gone;
+    }
+    let mut index = 0usize;
+    program.packs.retain(|_| {
+        index += 1;
+        !dropped[index - 1]
+    });
 }
 
 /// Relay packs (a forward reading its destination view) whose bytes an unpack of the round
