@@ -204,7 +204,7 @@ impl Emitter {
     /// message, but for relay forwards between `node_mates` (copies reading the sender's
     /// destination view) that the sender would pack: each is a staged message of its own, so
     /// that a forwarder whose data still sits in the arena it arrived in sends it from there
-    /// (`plan::overlap`). Both ends tell them apart from the copies alone.
+    /// (`plan::overlap`). Both ends tell them apart from the copies and the topology alone.
     #[allow(clippy::too_many_arguments)]
     pub fn pair(
         &mut self,
