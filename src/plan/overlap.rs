@@ -473,33 +473,44 @@ fn send_from_arenas(program: &mut RankProgram, mut packs: Vec<usize>) {
     let mut from = RoundSpan::default();
     let mut next = packs.into_iter().peekable();
     for span in &spans {
-        let sends = from.sends_end..span.sends_end;
-        while let Some(pack) = next.next_if(|&p| p < span.packs_end) {
-            let p = &program.packs[pack];
-            if !p.dims.is_empty() || p.dst.buffer != Buffer::Staging {
-                continue;
+        if next.peek().is_some_and(|&p| p < span.packs_end) {
+            // The round's staged sends by the run they read: the distinct runs by start, with
+            // the furthest end of those before each (a run overlapping an earlier one is
+            // found without scanning them), and the sends reading each.
+            let mut readers: FxHashMap<(u64, u64), Vec<usize>> = FxHashMap::default();
+            for i in from.sends_end..span.sends_end {
+                let m = &program.sends[i];
+                if m.loc.buffer == Buffer::Staging {
+                    let run = (m.loc.offset, m.loc.offset + m.bytes);
+                    readers.entry(run).or_default().push(i);
+                }
             }
-            let (lo, hi, src) = (p.dst.offset, p.dst.offset + p.chunk_bytes, p.src);
-            let readers: Vec<usize> = sends
-                .clone()
-                .filter(|&i| {
-                    let m = &program.sends[i];
-                    m.loc.buffer == Buffer::Staging
-                        && m.loc.offset < hi
-                        && lo < m.loc.offset + m.bytes
-                })
+            let mut runs: Vec<(u64, u64)> = readers.keys().copied().collect();
+            runs.sort_unstable();
+            let reach: Vec<u64> = std::iter::once(0)
+                .chain(runs.iter().scan(0u64, |end, r| {
+                    *end = (*end).max(r.1);
+                    Some(*end)
+                }))
                 .collect();
-            let whole = |i: &usize| {
-                let m = &program.sends[*i];
-                m.loc.offset == lo && m.bytes == hi - lo
-            };
-            if readers.is_empty() || !readers.iter().all(whole) {
-                continue;
+            while let Some(pack) = next.next_if(|&p| p < span.packs_end) {
+                let p = &program.packs[pack];
+                if !p.dims.is_empty() || p.dst.buffer != Buffer::Staging {
+                    continue;
+                }
+                let run = (p.dst.offset, p.dst.offset + p.chunk_bytes);
+                // Only whole sends read the run: it is a run of its own, the only one starting
+                // inside it, and no earlier run reaches into it.
+                let at = runs.partition_point(|r| r.0 < run.0);
+                let inside = runs[at..].partition_point(|r| r.0 < run.1);
+                if inside != 1 || runs[at] != run || reach[at] > run.0 {
+                    continue;
+                }
+                for &i in &readers[&run] {
+                    program.sends[i].loc = p.src;
+                }
+                dropped[pack] = true;
             }
-            for i in readers {
-                program.sends[i].loc = src;
-            }
-            dropped[pack] = true;
         }
         from = *span;
     }
@@ -507,9 +518,14 @@ fn send_from_arenas(program: &mut RankProgram, mut packs: Vec<usize>) {
         return;
     }
     // Each round's packs end where its kept packs do.
+    let (mut start, mut gone) = (0usize, 0usize);
     for (k, span) in spans.iter().enumerate() {
-        let gone = dropped[..span.packs_end].iter().filter(|&&d| d).count();
+        gone += dropped[start..span.packs_end]
+            .iter()
+            .filter(|&&d| d)
+            .count();
         program.round_spans[k].packs_end = span.packs_end - gone;
+        start = span.packs_end;
     }
     let mut index = 0usize;
     program.packs.retain(|_| {
