@@ -12,9 +12,10 @@
 //! with low discrepancy ([`first_round`]) cover every round about equally however the pairs'
 //! sizes and chunk counts mix. Chunks spaced `rounds / chunks` apart sample the starts at a
 //! comb of offsets instead, which the starts do not spread as evenly: Kimi-K2's inference
-//! ranks (`pp16,ep32 → tp16,dp16`, 512 pairs of 5 or 6 chunks over 31 rounds) received up to
-//! 6 % more than their mean in their fullest rounds, 3 % with consecutive chunks, and their
-//! staging fell from 4.50 GB to within the 4 GiB round budget (docs/planner.md § Rounds).
+//! ranks (`pp16,ep32 → tp16,dp16`, 512 pairs of 5 or 6 chunks over 31 rounds): the rounds'
+//! busiest ingress summed over the rounds was 1.061× the busiest rank's total, 1.027× with
+//! consecutive chunks, and their staging fell from 4.50 GB to within the 4 GiB round budget
+//! (docs/planner.md § Rounds).
 //! A block cut by a chunk boundary moves in several rounds, as the pieces [`StridedCopy::slice`]
 //! gives: the [`Transfer`]s that both the programs and the exported transfer list are made of.
 
