@@ -888,11 +888,17 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
 }
 
 /// A named plan of tensors and their conversions.
-type QuantizedCase = (&'static str, Vec<TensorSpec>, Vec<Option<Conversion>>);
+type QuantizedCase = (
+    &'static str,
+    Vec<TensorSpec>,
+    Vec<Option<Conversion>>,
+    Config,
+);
 
 /// Conversions on the way (docs/quantization.md) over ranks `0..n` (n ≥ 4): FP8 blocks its
-/// senders convert, FP8 E5M2 blocks with E8M0 inverted scales its receivers convert, and a plan
-/// mixing a cast, a per-channel quantization and a plain tensor.
+/// senders convert (also in 4 rounds, later rounds' blocks converted on the side stream beside
+/// the round before), FP8 E5M2 blocks with E8M0 inverted scales its receivers convert, and a
+/// plan mixing a cast, a per-channel quantization and a plain tensor.
 fn quantized_cases(n: u32) -> Vec<QuantizedCase> {
     let half = n / 2;
     let lower: Vec<u32> = (0..half).collect();
@@ -917,6 +923,15 @@ fn quantized_cases(n: u32) -> Vec<QuantizedCase> {
         scale_format: ScaleFormat::E8m0,
         scale_inverse: true,
         ..block(DType::Float8E5M2, 40, 32)
+    };
+    let in_rounds = TensorSpec {
+        shape: vec![1024, 512],
+        ..senders.clone()
+    };
+    let rounds = Config {
+        rounds: 4,
+        split_min_bytes: 4096,
+        ..config(Mode::Auto)
     };
     let everyone: Vec<u32> = (0..n).collect();
     let mixed = vec![
@@ -944,11 +959,19 @@ fn quantized_cases(n: u32) -> Vec<QuantizedCase> {
             "bf16 → fp8 64x64 blocks, senders convert",
             vec![senders],
             vec![Some(block(DType::Float8E4M3, 64, 64))],
+            config(Mode::Auto),
+        ),
+        (
+            "bf16 → fp8 64x64 blocks in 4 rounds, later rounds' converted beside the round before",
+            vec![in_rounds],
+            vec![Some(block(DType::Float8E4M3, 64, 64))],
+            rounds,
         ),
         (
             "f32 → fp8 e5m2 blocks, receivers convert",
             vec![receivers],
             vec![Some(mx)],
+            config(Mode::Auto),
         ),
         (
             "cast, per-channel and plain in one plan",
@@ -958,6 +981,7 @@ fn quantized_cases(n: u32) -> Vec<QuantizedCase> {
                 Some(Conversion::quantize(DType::Float8E4M3, Scheme::PerChannel)),
                 None,
             ],
+            config(Mode::Auto),
         ),
         (
             "a 0-d tensor quantized per tensor (its box: one dim of one element)",
@@ -971,6 +995,7 @@ fn quantized_cases(n: u32) -> Vec<QuantizedCase> {
                 DType::Float8E4M3,
                 Scheme::PerTensor,
             ))],
+            config(Mode::Auto),
         ),
     ]
 }
@@ -983,8 +1008,7 @@ fn quantized_plans_match_the_host_executor() {
         println!("gpu: quantized plans skipped: {n} device(s)");
         return;
     }
-    for (name, tensors, conversions) in quantized_cases(n as u32) {
-        let config = config(Mode::Auto);
+    for (name, tensors, conversions, config) in quantized_cases(n as u32) {
         let planner =
             Planner::with_conversions(tensors.clone(), conversions.clone(), config.clone())
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -997,6 +1021,14 @@ fn quantized_plans_match_the_host_executor() {
             .iter()
             .map(|&r| planner.rank_program(r).unwrap())
             .collect();
+        // Conversions of a rank's rounds after its first (run beside the round before).
+        let beside: usize = programs
+            .iter()
+            .flat_map(|p| p.rounds().into_iter().skip(1).map(|r| r.converts.len()))
+            .sum();
+        if config.rounds > 1 {
+            assert!(beside > 0, "{name}: no conversion runs beside a round");
+        }
         let mut host: Vec<RankBuffers> = ranks
             .iter()
             .map(|&r| rank_buffers(&tensors, Some(&conversions), r).unwrap())
@@ -1110,7 +1142,7 @@ fn quantized_plans_match_the_host_executor() {
             }
         }
         println!(
-            "gpu: {n} ranks, {name}: kernel conversions equal the host executor's, {bytes} bytes"
+            "gpu: {n} ranks, {name}: kernel conversions equal the host executor's, {bytes} bytes ({beside} conversions beside a round)"
         );
     }
 }

@@ -7,6 +7,7 @@
 
 mod oracle;
 
+use ncclreshard::plan::Buffer;
 use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
 use ncclreshard::{Config, DType, Layout, Mesh, Mode, Placement, Planner, TensorSpec, Topology};
 use ncclreshard_tools::check::check_with_conversions;
@@ -57,6 +58,94 @@ fn a_bf16_weight_arrives_as_fp8_blocks_with_its_scales() {
     assert_eq!(sender.converts_before.len(), 1);
     assert!(sender.converts_after.is_empty());
     assert_eq!(sender.work_bytes, 256 * 384 + 2 * 3 * 4);
+}
+
+#[test]
+fn a_senders_conversions_follow_its_rounds() {
+    // [1024, 512] bf16, trainer TP2 on rows → inference TP4 on columns, in 4 rounds with small
+    // chunks: each pair's stream goes out in round order, so a sender's later rounds read
+    // blocks its first round does not, and their conversions run beside the round before (the
+    // host executor runs them as late as allowed: just before their round's packs).
+    let spec = TensorSpec {
+        shape: vec![1024, 512],
+        dtype: DType::Bfloat16,
+        src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
+        dst: layout(&[4], &[2, 3, 4, 5], &[Placement::Shard(1)]),
+    };
+    let conversion = block(128, 128);
+    let config = Config {
+        rounds: 4,
+        split_min_bytes: 4096,
+        ..auto()
+    };
+    let report = check_with_conversions(
+        std::slice::from_ref(&spec),
+        &[Some(conversion.clone())],
+        &config,
+    )
+    .unwrap();
+    assert_eq!(report.elements_checked, 1024 * 512 + 4 * 8);
+    let planner = Planner::with_conversions(vec![spec], vec![Some(conversion)], config).unwrap();
+    for sender in 0..2 {
+        let program = planner.rank_program(sender).unwrap();
+        let rounds = program.rounds();
+        let per_round: Vec<u64> = rounds
+            .iter()
+            .map(|r| r.converts.iter().map(|c| c.elements()).sum())
+            .collect();
+        assert_eq!(
+            per_round.iter().sum::<u64>(),
+            512 * 512,
+            "rank {sender}: {per_round:?}"
+        );
+        // Chunk boundaries cut rows anywhere, so a round's conversions reach into the next
+        // block row: the first round converts half the rank's blocks, two later rounds the
+        // rest.
+        assert_eq!(
+            per_round,
+            [2, 1, 1, 0].map(|rows| rows * 128 * 512),
+            "rank {sender}"
+        );
+        assert!(program.has_side_work());
+        // No byte a round's conversions write is read (packed or sent) by an earlier round.
+        let mut read_by = vec![usize::MAX; program.work_bytes as usize];
+        for (k, round) in rounds.iter().enumerate() {
+            let packed = round.packs.iter().flat_map(|c| {
+                let (src, chunk) = (c.src, c.chunk_bytes);
+                grid(c.dims.iter().map(|d| (d.count, d.src_stride)))
+                    .flat_map(move |at| (0..chunk).map(move |b| (src, at + b)))
+            });
+            let sent = round
+                .sends
+                .iter()
+                .flat_map(|m| (0..m.bytes).map(move |b| (m.loc, b)));
+            for (loc, at) in packed.chain(sent) {
+                if loc.buffer == Buffer::Work {
+                    let byte = &mut read_by[(loc.offset + at) as usize];
+                    *byte = (*byte).min(k);
+                }
+            }
+        }
+        for (k, round) in rounds.iter().enumerate() {
+            for c in round.converts {
+                let written = grid(c.dims.iter().map(|d| (d.count, d.dst_stride)));
+                for at in written {
+                    let first = read_by[(c.dst.offset + at) as usize];
+                    assert!(first >= k, "rank {sender}: round {k} converts byte {at} of {:?}, read in round {first}", c.start);
+                }
+            }
+        }
+    }
+}
+
+/// Byte offsets of every point of a grid of (count, stride) dims, outermost first.
+fn grid(dims: impl Iterator<Item = (u64, u64)>) -> impl Iterator<Item = u64> {
+    dims.fold(
+        Box::new(std::iter::once(0u64)) as Box<dyn Iterator<Item = u64>>,
+        |points, (count, stride)| {
+            Box::new(points.flat_map(move |p| (0..count).map(move |i| p + i * stride)))
+        },
+    )
 }
 
 /// What the oracle says about a converted tensor's blocks: some block is held whole by no

@@ -2,13 +2,16 @@
 //! what happens when, and what a failure stops. Transports say how each step is done by
 //! implementing [`Steps`]; the walk ([`run`]) is written once.
 //!
-//! In order: the conversions before the rounds; per round, its packs (the local copies with
-//! the first round's), the round's exchange (its sends and receives as one group), its late
-//! unpacks started beside what follows, its early unpacks; the conversions after the rounds.
-//! Round k's late unpacks read an arena of their own (one per round parity), so they must be
-//! done before round k + 2 posts its exchange (which reuses that arena) and before the
-//! conversions after the rounds; [`Steps::join_late`] says so at those two points and nowhere
-//! else.
+//! In order, per round: its conversions (the first round's before anything else; round
+//! k + 1's started beside round k, from before its packs, and joined before round k + 1's
+//! packs), its packs (the local copies with the first round's), the round's exchange (its
+//! sends and receives as one group), its late unpacks started beside what follows, its early
+//! unpacks; then the conversions after the rounds. A round's conversions write workspace
+//! regions no earlier round reads (`RoundSpan::converts_end`), so only the round's own packs
+//! and sends must wait for them: [`Steps::join_converts`]. Round k's late unpacks read an arena
+//! of their own (one per round parity), so they must be done before round k + 2 posts its
+//! exchange (which reuses that arena) and before the conversions after the rounds;
+//! [`Steps::join_late`] says so at those two points and nowhere else.
 //!
 //! Failures: a step that fails stops every later local step, but never an exchange. Peers wait
 //! for each round's messages, so once any message may have been posted every round is still
@@ -22,8 +25,9 @@ use crate::plan::{RankProgram, Round};
 /// walk asks for it. Indices count the rank's own rounds (`RankProgram::rounds`), from 0.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Step {
-    /// `RankProgram::converts_before`.
-    ConvertsBefore,
+    /// The first round's conversions (`Round::converts`), before anything else; later
+    /// rounds' run between [`Steps::fork_converts`] and [`Steps::join_converts`].
+    FirstConverts,
     /// Round k's packs; round 0 runs the program's local copies first.
     Packs(usize),
     /// Round k's early unpacks (`Round::early_unpacks`), after its exchange.
@@ -43,6 +47,13 @@ pub trait Steps {
     /// order of a pair's messages cannot deadlock.
     fn exchange(&mut self, k: usize, round: &Round<'_>) -> Result<()>;
 
+    /// Starts round `k`'s conversions (`Round::converts`), beside round `k - 1`'s packs and
+    /// exchange: they may run at any time from now until [`Steps::join_converts`] of `k`.
+    fn fork_converts(&mut self, k: usize) -> Result<()>;
+
+    /// Waits (in the call's order) for round `k`'s conversions, before its packs.
+    fn join_converts(&mut self, k: usize) -> Result<()>;
+
     /// Starts round `k`'s late unpacks (`Round::late_unpacks`): they may run at any time from
     /// now until the next [`Steps::join_late`] of parity `k % 2`.
     fn fork_late(&mut self, k: usize) -> Result<()>;
@@ -55,10 +66,26 @@ pub trait Steps {
 /// what still runs after it).
 pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
     let mut failure: Option<Error> = None;
-    local(&mut failure, || steps.run(Step::ConvertsBefore));
     let mut rounds = 0;
-    for (k, round) in program.rounds_iter().enumerate() {
+    let mut forked = false;
+    let mut walk = program.rounds_iter().enumerate().peekable();
+    while let Some((k, round)) = walk.next() {
         rounds = k + 1;
+        if k == 0 {
+            local(&mut failure, || steps.run(Step::FirstConverts));
+        } else if std::mem::take(&mut forked) {
+            if let Err(e) = steps.join_converts(k) {
+                failure.get_or_insert(e);
+            }
+        }
+        if walk
+            .peek()
+            .is_some_and(|(_, next)| !next.converts.is_empty())
+            && failure.is_none()
+        {
+            forked = true;
+            local(&mut failure, || steps.fork_converts(k + 1));
+        }
         local(&mut failure, || steps.run(Step::Packs(k)));
         if k >= 2 {
             if let Err(e) = steps.join_late(k % 2) {
@@ -93,7 +120,9 @@ fn local(failure: &mut Option<Error>, step: impl FnOnce() -> Result<()>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{Buffer, CopyDim, Loc, Message, RoundSpan, StridedCopy};
+    use crate::layout::DType;
+    use crate::plan::{Buffer, CopyDim, Loc, Message, RoundSpan, StridedConvert, StridedCopy};
+    use crate::quant::Arithmetic;
 
     /// Records the walk; fails the steps it is told to.
     #[derive(Default)]
@@ -120,6 +149,12 @@ mod tests {
         }
         fn exchange(&mut self, k: usize, _: &Round<'_>) -> Result<()> {
             self.note(format!("Exchange({k})"))
+        }
+        fn fork_converts(&mut self, k: usize) -> Result<()> {
+            self.note(format!("ForkConverts({k})"))
+        }
+        fn join_converts(&mut self, k: usize) -> Result<()> {
+            self.note(format!("JoinConverts({k})"))
         }
         fn fork_late(&mut self, k: usize) -> Result<()> {
             self.note(format!("Fork({k})"))
@@ -179,10 +214,72 @@ mod tests {
         run(&program(), &mut log).unwrap();
         assert_eq!(
             log.events.join(" "),
-            "ConvertsBefore Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+            "FirstConverts Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
              Packs(1) Exchange(1) Fork(1) EarlyUnpacks(1) \
              Packs(2) Join(0) Exchange(2) EarlyUnpacks(2) \
              Join(1) Join(0) ConvertsAfter"
+        );
+    }
+
+    /// [`program`] with conversions first read by its first and third rounds.
+    fn converting() -> RankProgram {
+        let convert = StridedConvert {
+            tensor: 0,
+            start: vec![0],
+            src: Loc {
+                buffer: Buffer::Src,
+                tensor: 0,
+                offset: 0,
+            },
+            dst: Loc {
+                buffer: Buffer::Work,
+                tensor: 0,
+                offset: 0,
+            },
+            scale: None,
+            dims: Vec::new(),
+            arithmetic: Arithmetic {
+                src: DType::Bfloat16,
+                dst: DType::Float8E4M3,
+                scale: None,
+            },
+        };
+        let mut p = program();
+        p.converts_before = vec![convert; 3];
+        for (span, end) in p.round_spans.iter_mut().zip([1, 1, 3]) {
+            span.converts_end = end;
+        }
+        assert!(p.rounds_are_consistent() && p.has_side_work());
+        p
+    }
+
+    #[test]
+    fn a_rounds_conversions_run_beside_the_round_before_and_are_joined_before_its_packs() {
+        let mut log = Log::default();
+        run(&converting(), &mut log).unwrap();
+        assert_eq!(
+            log.events.join(" "),
+            "FirstConverts Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+             ForkConverts(2) Packs(1) Exchange(1) Fork(1) EarlyUnpacks(1) \
+             JoinConverts(2) Packs(2) Join(0) Exchange(2) EarlyUnpacks(2) \
+             Join(1) Join(0) ConvertsAfter"
+        );
+        // Forked conversions are joined even after a failure (the side stream must be done
+        // with them before the call ends), and nothing local runs after it.
+        let mut log = Log {
+            fail: vec!["Packs(1)".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            run(&converting(), &mut log).unwrap_err().message,
+            "Packs(1)"
+        );
+        assert_eq!(
+            log.events.join(" "),
+            "FirstConverts Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+             ForkConverts(2) Packs(1) Exchange(1) \
+             JoinConverts(2) Join(0) Exchange(2) \
+             Join(1) Join(0)"
         );
     }
 
@@ -196,7 +293,7 @@ mod tests {
         assert_eq!(e.message, "Packs(1)");
         assert_eq!(
             log.events.join(" "),
-            "ConvertsBefore Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+            "FirstConverts Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
              Packs(1) Exchange(1) \
              Join(0) Exchange(2) \
              Join(1) Join(0)"

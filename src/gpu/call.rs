@@ -1,6 +1,6 @@
 //! One call of a rank's program on a device: the local steps of the walk (`exec::schedule`)
-//! as kernel launches on the caller's stream, late unpacks on a side stream beside the next
-//! round, staging from the device's stream-ordered pool for the call; the round exchanges come
+//! as kernel launches on the caller's stream, a round's conversions on a side stream beside
+//! the round before and late unpacks there beside the next round, staging from the device's stream-ordered pool for the call; the round exchanges come
 //! from the transport ([`Exchange`]).
 
 use super::descriptors::{Addressing, BaseKey, MAX_BASES};
@@ -101,23 +101,26 @@ pub(crate) struct DeviceCall<'a, E> {
     phases: &'a Phases,
     stream: sys::CUstream,
     memory: CallMemory<'a>,
-    /// For late unpacks (none under capture: they then stay on the caller's stream).
+    /// For conversions beside the round before theirs and late unpacks (none under capture:
+    /// they then stay on the caller's stream).
     side: Option<SideStream>,
     /// The call is being captured into a graph (its staging is graph memory).
     capturing: bool,
     /// Per arena parity: the side stream has late unpacks reading it that the caller's stream
     /// has not yet waited for.
     pending: [bool; 2],
+    /// The side stream has a round's conversions the caller's stream has not yet waited for.
+    converting: bool,
     /// The transport's exchange.
     pub exchange: E,
 }
 
 impl<'a, E: Exchange> DeviceCall<'a, E> {
     /// Takes what the call needs before anything is enqueued: its staging (allocated on
-    /// `stream`) and, when it has late unpacks and `stream` is not being captured, a side
-    /// stream. Fails with nothing taken.
+    /// `stream`) and, when it has late unpacks or conversions after its first round and
+    /// `stream` is not being captured, a side stream. Fails with nothing taken.
     ///
-    /// Under capture late unpacks stay on the caller's stream, in order: a stream that joined
+    /// Under capture that side work stays on the caller's stream, in order: a stream that joined
     /// a capture belongs to it until the capture ends, so it could not serve another call
     /// meanwhile.
     #[allow(clippy::too_many_arguments)]
@@ -144,7 +147,7 @@ impl<'a, E: Exchange> DeviceCall<'a, E> {
                 device.pool()?.alloc(bytes, stream)?
             }
         };
-        let side = if program.program.has_late_unpacks() && !capturing {
+        let side = if program.program.has_side_work() && !capturing {
             match device.side_stream() {
                 Ok(side) => Some(side),
                 Err(e) => {
@@ -171,6 +174,7 @@ impl<'a, E: Exchange> DeviceCall<'a, E> {
             side,
             capturing,
             pending: [false; 2],
+            converting: false,
             exchange,
         })
     }
@@ -196,7 +200,7 @@ impl<'a, E: Exchange> DeviceCall<'a, E> {
 
     /// Launches `tables` on the caller's stream.
     fn launch(&self, tables: &Uploaded) -> Result<()> {
-        let grid = if self.pending.iter().any(|&p| p) {
+        let grid = if self.converting || self.pending.iter().any(|&p| p) {
             Grid::BesideLate
         } else {
             Grid::Full
@@ -210,7 +214,7 @@ impl<E: Exchange> Steps for DeviceCall<'_, E> {
     fn run(&mut self, step: Step) -> Result<()> {
         let phases = self.phases;
         let passes = match step {
-            Step::ConvertsBefore => phases.converts_before.as_slice(),
+            Step::FirstConverts => phases.rounds[0].converts.as_slice(),
             Step::Packs(k) => std::slice::from_ref(&phases.rounds[k].before),
             Step::EarlyUnpacks(k) => std::slice::from_ref(&phases.rounds[k].early),
             Step::ConvertsAfter => phases.converts_after.as_slice(),
@@ -220,6 +224,35 @@ impl<E: Exchange> Steps for DeviceCall<'_, E> {
 
     fn exchange(&mut self, k: usize, round: &Round<'_>) -> Result<()> {
         self.exchange.exchange(k, round, &self.memory)
+    }
+
+    /// On the side stream once the caller's stream has passed this point (the round before's
+    /// packs are next), its end marked in `side.converted`; without a side stream, here on
+    /// the caller's stream.
+    fn fork_converts(&mut self, k: usize) -> Result<()> {
+        let converts = &self.phases.rounds[k].converts;
+        let Some(side) = &self.side else {
+            return converts.iter().try_for_each(|pass| self.launch(pass));
+        };
+        side.fork.record(self.stream)?;
+        side.fork.wait_on(side.stream.0)?;
+        let blocks = Grid::Side.blocks(self.device.multiprocessors);
+        let launched = converts.iter().try_for_each(|pass| {
+            launch_all(self.kernel, pass, &self.memory, side.stream.0, blocks)
+        });
+        side.converted.record(side.stream.0)?;
+        self.converting = true;
+        launched
+    }
+
+    fn join_converts(&mut self, _: usize) -> Result<()> {
+        match &self.side {
+            Some(side) if self.converting => {
+                self.converting = false;
+                side.converted.wait_on(self.stream)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// On the side stream once the caller's stream has passed this point (the round's

@@ -28,15 +28,18 @@ pub(crate) struct Device {
 /// Side streams a device keeps for reuse (more exist only while that many calls overlap).
 const SIDE_STREAMS_KEPT: usize = 8;
 
-/// A non-blocking stream of the device's primary context, at its least priority (late unpacks
-/// yield to the next round's NCCL kernels), with three events, which one call
-/// at a time uses to run its late unpacks beside its next round (docs/executor.md,
-/// "Overlapping unpacks"): `fork` marks the end of a round's NCCL group on the caller's
-/// stream, `done[parity]` the end of the late unpacks of the last round of that parity.
+/// A non-blocking stream of the device's primary context, at its least priority (side work
+/// yields to the rounds' NCCL kernels), with four events, which one call at a time uses to run
+/// its late unpacks beside its next round and a round's conversions beside the round before
+/// (docs/executor.md, "Overlapping unpacks" and "Conversions beside transfers"): `fork` marks
+/// on the caller's stream where side work may start (the end of a round's NCCL group, or the
+/// start of a round's packs), `done[parity]` the end of the late unpacks of the last round of
+/// that parity, `converted` the end of the round's conversions.
 pub(crate) struct SideStream {
     pub stream: PrivateStream,
     pub fork: Event,
     pub done: [Event; 2],
+    pub converted: Event,
 }
 
 /// The process's state for device `ordinal` (its primary context retained on first use).
@@ -175,6 +178,7 @@ impl Device {
                 stream: PrivateStream::lowest_priority()?,
                 fork: Event::new()?,
                 done: [Event::new()?, Event::new()?],
+                converted: Event::new()?,
             }),
         }
     }

@@ -25,18 +25,18 @@ pub(crate) struct Uploaded {
     pub convert: bool,
 }
 
-/// One round's tables: its packs (with the local copies in the first round), the unpacks
-/// that finish before the next round, and the late ones.
+/// One round's tables: its conversions (their passes), its packs (with the local copies in the
+/// first round), the unpacks that finish before the next round, and the late ones.
 pub(crate) struct RoundTables {
+    pub converts: Vec<Uploaded>,
     pub before: Uploaded,
     pub early: Uploaded,
     pub late: Uploaded,
 }
 
-/// The tables of one addressing (single-buffer or per-tensor call): the conversions before
-/// the rounds (their passes), per round its tables, and the conversions after the rounds.
+/// The tables of one addressing (single-buffer or per-tensor call): per round its tables, and
+/// the conversions after the rounds.
 pub(crate) struct Phases {
-    pub converts_before: Vec<Uploaded>,
     pub rounds: Vec<RoundTables>,
     pub converts_after: Vec<Uploaded>,
 }
@@ -134,10 +134,10 @@ impl Limits for DeviceLimits {
     fn check(&self, program: &RankProgram) -> Result<()> {
         // The kernel's conversion tables grow with a box's items (16-byte strips of its rows,
         // a few to 64 per item).
-        for (when, converts) in [
-            ("before", &program.converts_before),
-            ("after", &program.converts_after),
-        ] {
+        let rounds = program
+            .rounds_iter()
+            .map(|round| ("before", round.converts));
+        for (when, converts) in rounds.chain([("after", &program.converts_after[..])]) {
             let (_, tiles) = convert_tables(converts);
             if tiles > MAX_CONVERT_TILES {
                 return Err(Error::invalid_usage(format!(
@@ -160,8 +160,12 @@ impl DeviceProgram {
         constants: Vec<Vec<u64>>,
     ) -> Self {
         let align = |x: u64| x.div_ceil(256) * 256;
-        let scratch_bytes = [&program.converts_before, &program.converts_after]
-            .iter()
+        // One set of conversions runs at a time (a round's, on either stream, or those after
+        // the rounds), so they share one scratch.
+        let scratch_bytes = program
+            .rounds_iter()
+            .map(|round| round.converts)
+            .chain([&program.converts_after[..]])
             .map(|c| convert_tables(c).0)
             .max()
             .unwrap_or(0);
@@ -276,6 +280,7 @@ impl DeviceProgram {
                     let local: &[StridedCopy] = if i == 0 { &p.local_copies } else { &[] };
                     let pre: Vec<StridedCopy> = local.iter().chain(round.packs).cloned().collect();
                     Ok(RoundTables {
+                        converts: passes(encode_converts(round.converts, addressing))?,
                         before: one(&encode(&pre, addressing))?,
                         early: one(&encode(round.early_unpacks(), addressing))?,
                         late: one(&encode(round.late_unpacks(), addressing))?,
@@ -283,7 +288,6 @@ impl DeviceProgram {
                 })
                 .collect::<Result<_>>()?;
             Ok(Phases {
-                converts_before: passes(encode_converts(&p.converts_before, addressing))?,
                 rounds,
                 converts_after: passes(encode_converts(&p.converts_after, addressing))?,
             })

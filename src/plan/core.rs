@@ -669,6 +669,8 @@ impl CorePlanner {
             program.staging_bytes = program.staging_bytes.max(emitter.staging_bytes);
             program.round_spans.push(RoundSpan {
                 round: round as u32,
+                // The conversions come later (`quantize.rs`).
+                converts_end: 0,
                 packs_end: program.packs.len(),
                 sends_end: program.sends.len(),
                 recvs_end: program.recvs.len(),

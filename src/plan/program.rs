@@ -1,10 +1,14 @@
 //! `RankProgram`: the one IR between the planner and the executors (docs/design.md §4).
 //!
 //! Pure data. Every address is a byte offset relative to one of the rank's buffers: a tensor's
-//! source view, a tensor's destination view, or the rank's staging arena. An executor runs the
-//! local copies, then each round in order: the round's packs, every send and receive of the
-//! round (posted together, like one NCCL group), then the round's unpacks; a round's *late*
-//! unpacks ([`RoundSpan::late_unpacks`]) may instead run beside the next round and must be done
+//! source view, a tensor's destination view, the rank's staging arena or its conversion
+//! workspace. An executor runs each round in order: the round's conversions (the sender-side
+//! conversions whose output the round is the first to read, [`RoundSpan::converts_end`]), its
+//! packs (the local copies with the first round's), every send and receive of the round
+//! (posted together, like one NCCL group), then the round's unpacks. A round's conversions
+//! after the first round's may run beside the previous round (they write workspace regions
+//! nothing reads before them) and must be done before the round's packs; a round's *late*
+//! unpacks ([`RoundSpan::late_unpacks`]) may run beside the next round and must be done
 //! before the round after next posts its messages. Rounds bound the staging arena (it is
 //! reused by every round; late unpacks read two extra arenas, one per round parity) and let a
 //! rank forward in round `r + 1` what it received in round `r` (relays). Sends to a peer and receives from it are listed in the order
@@ -30,6 +34,11 @@ pub struct Message {
 pub struct RoundSpan {
     /// The round's number in the plan (the same on both ends of each of its messages).
     pub round: u32,
+    /// End of the round's conversions in `RankProgram::converts_before`: those whose output
+    /// (a tensor's converted region of the workspace, and its scales) no earlier round reads.
+    /// An executor may run a later round's conversions beside the previous round; they must
+    /// be done before the round's packs (docs/architecture.md, "Conversions beside transfers").
+    pub converts_end: usize,
     /// End of the round's packs in `RankProgram::packs`.
     pub packs_end: usize,
     /// End of its sends in `RankProgram::sends`.
@@ -51,6 +60,9 @@ pub struct RoundSpan {
 pub struct Round<'a> {
     /// The round's number in the plan.
     pub round: u32,
+    /// The conversions the round is the first to read (see [`RoundSpan::converts_end`]);
+    /// with no spans, every one of `RankProgram::converts_before`.
+    pub converts: &'a [StridedConvert],
     /// Copies into staging before the round's sends (a relay's read its destination view).
     pub packs: &'a [StridedCopy],
     /// The round's sends, grouped by peer in posting order.
@@ -90,8 +102,9 @@ pub enum ExecMode {
 /// program from the same descriptors, and the sends of one rank to another equal, in order
 /// and size, that rank's receives from it.
 ///
-/// Every transport runs it by the one walk of `exec::schedule`: `converts_before`, the local
-/// copies, each round (packs, sends and receives, unpacks), `converts_after`.
+/// Every transport runs it by the one walk of `exec::schedule`: each round (its conversions,
+/// its packs with the local copies first, sends and receives, unpacks), then
+/// `converts_after`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RankProgram {
     /// The rank that runs it.
@@ -99,7 +112,8 @@ pub struct RankProgram {
     /// Equal on all ranks iff they planned from the same descriptors and config.
     pub fingerprint: u64,
     /// Conversions of data this rank sends (or copies locally) in another dtype, from its
-    /// source views into the workspace, before anything else.
+    /// source views into the workspace, by the round that first reads their output
+    /// ([`RoundSpan::converts_end`]); with no spans, all before the one round.
     pub converts_before: Vec<StridedConvert>,
     /// Source → destination copies of data this rank holds on both sides (colocated ranks).
     pub local_copies: Vec<StridedCopy>,
@@ -143,6 +157,16 @@ impl RankProgram {
         self.round_spans.iter().any(|s| s.late_unpacks > 0)
     }
 
+    /// Whether an executor may run some of the program's work beside its transfers: late
+    /// unpacks, or conversions of a round after the rank's first.
+    pub fn has_side_work(&self) -> bool {
+        self.has_late_unpacks()
+            || self
+                .round_spans
+                .first()
+                .is_some_and(|first| first.converts_end < self.converts_before.len())
+    }
+
     /// The rounds this rank runs, in order (at least one; local copies come before them).
     /// Spans out of order or out of range (a malformed program) end the list early.
     pub fn rounds(&self) -> Vec<Round<'_>> {
@@ -153,6 +177,7 @@ impl RankProgram {
     pub fn rounds_iter(&self) -> impl Iterator<Item = Round<'_>> + '_ {
         let whole = Round {
             round: 0,
+            converts: &self.converts_before,
             packs: &self.packs,
             sends: &self.sends,
             recvs: &self.recvs,
@@ -170,6 +195,9 @@ impl RankProgram {
             }
             let round = Round {
                 round: span.round,
+                converts: self
+                    .converts_before
+                    .get(from.converts_end..span.converts_end)?,
                 packs: self.packs.get(from.packs_end..span.packs_end)?,
                 sends: self.sends.get(from.sends_end..span.sends_end)?,
                 recvs: self.recvs.get(from.recvs_end..span.recvs_end)?,
@@ -185,7 +213,7 @@ impl RankProgram {
         single.into_iter().chain(spanned)
     }
 
-    /// True when the round spans cover the four lists exactly, in increasing round order.
+    /// True when the round spans cover the five lists exactly, in increasing round order.
     pub fn rounds_are_consistent(&self) -> bool {
         if self.round_spans.is_empty() {
             return true;
@@ -193,6 +221,7 @@ impl RankProgram {
         let rounds = self.rounds();
         let last = self.round_spans.last().expect("non-empty");
         rounds.len() == self.round_spans.len()
+            && last.converts_end == self.converts_before.len()
             && last.packs_end == self.packs.len()
             && last.sends_end == self.sends.len()
             && last.recvs_end == self.recvs.len()

@@ -779,6 +779,7 @@ impl Conversions {
         let (before, after) = self.converts(tensors, rank, blocks);
         program.converts_before = before;
         program.converts_after = after;
+        converts_by_round(&mut program);
         self.place_regions(tensors, rank, &mut program);
         Ok(program)
     }
@@ -1039,6 +1040,126 @@ fn offset_in(view: &RankView, start: &[u64]) -> u64 {
 
 /// A rank's conversions of the blocks its source shard holds whole: source view → converted
 /// image (and scale grid), one box per product of whole-block runs.
+/// Cuts `program.converts_before` by the first of the rank's rounds that reads what they
+/// write and orders them by it, ending each round's conversions there
+/// ([`RoundSpan::converts_end`](super::RoundSpan::converts_end)), so that an executor may run
+/// a round's conversions beside the round before it (docs/quantization.md, "Conversions beside
+/// transfers").
+///
+/// A pair's stream is sent in its rounds in stream order (`rounds.rs`), so a tensor's blocks
+/// are first read over several rounds: each box is cut along its outermost dim of more than
+/// one block into slabs of one block, a slab's round is the first whose reads (packs and
+/// sends, and the local copies, which run with the first round) touch the extent of its
+/// converted bytes or of its scales (an extent holds every byte a strided read touches, so
+/// the round is never later than the first real read), and runs of slabs with one round make
+/// one conversion each. Slabs nothing reads go with the last round. Stable within a round.
+/// Run while workspace locations still name their regions (before they are placed).
+fn converts_by_round(program: &mut RankProgram) {
+    let rounds = program.round_spans.len();
+    if rounds < 2 || program.converts_before.is_empty() {
+        if let Some(span) = program.round_spans.last_mut() {
+            span.converts_end = program.converts_before.len();
+        }
+        return;
+    }
+    // Per workspace region: the extents its reads touch, with their rounds, by start.
+    let mut reads: HashMap<u32, Vec<(u64, u64, usize)>> = HashMap::new();
+    let mut note = |loc: &Loc, end: u64, k: usize| {
+        if loc.buffer == Buffer::Work && end > loc.offset {
+            reads
+                .entry(loc.tensor)
+                .or_default()
+                .push((loc.offset, end, k));
+        }
+    };
+    for copy in &program.local_copies {
+        note(&copy.src, copy.src_end(), 0);
+    }
+    let (mut packs, mut sends) = (0, 0);
+    for (k, span) in program.round_spans.iter().enumerate() {
+        let (packs_end, sends_end) = (span.packs_end, span.sends_end);
+        for copy in program.packs.get(packs..packs_end).unwrap_or_default() {
+            note(&copy.src, copy.src_end(), k);
+        }
+        for m in program.sends.get(sends..sends_end).unwrap_or_default() {
+            note(&m.loc, m.loc.offset.saturating_add(m.bytes), k);
+        }
+        (packs, sends) = (packs_end, sends_end);
+    }
+    for list in reads.values_mut() {
+        list.sort_unstable();
+    }
+    // The first round reading any byte of `[lo, hi)` of region `id` (`rounds` if none).
+    let first_read = |id: u32, lo: u64, hi: u64| -> usize {
+        reads.get(&id).map_or(rounds, |list| {
+            list.iter()
+                .take_while(|&&(start, _, _)| start < hi)
+                .filter(|&&(_, end, _)| end > lo)
+                .map(|&(_, _, k)| k)
+                .min()
+                .unwrap_or(rounds)
+        })
+    };
+    let mut keyed: Vec<(usize, StridedConvert)> = Vec::new();
+    for convert in std::mem::take(&mut program.converts_before) {
+        let dst_size = u64::from(convert.arithmetic.dst.size());
+        let round_of = |c: &StridedConvert| {
+            let (dst, scale) = (c.dst, c.scale);
+            let values = c.reach(|d| d.dst_stride, dst_size);
+            let mut k = first_read(dst.tensor, dst.offset, dst.offset.saturating_add(values));
+            if let Some(scale) = scale {
+                let bytes = c.scale_reach();
+                k = k.min(first_read(scale.tensor, scale.offset, scale.offset + bytes));
+            }
+            k.min(rounds - 1)
+        };
+        let Some(d) = convert.dims.iter().position(|d| d.count > d.block) else {
+            keyed.push((round_of(&convert), convert));
+            continue;
+        };
+        let (count, block) = (convert.dims[d].count, convert.dims[d].block);
+        // Runs of slabs with one round: (from, to, round).
+        let mut runs: Vec<(u64, u64, usize)> = Vec::new();
+        for from in (0..count).step_by(block as usize) {
+            let to = (from + block).min(count);
+            let k = round_of(&slab_of(&convert, d, from, to));
+            match runs.last_mut() {
+                Some(run) if run.2 == k => run.1 = to,
+                _ => runs.push((from, to, k)),
+            }
+        }
+        if let [(_, _, k)] = runs[..] {
+            keyed.push((k, convert));
+            continue;
+        }
+        keyed.extend(
+            runs.iter()
+                .map(|&(from, to, k)| (k, slab_of(&convert, d, from, to))),
+        );
+    }
+    keyed.sort_by_key(|&(k, _)| k);
+    let firsts: Vec<usize> = keyed.iter().map(|&(k, _)| k).collect();
+    program.converts_before = keyed.into_iter().map(|(_, c)| c).collect();
+    for (k, span) in program.round_spans.iter_mut().enumerate() {
+        span.converts_end = firsts.partition_point(|&r| r <= k);
+    }
+}
+
+/// Elements `from .. to` along dim `d` of `convert`'s box (block-aligned: `from` a multiple of
+/// the dim's block), as a conversion of its own.
+fn slab_of(convert: &StridedConvert, d: usize, from: u64, to: u64) -> StridedConvert {
+    let mut slab = convert.clone();
+    let dim = convert.dims[d];
+    slab.start[d] += from;
+    slab.dims[d].count = to - from;
+    slab.src.offset += from * dim.src_stride;
+    slab.dst.offset += from * dim.dst_stride;
+    if let Some(scale) = slab.scale.as_mut() {
+        scale.offset += from / dim.block.max(1) * dim.scale_stride;
+    }
+    slab
+}
+
 fn sender_converts(spec: &TensorSpec, t: u32, plan: &TensorPlan, rank: u32) -> Vec<StridedConvert> {
     let n = spec.shape.len();
     let Some(src) = spec.rank_view(Side::Src, rank) else {

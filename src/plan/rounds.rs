@@ -5,7 +5,11 @@
 //! it; the rest form one byte stream cut into up to `rounds` nearly equal chunks (at least
 //! `min_bytes` each, boundaries on 4 KiB when the chunks are that large), one per round in
 //! consecutive rounds (wrapping past the last), starting at a round that rotates with the pair
-//! so small pairs do not all land in round 0.
+//! so small pairs do not all land in round 0. The chunks go out in stream order by round (a
+//! window that wraps sends its first chunks in the rounds from 0): a later round of a pair
+//! never sends earlier bytes of its stream, so what a sender sends first comes from the start
+//! of its streams, and it can convert the rest beside its first rounds
+//! (docs/quantization.md, "Conversions beside transfers").
 //!
 //! Consecutive, not spread evenly over the rounds: a rank's bytes in a round are then the
 //! chunks of the pairs whose window of rounds covers it, and windows whose starts are spread
@@ -106,8 +110,12 @@ pub(crate) fn spread_into(
     } else {
         1
     };
+    // The chunks take the window of consecutive rounds from the pair's first (wrapping past
+    // the last round), in stream order by round: the `wrapped` rounds from 0 first, then
+    // those from `first` on.
     let first = first_round(pair, rounds);
-    let round_of = |c: u64| ((first + c) % rounds) as u32;
+    let wrapped = (first + chunks).saturating_sub(rounds);
+    let round_of = |c: u64| (if c < wrapped { c } else { first + c - wrapped }) as u32;
     // Boundary of chunk c: c/chunks of the stream, rounded down to CUT_ALIGN (the last one
     // is the end).
     let boundary = |c: u64| -> u64 {
@@ -159,21 +167,16 @@ pub(crate) fn spread_into(
             }
         }
     }
-    // Chunks have distinct rounds, rising with c until they wrap past the last round: in
-    // round order, the chunks from the wrap on come first.
-    let wrap = (rounds - first).min(chunk_len.len() as u64) as usize;
-    let head_len: usize = chunk_len[..wrap].iter().sum();
-    let tail = stream.split_off(head_len);
-    let (mut head, mut tail) = (stream.into_iter(), tail.into_iter());
+    // Chunks have distinct rounds, rising with c.
+    let mut stream = stream.into_iter();
     let mut fixed = fixed.into_iter().peekable();
     out.reserve(blocks.len());
-    for c in (wrap..chunk_len.len()).chain(0..wrap) {
+    for (c, &len) in chunk_len.iter().enumerate() {
         let round = round_of(c as u64);
         while let Some(t) = fixed.next_if(|t| t.round <= round) {
             out.push(t);
         }
-        let from = if c >= wrap { &mut tail } else { &mut head };
-        out.extend(from.by_ref().take(chunk_len[c]));
+        out.extend(stream.by_ref().take(len));
     }
     out.extend(fixed);
 }
@@ -346,12 +349,27 @@ mod tests {
     }
 
     #[test]
-    fn chunks_take_consecutive_rounds_from_the_pairs_first() {
+    fn chunks_take_consecutive_rounds_from_the_pairs_first_in_stream_order() {
         let c = copy(3000, 4096, 5000);
+        let mut wrapped = 0;
         for rounds in [3, 7, 16] {
             for pair in [(0, 1), (5, 9), (511, 700)] {
                 let parts = spread(pair, &[(0, None, &c)], rounds, c.bytes() / 3);
                 let first = first_round(pair, u64::from(rounds)) as u32;
+                wrapped += usize::from(first + 3 > rounds);
+                // The stream goes out in round order: a later round sends later bytes, also
+                // when the window wraps past the last round (what lets a sender convert a
+                // round's data beside the round before, quantize.rs).
+                assert!(
+                    parts
+                        .windows(2)
+                        .all(|w| (w[0].round, w[0].offset) < (w[1].round, w[1].offset)),
+                    "pair {pair:?}, {rounds} rounds: {:?}",
+                    parts
+                        .iter()
+                        .map(|p| (p.round, p.offset))
+                        .collect::<Vec<_>>()
+                );
                 let mut taken: Vec<u32> = bytes_by_round(&parts).iter().map(|b| b.0).collect();
                 taken.sort_unstable();
                 let mut expected: Vec<u32> = (0..3).map(|k| (first + k) % rounds).collect();
@@ -359,6 +377,7 @@ mod tests {
                 assert_eq!(taken, expected, "pair {pair:?}, {rounds} rounds");
             }
         }
+        assert!(wrapped > 0, "some window wraps past the last round");
     }
 
     #[test]

@@ -272,6 +272,7 @@ fn run_rank(program: &RankProgram, views: &mut RankBuffers, shared: Shared<'_>) 
         shared,
         met: 0,
         deferred: [None, None],
+        converts: None,
         result: Ok(()),
     };
     host.result = guarded(rank, || {
@@ -301,6 +302,8 @@ struct HostRank<'a, 'v> {
     met: usize,
     /// Per parity: the round whose late unpacks are forked and not yet run.
     deferred: [Option<usize>; 2],
+    /// The round whose conversions are forked and not yet run.
+    converts: Option<usize>,
     /// The rank's first failure.
     result: Result<()>,
 }
@@ -333,7 +336,7 @@ impl Steps for HostRank<'_, '_> {
     fn run(&mut self, step: Step) -> Result<()> {
         let (program, rounds) = (self.program, &self.rounds);
         let (converts, copies): (&[StridedConvert], Vec<&[StridedCopy]>) = match step {
-            Step::ConvertsBefore => (&program.converts_before, Vec::new()),
+            Step::FirstConverts => (rounds[0].converts, Vec::new()),
             Step::Packs(0) => (&[], vec![&program.local_copies, rounds[0].packs]),
             Step::Packs(k) => (&[], vec![rounds[k].packs]),
             Step::EarlyUnpacks(k) => (&[], vec![rounds[k].early_unpacks()]),
@@ -365,6 +368,27 @@ impl Steps for HostRank<'_, '_> {
         shared.barrier.wait();
         self.met += 1;
         self.result.clone()
+    }
+
+    /// A round's conversions run as late as an executor may run them, when they are joined:
+    /// just before the round's packs, so a plan whose earlier round read what they write
+    /// fails here, byte for byte.
+    fn fork_converts(&mut self, k: usize) -> Result<()> {
+        self.converts = Some(k);
+        Ok(())
+    }
+
+    fn join_converts(&mut self, k: usize) -> Result<()> {
+        if self.converts.take() != Some(k) {
+            return Ok(());
+        }
+        let (rank, converts) = (self.program.rank, self.rounds[k].converts);
+        self.work(|memory| {
+            converts
+                .iter()
+                .try_for_each(|convert| run_convert(convert, memory))
+                .map_err(|e| e.context(format!("rank {rank}")))
+        })
     }
 
     /// Late unpacks run as late as an executor may run them, when their parity is joined:

@@ -158,11 +158,15 @@ struct Model<'a> {
     /// Per (rank, round): seconds of the late unpacks, which run on a side stream beside the
     /// next round (they must be done before the round after next posts its group).
     late: Vec<f64>,
+    /// Per (rank, round): seconds of the conversions of the rank's next round, which start on
+    /// the side stream as the rank enters this one (its next round waits for them).
+    converts_next: Vec<f64>,
     posted: Vec<f64>,
     /// Per rank: its host's total posting time.
     host: Vec<f64>,
-    /// Per rank: its conversions' seconds before and after the rounds (inside `pack` of its
-    /// first round and `unpack` of its last), for the critical path's breakdown.
+    /// Per rank: its conversions' seconds before its first round's packs and after its last
+    /// round (inside `pack` of its first round and `unpack` of its last), for the critical
+    /// path's breakdown (later rounds' conversions run on the side stream).
     converts: Vec<(f64, f64)>,
     /// Per (rank, round): the shortest per-message latency of the pair flows it takes part
     /// in (a flow starts its bytes after its pair's latencies, so before that none of the
@@ -301,6 +305,7 @@ impl<'a> Model<'a> {
         let mut pack = vec![0.0f64; n * nr];
         let mut unpack = vec![0.0f64; n * nr];
         let mut late = vec![0.0f64; n * nr];
+        let mut converts_next = vec![0.0f64; n * nr];
         let mut posted = vec![0.0f64; n * nr];
         let mut host = vec![0.0f64; n];
         let mut converts_s = vec![(0.0f64, 0.0f64); n];
@@ -324,21 +329,27 @@ impl<'a> Model<'a> {
                 clock += 2.0 * peers.len() as f64 * cluster.host_op_s + cluster.group_s;
                 clock += latency;
             }
-            let mut first = true;
-            let mut last = None;
+            let mut last: Option<usize> = None;
             for round in p.rounds_iter() {
                 let k = labels
                     .binary_search(&round.round)
                     .expect("every round is labelled");
-                let local: &[StridedCopy] = if first { &p.local_copies } else { &[] };
-                // Senders convert before their first round's packs.
-                let converts = if first { &p.converts_before[..] } else { &[] };
-                first = false;
+                let local: &[StridedCopy] = if last.is_none() { &p.local_copies } else { &[] };
+                // Senders convert a round's data before its packs: the first round's on the
+                // call's stream, a later round's on the side stream from the start of the
+                // round before (at the side stream's share of the copy speed).
+                let converting = convert_seconds(round.converts, cluster);
+                match last {
+                    None => {
+                        converts_s[i].0 += converting;
+                        pack[i * nr + k] += converting;
+                    }
+                    Some(before) => {
+                        converts_next[i * nr + before] += converting / Cluster::LATE_UNPACK_SHARE;
+                    }
+                }
                 last = Some(k);
-                let converting = convert_seconds(converts, cluster);
-                converts_s[i].0 += converting;
-                pack[i * nr + k] +=
-                    converting + kernel_seconds(local.iter().chain(round.packs), cluster);
+                pack[i * nr + k] += kernel_seconds(local.iter().chain(round.packs), cluster);
                 unpack[i * nr + k] += kernel_seconds(round.early_unpacks(), cluster);
                 late[i * nr + k] +=
                     kernel_seconds(round.late_unpacks(), cluster) / Cluster::LATE_UNPACK_SHARE;
@@ -392,6 +403,7 @@ impl<'a> Model<'a> {
             pack,
             unpack,
             late,
+            converts_next,
             posted,
             host,
             converts: converts_s,
@@ -430,10 +442,11 @@ impl<'a> Model<'a> {
                 f
             })
             .collect();
-        let (pack, unpack, late, posted, ends_of, meta) = (
+        let (pack, unpack, late, converts_next, posted, ends_of, meta) = (
             &self.pack,
             &self.unpack,
             &self.late,
+            &self.converts_next,
             &self.posted,
             &self.ends_of,
             &self.meta,
@@ -452,6 +465,9 @@ impl<'a> Model<'a> {
         // these: it reuses their staging).
         let mut side_free = vec![0.0f64; n];
         let mut side_wait = vec![0.0f64; n];
+        // Per rank: when the conversions of its next round (started on the side stream as it
+        // entered its current one) are done.
+        let mut converted = vec![0.0f64; n];
         // Per (rank, round): when the rank entered it and when its flows were done (the
         // critical path's breakdown; `ready` gives when its flows could start).
         let mut entered = vec![0.0f64; n * nr];
@@ -466,15 +482,23 @@ impl<'a> Model<'a> {
                      ready: &mut Vec<f64>,
                      last: &mut Vec<f64>,
                      finished: &mut Vec<f64>,
-                     side: (&[f64], &[f64]),
+                     side: (&mut Vec<f64>, &[f64], &mut Vec<f64>),
                      times: (&mut Vec<f64>, &mut Vec<f64>),
                      release: &mut Vec<(u32, f64)>| {
-            let (side_free, side_wait) = side;
+            let (side_free, side_wait, converted) = side;
             let (entered, ready_at) = times;
             while k < nr {
                 let slot = i * nr + k;
                 position[i] = k;
-                ready[i] = (t + pack[slot]).max(posted[slot]).max(side_wait[i]) + delay[slot];
+                ready[i] = (t + pack[slot])
+                    .max(posted[slot])
+                    .max(side_wait[i])
+                    .max(converted[i])
+                    + delay[slot];
+                if converts_next[slot] > 0.0 {
+                    side_free[i] = side_free[i].max(t) + converts_next[slot];
+                    converted[i] = side_free[i];
+                }
                 last[i] = ready[i];
                 entered[slot] = t;
                 ready_at[slot] = ready[i];
@@ -504,7 +528,7 @@ impl<'a> Model<'a> {
                 &mut ready,
                 &mut last,
                 &mut finished,
-                (&side_free, &side_wait),
+                (&mut side_free, &side_wait, &mut converted),
                 (&mut entered, &mut ready_at),
                 &mut initial,
             );
@@ -540,7 +564,7 @@ impl<'a> Model<'a> {
                             &mut ready,
                             &mut last,
                             &mut finished,
-                            (&side_free, &side_wait),
+                            (&mut side_free, &side_wait, &mut converted),
                             (&mut entered, &mut ready_at),
                             release,
                         );
@@ -598,7 +622,13 @@ impl<'a> Model<'a> {
             critical,
             time_s,
             phases: [
-                sum_per_rank(pack),
+                sum_per_rank(
+                    &pack
+                        .iter()
+                        .zip(converts_next)
+                        .map(|(p, c)| p + c)
+                        .collect::<Vec<_>>(),
+                ),
                 busy.iter().copied().fold(0.0, f64::max),
                 sum_per_rank(
                     &unpack
