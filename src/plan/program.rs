@@ -37,7 +37,7 @@ pub struct RoundSpan {
     /// End of the round's conversions in `RankProgram::converts_before`: those whose output
     /// (a tensor's converted region of the workspace, and its scales) no earlier round reads.
     /// An executor may run a later round's conversions beside the previous round; they must
-    /// be done before the round's packs (docs/architecture.md, "Conversions beside transfers").
+    /// be done before the round's packs (docs/quantization.md, "Conversions beside transfers").
     pub converts_end: usize,
     /// End of the round's packs in `RankProgram::packs`.
     pub packs_end: usize,
