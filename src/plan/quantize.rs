@@ -1038,8 +1038,6 @@ fn offset_in(view: &RankView, start: &[u64]) -> u64 {
     view.view.byte_offset(&pos)
 }
 
-/// A rank's conversions of the blocks its source shard holds whole: source view → converted
-/// image (and scale grid), one box per product of whole-block runs.
 /// Cuts `program.converts_before` by the first of the rank's rounds that reads what they
 /// write and orders them by it, ending each round's conversions there
 /// ([`RoundSpan::converts_end`](super::RoundSpan::converts_end)), so that an executor may run
@@ -1160,6 +1158,8 @@ fn slab_of(convert: &StridedConvert, d: usize, from: u64, to: u64) -> StridedCon
     slab
 }
 
+/// A rank's conversions of the blocks its source shard holds whole: source view → converted
+/// image (and scale grid), one box per product of whole-block runs.
 fn sender_converts(spec: &TensorSpec, t: u32, plan: &TensorPlan, rank: u32) -> Vec<StridedConvert> {
     let n = spec.shape.len();
     let Some(src) = spec.rank_view(Side::Src, rank) else {
