@@ -829,6 +829,7 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
                 || program.packs.iter().any(|c| c.src.buffer == Buffer::Dst)
                 || from_arena;
             let late = program.has_late_unpacks();
+            let beside = program.local_copies_beside();
             let data = prepare(&rank.device, &tensors, rank.r);
             let executor = NcclTransport::for_plan(&plan);
             // ncclReshard twice (the second call reuses everything), then ncclReshardMulti.
@@ -864,9 +865,16 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
             checked += fresh.verify(&rank.device, &tensors, rank.r);
             data.free(&rank.device);
             fresh.free(&rank.device);
-            (checked, forwards, late, from_arena)
+            (checked, forwards, late, from_arena, beside)
         });
         let checked: u64 = outcome.iter().map(|o| o.0).sum();
+        let beside = outcome.iter().filter(|o| o.4).count();
+        if name.contains("colocated") && config.mode != Mode::Groupable {
+            assert!(
+                beside > 0,
+                "{name}: no rank copies locally beside its first round"
+            );
+        }
         if name.starts_with("relayed") {
             assert!(outcome.iter().any(|o| o.1), "{name}: no rank forwards");
         }
@@ -881,7 +889,7 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
             );
         }
         println!(
-            "gpu: {n} ranks, {name} ({:?}, {} round(s)): byte-exact, {checked} elements",
+            "gpu: {n} ranks, {name} ({:?}, {} round(s)): byte-exact, {checked} elements ({beside} rank(s) copy locally beside the first round)",
             config.mode, config.rounds
         );
     }

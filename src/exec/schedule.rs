@@ -4,9 +4,11 @@
 //!
 //! In order, per round: its conversions (the first round's before anything else; round
 //! k + 1's started beside round k, from before its packs, and joined before round k + 1's
-//! packs), its packs (the local copies with the first round's), the round's exchange (its
-//! sends and receives as one group), its late unpacks started beside what follows, its early
-//! unpacks; then the conversions after the rounds. A round's conversions write workspace
+//! packs), its packs (the local copies before the first round's, or started beside the first
+//! round where `RankProgram::local_copies_beside` allows and joined at the second round's
+//! start or the end), the round's exchange (its sends and receives as one group), its late
+//! unpacks started beside what follows, its early unpacks; then the conversions after the
+//! rounds. A round's conversions write workspace
 //! regions no earlier round reads (`RoundSpan::converts_end`), so only the round's own packs
 //! and sends must wait for them: [`Steps::join_converts`]. Round k's late unpacks read an arena
 //! of their own (one per round parity), so they must be done before round k + 2 posts its
@@ -28,7 +30,10 @@ pub enum Step {
     /// The first round's conversions (`Round::converts`), before anything else; later
     /// rounds' run between [`Steps::fork_converts`] and [`Steps::join_converts`].
     FirstConverts,
-    /// Round k's packs; round 0 runs the program's local copies first.
+    /// `RankProgram::local_copies`, before the first round's packs (where they do not run
+    /// beside the first round).
+    LocalCopies,
+    /// Round k's packs.
     Packs(usize),
     /// Round k's early unpacks (`Round::early_unpacks`), after its exchange.
     EarlyUnpacks(usize),
@@ -54,6 +59,14 @@ pub trait Steps {
     /// Waits (in the call's order) for round `k`'s conversions, before its packs.
     fn join_converts(&mut self, k: usize) -> Result<()>;
 
+    /// Starts the local copies beside the first round: they may run at any time from now
+    /// until [`Steps::join_local`].
+    fn fork_local(&mut self) -> Result<()>;
+
+    /// Waits (in the call's order) for the local copies, at the second round's start or
+    /// before the conversions after the rounds.
+    fn join_local(&mut self) -> Result<()>;
+
     /// Starts round `k`'s late unpacks (`Round::late_unpacks`): they may run at any time from
     /// now until the next [`Steps::join_late`] of parity `k % 2`.
     fn fork_late(&mut self, k: usize) -> Result<()>;
@@ -68,12 +81,25 @@ pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
     let mut failure: Option<Error> = None;
     let mut rounds = 0;
     let mut forked = false;
+    let beside = program.local_copies_beside();
+    let mut copying = false;
     let mut walk = program.rounds_iter().enumerate().peekable();
     while let Some((k, round)) = walk.next() {
         rounds = k + 1;
         if k == 0 {
             local(&mut failure, || steps.run(Step::FirstConverts));
-        } else if std::mem::take(&mut forked) {
+            if !beside {
+                local(&mut failure, || steps.run(Step::LocalCopies));
+            } else if failure.is_none() {
+                copying = true;
+                local(&mut failure, || steps.fork_local());
+            }
+        } else if k == 1 && std::mem::take(&mut copying) {
+            if let Err(e) = steps.join_local() {
+                failure.get_or_insert(e);
+            }
+        }
+        if k > 0 && std::mem::take(&mut forked) {
             if let Err(e) = steps.join_converts(k) {
                 failure.get_or_insert(e);
             }
@@ -103,6 +129,11 @@ pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
     // The older pending parity first: round `rounds - 2`'s, then `rounds - 1`'s.
     for parity in [rounds % 2, (rounds + 1) % 2] {
         if let Err(e) = steps.join_late(parity) {
+            failure.get_or_insert(e);
+        }
+    }
+    if copying {
+        if let Err(e) = steps.join_local() {
             failure.get_or_insert(e);
         }
     }
@@ -155,6 +186,12 @@ mod tests {
         }
         fn join_converts(&mut self, k: usize) -> Result<()> {
             self.note(format!("JoinConverts({k})"))
+        }
+        fn fork_local(&mut self) -> Result<()> {
+            self.note("ForkLocal".into())
+        }
+        fn join_local(&mut self) -> Result<()> {
+            self.note("JoinLocal".into())
         }
         fn fork_late(&mut self, k: usize) -> Result<()> {
             self.note(format!("Fork({k})"))
@@ -214,7 +251,7 @@ mod tests {
         run(&program(), &mut log).unwrap();
         assert_eq!(
             log.events.join(" "),
-            "FirstConverts Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+            "FirstConverts LocalCopies Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
              Packs(1) Exchange(1) Fork(1) EarlyUnpacks(1) \
              Packs(2) Join(0) Exchange(2) EarlyUnpacks(2) \
              Join(1) Join(0) ConvertsAfter"
@@ -259,7 +296,7 @@ mod tests {
         run(&converting(), &mut log).unwrap();
         assert_eq!(
             log.events.join(" "),
-            "FirstConverts Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+            "FirstConverts LocalCopies Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
              ForkConverts(2) Packs(1) Exchange(1) Fork(1) EarlyUnpacks(1) \
              JoinConverts(2) Packs(2) Join(0) Exchange(2) EarlyUnpacks(2) \
              Join(1) Join(0) ConvertsAfter"
@@ -276,11 +313,73 @@ mod tests {
         );
         assert_eq!(
             log.events.join(" "),
-            "FirstConverts Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+            "FirstConverts LocalCopies Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
              ForkConverts(2) Packs(1) Exchange(1) \
              JoinConverts(2) Join(0) Exchange(2) \
              Join(1) Join(0)"
         );
+    }
+
+    #[test]
+    fn local_copies_run_beside_the_first_round_and_are_joined_at_the_second_or_the_end() {
+        let copy = StridedCopy::new(
+            Loc {
+                buffer: Buffer::Src,
+                tensor: 0,
+                offset: 0,
+            },
+            Loc {
+                buffer: Buffer::Dst,
+                tensor: 0,
+                offset: 8,
+            },
+            1,
+            &[CopyDim {
+                count: 1,
+                src_stride: 1,
+                dst_stride: 1,
+            }],
+        );
+        let mut p = converting();
+        p.local_copies = vec![copy];
+        assert!(p.local_copies_beside());
+        let mut log = Log::default();
+        run(&p, &mut log).unwrap();
+        assert_eq!(
+            log.events.join(" "),
+            "FirstConverts ForkLocal Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+             JoinLocal ForkConverts(2) Packs(1) Exchange(1) Fork(1) EarlyUnpacks(1) \
+             JoinConverts(2) Packs(2) Join(0) Exchange(2) EarlyUnpacks(2) \
+             Join(1) Join(0) ConvertsAfter"
+        );
+        // One round: joined before the conversions after it.
+        p.round_spans.clear();
+        p.converts_before.clear();
+        assert!(p.local_copies_beside());
+        let mut log = Log::default();
+        run(&p, &mut log).unwrap();
+        assert_eq!(
+            log.events.join(" "),
+            "FirstConverts ForkLocal Packs(0) Exchange(0) EarlyUnpacks(0) \
+             Join(1) Join(0) JoinLocal ConvertsAfter"
+        );
+        // A first round that sends from a destination view keeps them before its packs.
+        p.sends = vec![Message {
+            peer: 1,
+            loc: Loc {
+                buffer: Buffer::Dst,
+                tensor: 0,
+                offset: 8,
+            },
+            bytes: 1,
+        }];
+        assert!(!p.local_copies_beside());
+        let mut log = Log::default();
+        run(&p, &mut log).unwrap();
+        assert!(log
+            .events
+            .join(" ")
+            .starts_with("FirstConverts LocalCopies Packs(0)"));
     }
 
     #[test]
@@ -293,7 +392,7 @@ mod tests {
         assert_eq!(e.message, "Packs(1)");
         assert_eq!(
             log.events.join(" "),
-            "FirstConverts Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
+            "FirstConverts LocalCopies Packs(0) Exchange(0) Fork(0) EarlyUnpacks(0) \
              Packs(1) Exchange(1) \
              Join(0) Exchange(2) \
              Join(1) Join(0)"

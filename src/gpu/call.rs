@@ -111,6 +111,8 @@ pub(crate) struct DeviceCall<'a, E> {
     pending: [bool; 2],
     /// The side stream has a round's conversions the caller's stream has not yet waited for.
     converting: bool,
+    /// The side stream has the local copies the caller's stream has not yet waited for.
+    copying: bool,
     /// The transport's exchange.
     pub exchange: E,
 }
@@ -175,6 +177,7 @@ impl<'a, E: Exchange> DeviceCall<'a, E> {
             capturing,
             pending: [false; 2],
             converting: false,
+            copying: false,
             exchange,
         })
     }
@@ -200,7 +203,7 @@ impl<'a, E: Exchange> DeviceCall<'a, E> {
 
     /// Launches `tables` on the caller's stream.
     fn launch(&self, tables: &Uploaded) -> Result<()> {
-        let grid = if self.converting || self.pending.iter().any(|&p| p) {
+        let grid = if self.converting || self.copying || self.pending.iter().any(|&p| p) {
             Grid::BesideLate
         } else {
             Grid::Full
@@ -215,6 +218,7 @@ impl<E: Exchange> Steps for DeviceCall<'_, E> {
         let phases = self.phases;
         let passes = match step {
             Step::FirstConverts => phases.rounds[0].converts.as_slice(),
+            Step::LocalCopies => std::slice::from_ref(&phases.local),
             Step::Packs(k) => std::slice::from_ref(&phases.rounds[k].before),
             Step::EarlyUnpacks(k) => std::slice::from_ref(&phases.rounds[k].early),
             Step::ConvertsAfter => phases.converts_after.as_slice(),
@@ -243,6 +247,32 @@ impl<E: Exchange> Steps for DeviceCall<'_, E> {
         side.converted.record(side.stream.0)?;
         self.converting = true;
         launched
+    }
+
+    /// As [`Steps::fork_converts`], from after the first round's conversions; their end
+    /// marked in `side.copied`.
+    fn fork_local(&mut self) -> Result<()> {
+        let local = &self.phases.local;
+        let Some(side) = &self.side else {
+            return self.launch(local);
+        };
+        side.fork.record(self.stream)?;
+        side.fork.wait_on(side.stream.0)?;
+        let blocks = Grid::Side.blocks(self.device.multiprocessors);
+        let launched = launch_all(self.kernel, local, &self.memory, side.stream.0, blocks);
+        side.copied.record(side.stream.0)?;
+        self.copying = true;
+        launched
+    }
+
+    fn join_local(&mut self) -> Result<()> {
+        match &self.side {
+            Some(side) if self.copying => {
+                self.copying = false;
+                side.copied.wait_on(self.stream)
+            }
+            _ => Ok(()),
+        }
     }
 
     fn join_converts(&mut self, _: usize) -> Result<()> {

@@ -29,17 +29,20 @@ pub(crate) struct Device {
 const SIDE_STREAMS_KEPT: usize = 8;
 
 /// A non-blocking stream of the device's primary context, at its least priority (side work
-/// yields to the rounds' NCCL kernels), with four events, which one call at a time uses to run
-/// its late unpacks beside its next round and a round's conversions beside the round before
-/// (docs/executor.md, "Overlapping unpacks" and "Conversions beside transfers"): `fork` marks
-/// on the caller's stream where side work may start (the end of a round's NCCL group, or the
-/// start of a round's packs), `done[parity]` the end of the late unpacks of the last round of
-/// that parity, `converted` the end of the round's conversions.
+/// yields to the rounds' NCCL kernels), with five events, which one call at a time uses to run
+/// its late unpacks beside its next round, a round's conversions beside the round before and
+/// its local copies beside its first round (docs/executor.md, "Overlapping unpacks",
+/// "Conversions beside transfers", "Local copies beside the first round"): `fork` marks on the
+/// caller's stream where side work may start (the end of a round's NCCL group, or the start of
+/// a round's packs), `done[parity]` the end of the late unpacks of the last round of that
+/// parity, `converted` the end of the next round's conversions, `copied` the end of the local
+/// copies.
 pub(crate) struct SideStream {
     pub stream: PrivateStream,
     pub fork: Event,
     pub done: [Event; 2],
     pub converted: Event,
+    pub copied: Event,
 }
 
 /// The process's state for device `ordinal` (its primary context retained on first use).
@@ -179,6 +182,7 @@ impl Device {
                 fork: Event::new()?,
                 done: [Event::new()?, Event::new()?],
                 converted: Event::new()?,
+                copied: Event::new()?,
             }),
         }
     }

@@ -12,7 +12,7 @@ use super::driver::{DeviceBuffer, Event, PrivateStream, RelaxedCapture};
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::exec::Limits;
-use crate::plan::{RankProgram, StridedCopy};
+use crate::plan::RankProgram;
 use cudarc::driver::sys;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -25,8 +25,8 @@ pub(crate) struct Uploaded {
     pub convert: bool,
 }
 
-/// One round's tables: its conversions (their passes), its packs (with the local copies in the
-/// first round), the unpacks that finish before the next round, and the late ones.
+/// One round's tables: its conversions (their passes), its packs, the unpacks that finish
+/// before the next round, and the late ones.
 pub(crate) struct RoundTables {
     pub converts: Vec<Uploaded>,
     pub before: Uploaded,
@@ -34,9 +34,10 @@ pub(crate) struct RoundTables {
     pub late: Uploaded,
 }
 
-/// The tables of one addressing (single-buffer or per-tensor call): per round its tables, and
-/// the conversions after the rounds.
+/// The tables of one addressing (single-buffer or per-tensor call): the local copies, per
+/// round its tables, and the conversions after the rounds.
 pub(crate) struct Phases {
+    pub local: Uploaded,
     pub rounds: Vec<RoundTables>,
     pub converts_after: Vec<Uploaded>,
 }
@@ -271,23 +272,20 @@ impl DeviceProgram {
                 .map(|e| upload_one(e, true))
                 .collect()
         };
-        // Local copies run with the first round's packs.
         let phases = |addressing: Addressing<'_>| -> Result<Phases> {
             let rounds = p
                 .rounds_iter()
-                .enumerate()
-                .map(|(i, round)| {
-                    let local: &[StridedCopy] = if i == 0 { &p.local_copies } else { &[] };
-                    let pre: Vec<StridedCopy> = local.iter().chain(round.packs).cloned().collect();
+                .map(|round| {
                     Ok(RoundTables {
                         converts: passes(encode_converts(round.converts, addressing))?,
-                        before: one(&encode(&pre, addressing))?,
+                        before: one(&encode(round.packs, addressing))?,
                         early: one(&encode(round.early_unpacks(), addressing))?,
                         late: one(&encode(round.late_unpacks(), addressing))?,
                     })
                 })
                 .collect::<Result<_>>()?;
             Ok(Phases {
+                local: one(&encode(&p.local_copies, addressing))?,
                 rounds,
                 converts_after: passes(encode_converts(&p.converts_after, addressing))?,
             })

@@ -14,7 +14,7 @@
 //! rank forward in round `r + 1` what it received in round `r` (relays). Sends to a peer and receives from it are listed in the order
 //! both sides post them, in the same rounds on both sides; sizes match by construction.
 
-use super::steps::{Loc, StridedConvert, StridedCopy};
+use super::steps::{Buffer, Loc, StridedConvert, StridedCopy};
 
 /// One point-to-point message: `bytes` contiguous bytes at `loc`, to or from `peer`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -157,10 +157,29 @@ impl RankProgram {
         self.round_spans.iter().any(|s| s.late_unpacks > 0)
     }
 
+    /// Whether an executor may run the local copies beside the first round (from after its
+    /// conversions until the second round's start, or the end): a staged program whose first
+    /// round's packs and sends read no destination view (what the local copies write; a relay
+    /// forwards what it holds only from the round after it arrived), and whose steps write no
+    /// destination byte twice, which the planner never plans (each destination element has
+    /// one source; docs/executor.md, "Local copies beside the first round").
+    pub fn local_copies_beside(&self) -> bool {
+        if self.local_copies.is_empty() || self.mode() != ExecMode::Staged {
+            return false;
+        }
+        let Some(first) = self.rounds_iter().next() else {
+            return false;
+        };
+        first.packs.iter().all(|c| c.src.buffer != Buffer::Dst)
+            && first.sends.iter().all(|m| m.loc.buffer != Buffer::Dst)
+    }
+
     /// Whether an executor may run some of the program's work beside its transfers: late
-    /// unpacks, or conversions of a round after the rank's first.
+    /// unpacks, local copies beside the first round, or conversions of a round after the
+    /// rank's first.
     pub fn has_side_work(&self) -> bool {
         self.has_late_unpacks()
+            || self.local_copies_beside()
             || self
                 .round_spans
                 .first()

@@ -273,6 +273,7 @@ fn run_rank(program: &RankProgram, views: &mut RankBuffers, shared: Shared<'_>) 
         met: 0,
         deferred: [None, None],
         converts: None,
+        copying: false,
         result: Ok(()),
     };
     host.result = guarded(rank, || {
@@ -304,6 +305,8 @@ struct HostRank<'a, 'v> {
     deferred: [Option<usize>; 2],
     /// The round whose conversions are forked and not yet run.
     converts: Option<usize>,
+    /// The local copies are forked and not yet run.
+    copying: bool,
     /// The rank's first failure.
     result: Result<()>,
 }
@@ -337,7 +340,7 @@ impl Steps for HostRank<'_, '_> {
         let (program, rounds) = (self.program, &self.rounds);
         let (converts, copies): (&[StridedConvert], Vec<&[StridedCopy]>) = match step {
             Step::FirstConverts => (rounds[0].converts, Vec::new()),
-            Step::Packs(0) => (&[], vec![&program.local_copies, rounds[0].packs]),
+            Step::LocalCopies => (&[], vec![&program.local_copies[..]]),
             Step::Packs(k) => (&[], vec![rounds[k].packs]),
             Step::EarlyUnpacks(k) => (&[], vec![rounds[k].early_unpacks()]),
             Step::ConvertsAfter => (&program.converts_after, Vec::new()),
@@ -368,6 +371,27 @@ impl Steps for HostRank<'_, '_> {
         shared.barrier.wait();
         self.met += 1;
         self.result.clone()
+    }
+
+    /// Local copies beside the first round run as late as an executor may run them, when
+    /// they are joined: at the second round's start or before the conversions after the
+    /// rounds, so a plan whose first round read what they write fails here, byte for byte.
+    fn fork_local(&mut self) -> Result<()> {
+        self.copying = true;
+        Ok(())
+    }
+
+    fn join_local(&mut self) -> Result<()> {
+        if !std::mem::take(&mut self.copying) {
+            return Ok(());
+        }
+        let (rank, copies) = (self.program.rank, &self.program.local_copies);
+        self.work(|memory| {
+            copies
+                .iter()
+                .try_for_each(|copy| run_copy(copy, memory))
+                .map_err(|e| e.context(format!("rank {rank}")))
+        })
     }
 
     /// A round's conversions run as late as an executor may run them, when they are joined:

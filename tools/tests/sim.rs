@@ -3,7 +3,9 @@
 //! floors; the calibration against the public measurements (`ncclreshard calibrate`); and
 //! DeepSeek-V3 from the real programs.
 
-use ncclreshard::plan::{Buffer, ConvertDim, Loc, Message, RoundSpan, StridedConvert, StridedCopy};
+use ncclreshard::plan::{
+    Buffer, ConvertDim, CopyDim, Loc, Message, RoundSpan, StridedConvert, StridedCopy,
+};
 use ncclreshard::quant::Conversion;
 use ncclreshard::{
     Config, DType, Layout, Mesh, Mode, Placement, Planner, RankProgram, TensorSpec, Topology,
@@ -357,6 +359,61 @@ fn a_later_rounds_conversions_run_beside_the_round_before() {
     // first round's transfers (on the side stream, at half speed: still well inside 20 ms).
     assert!(first > none + 5e-4, "{first} vs {none}");
     assert_close(second, none);
+}
+
+#[test]
+fn local_copies_run_beside_the_first_round() {
+    let cluster = dgx_no_latency();
+    let gb = 1_000_000_000u64;
+    // Rank 0 → 8 over the NIC, 1 GB (20 ms) into rank 8's staging, unpacked; rank 8 also
+    // copies 4 GB of its own from its source to its destination view (colocated).
+    let at = |buffer| Loc {
+        buffer,
+        tensor: 0,
+        offset: 0,
+    };
+    let dim = |bytes: u64| CopyDim {
+        count: bytes,
+        src_stride: 1,
+        dst_stride: 1,
+    };
+    let time = |local: bool, sends_from_dst: bool| {
+        let mut receiving = sender(8, &[(0, gb)]);
+        receiving.recvs = std::mem::take(&mut receiving.sends);
+        receiving.recvs[0].loc = at(Buffer::Staging);
+        receiving.unpacks = vec![StridedCopy::new(
+            at(Buffer::Staging),
+            at(Buffer::Dst),
+            1,
+            &[dim(1)],
+        )];
+        receiving.staging_bytes = gb;
+        if local {
+            receiving.local_copies = vec![StridedCopy::new(
+                at(Buffer::Src),
+                at(Buffer::Dst),
+                1,
+                &[dim(4 * gb)],
+            )];
+        }
+        let mut programs = vec![sender(0, &[(8, gb)]), receiving];
+        if sends_from_dst {
+            // A first round that sends from the destination view keeps them before it.
+            programs[1].sends = vec![Message {
+                peer: 9,
+                loc: at(Buffer::Dst),
+                bytes: 1,
+            }];
+            let mut relayed = sender(9, &[(8, 1)]);
+            relayed.recvs = std::mem::take(&mut relayed.sends);
+            programs.push(relayed);
+        }
+        simulate(&programs, &cluster).time_s
+    };
+    let none = time(false, true);
+    let (beside, before) = (time(true, false), time(true, true));
+    assert!(before > none + 1e-3, "{before} vs {none}");
+    assert!((beside - time(false, false)).abs() < 1e-6, "{beside}");
 }
 
 #[test]

@@ -158,9 +158,13 @@ struct Model<'a> {
     /// Per (rank, round): seconds of the late unpacks, which run on a side stream beside the
     /// next round (they must be done before the round after next posts its group).
     late: Vec<f64>,
-    /// Per (rank, round): seconds of the conversions of the rank's next round, which start on
-    /// the side stream as the rank enters this one (its next round waits for them).
-    converts_next: Vec<f64>,
+    /// Per (rank, round): seconds of side work forked as the rank enters this round (after
+    /// `side_after` of it): the conversions of its next round, and in its first round the
+    /// local copies where they run beside it, first; its next round (or its end) waits for it.
+    side_next: Vec<f64>,
+    /// Per (rank, round): when, after the rank enters the round, that side work is forked (the
+    /// first round's conversions, on the call's stream, come first).
+    side_after: Vec<f64>,
     posted: Vec<f64>,
     /// Per rank: its host's total posting time.
     host: Vec<f64>,
@@ -305,7 +309,8 @@ impl<'a> Model<'a> {
         let mut pack = vec![0.0f64; n * nr];
         let mut unpack = vec![0.0f64; n * nr];
         let mut late = vec![0.0f64; n * nr];
-        let mut converts_next = vec![0.0f64; n * nr];
+        let mut side_next = vec![0.0f64; n * nr];
+        let mut side_after = vec![0.0f64; n * nr];
         let mut posted = vec![0.0f64; n * nr];
         let mut host = vec![0.0f64; n];
         let mut converts_s = vec![(0.0f64, 0.0f64); n];
@@ -330,6 +335,7 @@ impl<'a> Model<'a> {
                 clock += latency;
             }
             let mut last: Option<usize> = None;
+            let beside = p.local_copies_beside();
             for round in p.rounds_iter() {
                 let k = labels
                     .binary_search(&round.round)
@@ -343,12 +349,18 @@ impl<'a> Model<'a> {
                     None => {
                         converts_s[i].0 += converting;
                         pack[i * nr + k] += converting;
+                        if beside {
+                            side_after[i * nr + k] = converting;
+                            side_next[i * nr + k] +=
+                                kernel_seconds(local, cluster) / Cluster::LATE_UNPACK_SHARE;
+                        }
                     }
                     Some(before) => {
-                        converts_next[i * nr + before] += converting / Cluster::LATE_UNPACK_SHARE;
+                        side_next[i * nr + before] += converting / Cluster::LATE_UNPACK_SHARE;
                     }
                 }
                 last = Some(k);
+                let local = if beside { &[][..] } else { local };
                 pack[i * nr + k] += kernel_seconds(local.iter().chain(round.packs), cluster);
                 unpack[i * nr + k] += kernel_seconds(round.early_unpacks(), cluster);
                 late[i * nr + k] +=
@@ -403,7 +415,8 @@ impl<'a> Model<'a> {
             pack,
             unpack,
             late,
-            converts_next,
+            side_next,
+            side_after,
             posted,
             host,
             converts: converts_s,
@@ -442,11 +455,11 @@ impl<'a> Model<'a> {
                 f
             })
             .collect();
-        let (pack, unpack, late, converts_next, posted, ends_of, meta) = (
+        let (pack, unpack, late, side_next, posted, ends_of, meta) = (
             &self.pack,
             &self.unpack,
             &self.late,
-            &self.converts_next,
+            (&self.side_next, &self.side_after),
             &self.posted,
             &self.ends_of,
             &self.meta,
@@ -495,8 +508,9 @@ impl<'a> Model<'a> {
                     .max(side_wait[i])
                     .max(converted[i])
                     + delay[slot];
-                if converts_next[slot] > 0.0 {
-                    side_free[i] = side_free[i].max(t) + converts_next[slot];
+                let (side_next, side_after) = side_next;
+                if side_next[slot] > 0.0 {
+                    side_free[i] = side_free[i].max(t + side_after[slot]) + side_next[slot];
                     converted[i] = side_free[i];
                 }
                 last[i] = ready[i];
@@ -625,7 +639,7 @@ impl<'a> Model<'a> {
                 sum_per_rank(
                     &pack
                         .iter()
-                        .zip(converts_next)
+                        .zip(side_next.0)
                         .map(|(p, c)| p + c)
                         .collect::<Vec<_>>(),
                 ),
