@@ -1,11 +1,12 @@
 //! One call of a rank's program on a device: the local steps of the walk (`exec::schedule`)
-//! as kernel launches on the caller's stream, a round's conversions on a side stream beside
-//! the round before and late unpacks there beside the next round, staging from the device's stream-ordered pool for the call; the round exchanges come
-//! from the transport ([`Exchange`]).
+//! as kernel launches on the caller's stream, side work on a side stream (a round's
+//! conversions beside the round before, the local copies beside the first round, late unpacks
+//! beside the next round), staging from the device's stream-ordered pool for the call; the
+//! round exchanges come from the transport ([`Exchange`]).
 
 use super::descriptors::{Addressing, BaseKey, MAX_BASES};
 use super::device::{Device, SideStream};
-use super::driver::{self, Kernel};
+use super::driver::{self, Event, Kernel};
 use super::tables::{Arena, DeviceProgram, Phases, Tables, Uploaded};
 use crate::error::{Error, Result};
 use crate::exec::buffers::CallBuffers;
@@ -101,8 +102,8 @@ pub(crate) struct DeviceCall<'a, E> {
     phases: &'a Phases,
     stream: sys::CUstream,
     memory: CallMemory<'a>,
-    /// For conversions beside the round before theirs and late unpacks (none under capture:
-    /// they then stay on the caller's stream).
+    /// For side work: conversions beside the round before theirs, local copies beside the
+    /// first round, late unpacks (none under capture: they then stay on the caller's stream).
     side: Option<SideStream>,
     /// The call is being captured into a graph (its staging is graph memory).
     capturing: bool,
@@ -119,8 +120,8 @@ pub(crate) struct DeviceCall<'a, E> {
 
 impl<'a, E: Exchange> DeviceCall<'a, E> {
     /// Takes what the call needs before anything is enqueued: its staging (allocated on
-    /// `stream`) and, when it has late unpacks or conversions after its first round and
-    /// `stream` is not being captured, a side stream. Fails with nothing taken.
+    /// `stream`) and, when it has side work (`RankProgram::has_side_work`) and `stream` is
+    /// not being captured, a side stream. Fails with nothing taken.
     ///
     /// Under capture that side work stays on the caller's stream, in order: a stream that joined
     /// a capture belongs to it until the capture ends, so it could not serve another call
@@ -230,84 +231,79 @@ impl<E: Exchange> Steps for DeviceCall<'_, E> {
         self.exchange.exchange(k, round, &self.memory)
     }
 
-    /// On the side stream once the caller's stream has passed this point (the round before's
-    /// packs are next), its end marked in `side.converted`; without a side stream, here on
-    /// the caller's stream.
+    /// Round `k`'s conversions beside the round before (from before its packs).
     fn fork_converts(&mut self, k: usize) -> Result<()> {
-        let converts = &self.phases.rounds[k].converts;
-        let Some(side) = &self.side else {
-            return converts.iter().try_for_each(|pass| self.launch(pass));
-        };
-        side.fork.record(self.stream)?;
-        side.fork.wait_on(side.stream.0)?;
-        let blocks = Grid::Side.blocks(self.device.multiprocessors);
-        let launched = converts.iter().try_for_each(|pass| {
-            launch_all(self.kernel, pass, &self.memory, side.stream.0, blocks)
-        });
-        side.converted.record(side.stream.0)?;
-        self.converting = true;
-        launched
-    }
-
-    /// As [`Steps::fork_converts`], from after the first round's conversions; their end
-    /// marked in `side.copied`.
-    fn fork_local(&mut self) -> Result<()> {
-        let local = &self.phases.local;
-        let Some(side) = &self.side else {
-            return self.launch(local);
-        };
-        side.fork.record(self.stream)?;
-        side.fork.wait_on(side.stream.0)?;
-        let blocks = Grid::Side.blocks(self.device.multiprocessors);
-        let launched = launch_all(self.kernel, local, &self.memory, side.stream.0, blocks);
-        side.copied.record(side.stream.0)?;
-        self.copying = true;
-        launched
-    }
-
-    fn join_local(&mut self) -> Result<()> {
-        match &self.side {
-            Some(side) if self.copying => {
-                self.copying = false;
-                side.copied.wait_on(self.stream)
-            }
-            _ => Ok(()),
-        }
+        let (wait, result) = self.beside(&self.phases.rounds[k].converts, |s| &s.converted);
+        self.converting = wait;
+        result
     }
 
     fn join_converts(&mut self, _: usize) -> Result<()> {
-        match &self.side {
-            Some(side) if self.converting => {
-                self.converting = false;
-                side.converted.wait_on(self.stream)
-            }
-            _ => Ok(()),
-        }
+        let wait = std::mem::take(&mut self.converting);
+        self.wait_for(wait, |s| &s.converted)
     }
 
-    /// On the side stream once the caller's stream has passed this point (the round's
-    /// exchange), its end marked in `side.done[k % 2]`; without a side stream, here on the
-    /// caller's stream.
+    /// The local copies beside the first round (from after its conversions).
+    fn fork_local(&mut self) -> Result<()> {
+        let (wait, result) = self.beside(std::slice::from_ref(&self.phases.local), |s| &s.copied);
+        self.copying = wait;
+        result
+    }
+
+    fn join_local(&mut self) -> Result<()> {
+        let wait = std::mem::take(&mut self.copying);
+        self.wait_for(wait, |s| &s.copied)
+    }
+
+    /// Round `k`'s late unpacks beside the next round (from after its exchange).
     fn fork_late(&mut self, k: usize) -> Result<()> {
-        let late = &self.phases.rounds[k].late;
-        let Some(side) = &self.side else {
-            return self.launch(late);
-        };
-        side.fork.record(self.stream)?;
-        side.fork.wait_on(side.stream.0)?;
-        let blocks = Grid::Side.blocks(self.device.multiprocessors);
-        let launched = launch_all(self.kernel, late, &self.memory, side.stream.0, blocks);
-        side.done[k % 2].record(side.stream.0)?;
-        self.pending[k % 2] = true;
-        launched
+        let late = std::slice::from_ref(&self.phases.rounds[k].late);
+        let (wait, result) = self.beside(late, |s| &s.done[k % 2]);
+        self.pending[k % 2] |= wait;
+        result
     }
 
     fn join_late(&mut self, parity: usize) -> Result<()> {
+        let wait = std::mem::take(&mut self.pending[parity]);
+        self.wait_for(wait, |s| &s.done[parity])
+    }
+}
+
+impl<E: Exchange> DeviceCall<'_, E> {
+    /// Runs `passes` beside the caller's stream: on the side stream once the caller's stream
+    /// has passed this point, on half the SMs, `done(side)` recorded after them (then `true`:
+    /// the caller's stream must wait for it before what they feed); without a side stream,
+    /// here on the caller's stream (`false`). The launches' result comes second: a failed
+    /// launch still marks `done`, so that nothing waits for work that never started.
+    fn beside(
+        &self,
+        passes: &[Uploaded],
+        done: impl Fn(&SideStream) -> &Event,
+    ) -> (bool, Result<()>) {
+        let Some(side) = &self.side else {
+            return (false, passes.iter().try_for_each(|pass| self.launch(pass)));
+        };
+        let forked = side
+            .fork
+            .record(self.stream)
+            .and_then(|()| side.fork.wait_on(side.stream.0));
+        if let Err(e) = forked {
+            return (false, Err(e));
+        }
+        let blocks = Grid::Side.blocks(self.device.multiprocessors);
+        let launched = passes.iter().try_for_each(|pass| {
+            launch_all(self.kernel, pass, &self.memory, side.stream.0, blocks)
+        });
+        match done(side).record(side.stream.0) {
+            Ok(()) => (true, launched),
+            Err(e) => (false, Err(e)),
+        }
+    }
+
+    /// Makes the caller's stream wait for `done(side)` when `wait`.
+    fn wait_for(&self, wait: bool, done: impl Fn(&SideStream) -> &Event) -> Result<()> {
         match &self.side {
-            Some(side) if self.pending[parity] => {
-                self.pending[parity] = false;
-                side.done[parity].wait_on(self.stream)
-            }
+            Some(side) if wait => done(side).wait_on(self.stream),
             _ => Ok(()),
         }
     }

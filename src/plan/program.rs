@@ -4,10 +4,11 @@
 //! source view, a tensor's destination view, the rank's staging arena or its conversion
 //! workspace. An executor runs each round in order: the round's conversions (the sender-side
 //! conversions whose output the round is the first to read, [`RoundSpan::converts_end`]), its
-//! packs (the local copies with the first round's), every send and receive of the round
+//! packs (after the local copies in the first round), every send and receive of the round
 //! (posted together, like one NCCL group), then the round's unpacks. A round's conversions
 //! after the first round's may run beside the previous round (they write workspace regions
-//! nothing reads before them) and must be done before the round's packs; a round's *late*
+//! nothing reads before them) and must be done before the round's packs; the local copies may
+//! run beside the first round where [`RankProgram::local_copies_beside`] says so; a round's *late*
 //! unpacks ([`RoundSpan::late_unpacks`]) may run beside the next round and must be done
 //! before the round after next posts its messages. Rounds bound the staging arena (it is
 //! reused by every round; late unpacks read two extra arenas, one per round parity) and let a
@@ -103,8 +104,8 @@ pub enum ExecMode {
 /// and size, that rank's receives from it.
 ///
 /// Every transport runs it by the one walk of `exec::schedule`: each round (its conversions,
-/// its packs with the local copies first, sends and receives, unpacks), then
-/// `converts_after`.
+/// its packs with the local copies before or beside the first round's, sends and receives,
+/// unpacks), then `converts_after`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RankProgram {
     /// The rank that runs it.
@@ -160,9 +161,9 @@ impl RankProgram {
     /// Whether an executor may run the local copies beside the first round (from after its
     /// conversions until the second round's start, or the end): a staged program whose first
     /// round's packs and sends read no destination view (what the local copies write; a relay
-    /// forwards what it holds only from the round after it arrived), and whose steps write no
-    /// destination byte twice, which the planner never plans (each destination element has
-    /// one source; docs/executor.md, "Local copies beside the first round").
+    /// forwards what arrived only in the round after). Nothing else writes what they write:
+    /// each destination element has one source (docs/executor.md, "Local copies beside the
+    /// first round").
     pub fn local_copies_beside(&self) -> bool {
         if self.local_copies.is_empty() || self.mode() != ExecMode::Staged {
             return false;
