@@ -80,9 +80,9 @@ pub trait Steps {
 pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
     let mut failure: Option<Error> = None;
     let mut rounds = 0;
-    let mut forked = false;
+    // Side work forked and not yet joined: the next round's conversions, the local copies.
+    let (mut converting, mut copying) = (false, false);
     let beside = program.local_copies_beside();
-    let mut copying = false;
     let mut walk = program.rounds_iter().enumerate().peekable();
     while let Some((k, round)) = walk.next() {
         rounds = k + 1;
@@ -95,32 +95,24 @@ pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
                 local(&mut failure, || steps.fork_local());
             }
         } else if k == 1 && std::mem::take(&mut copying) {
-            if let Err(e) = steps.join_local() {
-                failure.get_or_insert(e);
-            }
+            always(&mut failure, || steps.join_local());
         }
-        if k > 0 && std::mem::take(&mut forked) {
-            if let Err(e) = steps.join_converts(k) {
-                failure.get_or_insert(e);
-            }
+        if k > 0 && std::mem::take(&mut converting) {
+            always(&mut failure, || steps.join_converts(k));
         }
         if walk
             .peek()
             .is_some_and(|(_, next)| !next.converts.is_empty())
             && failure.is_none()
         {
-            forked = true;
+            converting = true;
             local(&mut failure, || steps.fork_converts(k + 1));
         }
         local(&mut failure, || steps.run(Step::Packs(k)));
         if k >= 2 {
-            if let Err(e) = steps.join_late(k % 2) {
-                failure.get_or_insert(e);
-            }
+            always(&mut failure, || steps.join_late(k % 2));
         }
-        if let Err(e) = steps.exchange(k, &round) {
-            failure.get_or_insert(e);
-        }
+        always(&mut failure, || steps.exchange(k, &round));
         if round.late > 0 {
             local(&mut failure, || steps.fork_late(k));
         }
@@ -128,14 +120,10 @@ pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
     }
     // The older pending parity first: round `rounds - 2`'s, then `rounds - 1`'s.
     for parity in [rounds % 2, (rounds + 1) % 2] {
-        if let Err(e) = steps.join_late(parity) {
-            failure.get_or_insert(e);
-        }
+        always(&mut failure, || steps.join_late(parity));
     }
     if copying {
-        if let Err(e) = steps.join_local() {
-            failure.get_or_insert(e);
-        }
+        always(&mut failure, || steps.join_local());
     }
     local(&mut failure, || steps.run(Step::ConvertsAfter));
     failure.map_or(Ok(()), Err)
@@ -145,6 +133,14 @@ pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
 fn local(failure: &mut Option<Error>, step: impl FnOnce() -> Result<()>) {
     if failure.is_none() {
         *failure = step().err();
+    }
+}
+
+/// Runs a step that runs even after a failure (an exchange, a wait for side work), keeping
+/// the first error.
+fn always(failure: &mut Option<Error>, step: impl FnOnce() -> Result<()>) {
+    if let Err(e) = step() {
+        failure.get_or_insert(e);
     }
 }
 

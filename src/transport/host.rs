@@ -321,6 +321,20 @@ impl HostRank<'_, '_> {
         self.result.clone()
     }
 
+    /// Runs `converts`, then `copies`, on the rank's memory (see [`HostRank::work`]).
+    fn local(&mut self, converts: &[StridedConvert], copies: &[&[StridedCopy]]) -> Result<()> {
+        let rank = self.program.rank;
+        self.work(|memory| {
+            for convert in converts {
+                run_convert(convert, memory).map_err(|e| e.context(format!("rank {rank}")))?;
+            }
+            for copy in copies.iter().copied().flatten() {
+                run_copy(copy, memory).map_err(|e| e.context(format!("rank {rank}")))?;
+            }
+            Ok(())
+        })
+    }
+
     /// Meets both barriers of every round before `round` (all remaining ones for `None`) that
     /// this rank takes no part in.
     fn meet_rounds_up_to(&mut self, round: Option<u32>) {
@@ -345,16 +359,7 @@ impl Steps for HostRank<'_, '_> {
             Step::EarlyUnpacks(k) => (&[], vec![rounds[k].early_unpacks()]),
             Step::ConvertsAfter => (&program.converts_after, Vec::new()),
         };
-        let rank = program.rank;
-        self.work(|memory| {
-            for convert in converts {
-                run_convert(convert, memory).map_err(|e| e.context(format!("rank {rank}")))?;
-            }
-            for copy in copies.into_iter().flatten() {
-                run_copy(copy, memory).map_err(|e| e.context(format!("rank {rank}")))?;
-            }
-            Ok(())
-        })
+        self.local(converts, &copies)
     }
 
     /// Phase 1: the round's sends; then, once every rank has posted its sends, phase 2: the
@@ -385,13 +390,7 @@ impl Steps for HostRank<'_, '_> {
         if !std::mem::take(&mut self.copying) {
             return Ok(());
         }
-        let (rank, copies) = (self.program.rank, &self.program.local_copies);
-        self.work(|memory| {
-            copies
-                .iter()
-                .try_for_each(|copy| run_copy(copy, memory))
-                .map_err(|e| e.context(format!("rank {rank}")))
-        })
+        self.local(&[], &[&self.program.local_copies])
     }
 
     /// A round's conversions run as late as an executor may run them, when they are joined:
@@ -406,13 +405,7 @@ impl Steps for HostRank<'_, '_> {
         if self.converts.take() != Some(k) {
             return Ok(());
         }
-        let (rank, converts) = (self.program.rank, self.rounds[k].converts);
-        self.work(|memory| {
-            converts
-                .iter()
-                .try_for_each(|convert| run_convert(convert, memory))
-                .map_err(|e| e.context(format!("rank {rank}")))
-        })
+        self.local(self.rounds[k].converts, &[])
     }
 
     /// Late unpacks run as late as an executor may run them, when their parity is joined:
@@ -428,12 +421,7 @@ impl Steps for HostRank<'_, '_> {
         let Some(k) = self.deferred[parity].take() else {
             return Ok(());
         };
-        let (rank, late) = (self.program.rank, self.rounds[k].late_unpacks());
-        self.work(|memory| {
-            late.iter()
-                .try_for_each(|copy| run_copy(copy, memory))
-                .map_err(|e| e.context(format!("rank {rank}")))
-        })
+        self.local(&[], &[self.rounds[k].late_unpacks()])
     }
 }
 
