@@ -138,6 +138,44 @@ fn a_senders_conversions_follow_its_rounds() {
     }
 }
 
+#[test]
+fn a_per_channel_quantization_of_many_rows_is_cut_into_a_bounded_number_of_slabs() {
+    // Per-channel blocks are single rows: 2^20 rows per sender, sent over 4 rounds, must not
+    // become 2^20 conversions (the fuzzer's plan_create found planning taking seconds).
+    let spec = TensorSpec {
+        shape: vec![1 << 21, 2],
+        dtype: DType::Float32,
+        src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
+        dst: layout(&[2], &[2, 3], &[Placement::Shard(1)]),
+    };
+    let config = Config {
+        rounds: 4,
+        split_min_bytes: 4096,
+        ..auto()
+    };
+    let started = std::time::Instant::now();
+    let planner = Planner::with_conversions(
+        vec![spec],
+        vec![Some(Conversion::quantize(
+            DType::Float8E4M3,
+            Scheme::PerChannel,
+        ))],
+        config,
+    )
+    .unwrap();
+    for sender in 0..2 {
+        let program = planner.rank_program(sender).unwrap();
+        let elements: u64 = program.converts_before.iter().map(|c| c.elements()).sum();
+        assert_eq!(elements, 1 << 21);
+        assert!(
+            program.converts_before.len() <= 64,
+            "{}",
+            program.converts_before.len()
+        );
+    }
+    assert!(started.elapsed().as_secs() < 30, "{:?}", started.elapsed());
+}
+
 /// Byte offsets of every point of a grid of (count, stride) dims, outermost first.
 fn grid(dims: impl Iterator<Item = (u64, u64)>) -> impl Iterator<Item = u64> {
     dims.fold(

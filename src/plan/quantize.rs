@@ -1046,13 +1046,16 @@ fn offset_in(view: &RankView, start: &[u64]) -> u64 {
 ///
 /// A pair's stream is sent in its rounds in stream order (`rounds.rs`), so a tensor's blocks
 /// are first read over several rounds: each box is cut along its outermost dim of more than
-/// one block into slabs of one block, a slab's round is the first whose reads (packs and
+/// one block into slabs of whole blocks (one block each, or as many as keep the box within 64
+/// slabs: a box's cost stays bounded however many rows it has), a slab's round is the first whose reads (packs and
 /// sends, and the local copies, which run with the first round) touch the extent of its
 /// converted bytes or of its scales (an extent holds every byte a strided read touches, so
 /// the round is never later than the first real read), and runs of slabs with one round make
 /// one conversion each. Slabs nothing reads go with the last round. Stable within a round.
 /// Run while workspace locations still name their regions (before they are placed).
 fn converts_by_round(program: &mut RankProgram) {
+    /// The most slabs one box is cut into.
+    const SLABS_MAX: u64 = 64;
     let rounds = program.round_spans.len();
     if rounds < 2 || program.converts_before.is_empty() {
         if let Some(span) = program.round_spans.last_mut() {
@@ -1115,11 +1118,13 @@ fn converts_by_round(program: &mut RankProgram) {
             keyed.push((round_of(&convert), convert));
             continue;
         };
-        let (count, block) = (convert.dims[d].count, convert.dims[d].block);
+        // Slabs of whole blocks, at most SLABS_MAX of them (per-channel blocks are rows).
+        let (count, block) = (convert.dims[d].count, convert.dims[d].block.max(1));
+        let step = count.div_ceil(block).div_ceil(SLABS_MAX) * block;
         // Runs of slabs with one round: (from, to, round).
         let mut runs: Vec<(u64, u64, usize)> = Vec::new();
-        for from in (0..count).step_by(block as usize) {
-            let to = (from + block).min(count);
+        for from in (0..count).step_by(step as usize) {
+            let to = (from + step).min(count);
             let k = round_of(&slab_of(&convert, d, from, to));
             match runs.last_mut() {
                 Some(run) if run.2 == k => run.1 = to,
