@@ -17,7 +17,7 @@
 
 /** Library version this header belongs to (see ncclReshardGetVersion). */
 #define NCCL_RESHARD_MAJOR 0
-#define NCCL_RESHARD_MINOR 12
+#define NCCL_RESHARD_MINOR 13
 #define NCCL_RESHARD_PATCH 0
 #define NCCL_RESHARD_VERSION_CODE NCCL_RESHARD_VERSION(NCCL_RESHARD_MAJOR, NCCL_RESHARD_MINOR, NCCL_RESHARD_PATCH)
 
@@ -782,9 +782,13 @@ typedef struct {
  * written at `dstOffset + Σ i[k]·dstStride[k]` of `dstView` (Converted or Destination) as
  * `dstDtype`, the scale of block `b` (its index within the box) at `scaleOffset + Σ
  * b[k]·scaleStride[k]` of `scaleView`, by the tensor's `quant`; `chunkBytes` is 0 and `bytes`
- * the bytes written. Ordering: a convert transfer reading the Source view has round 0 and runs
- * before the rank's transfers that read its Converted or Scales views; one reading the
- * Unconverted view has a round one past the rank's last and runs after every receive.
+ * the bytes written. Ordering: a convert transfer reading the Source view has the round of
+ * the first of the rank's transfers that reads what it writes (its Converted or Scales
+ * bytes; the rank's last round if none does), is listed before that round's transfers, and
+ * must be done before the rank's transfers that read it start (it may run beside the rounds
+ * before; since 0.13 a box is cut by the round that first reads it, until then every such
+ * convert had round 0); one reading the Unconverted view has a round one past the rank's last
+ * and runs after every receive.
  *
  * `round`, `srcView`, `blockOffset` and `blockBytes` were added in 0.2: a caller whose struct
  * is the older size gets the other fields only. Its copies are still exact, and without
@@ -1122,8 +1126,10 @@ ncclResult_t ncclReshardPlanGetInfo(ncclReshardPlan_t plan, ncclReshardPlanInfo_
  * Running every rank's transfers under that rule leaves exactly what `ncclReshard` leaves in
  * the destination views and writes no byte outside them.
  *
- * Transfers are listed by round, ascending; within a round in canonical block order (tensor,
- * then the block's position), the pieces of a block by `blockOffset`. Their bytes add up, kind
+ * Transfers are listed by round, ascending; within a round the convert transfers reading the
+ * source view first (the round's conversions), then the others in canonical block order
+ * (tensor, then the block's position), the pieces of a block by `blockOffset`; the convert
+ * transfers after the last round come last. Their bytes add up, kind
  * by kind, to `bytesSent`, `bytesReceived` and `bytesCopied` of `ncclReshardPlanGetInfo`, and
  * per peer and round to what `ncclReshard` sends and receives (its messages pack several
  * transfers together or send one as it is; they are not listed).

@@ -83,9 +83,18 @@ fn tensor(
 }
 
 fn create(t: &ncclReshardTensor_t, rank: c_int) -> Result<ncclReshardPlan_t, (c_int, String)> {
+    create_with(t, rank, None)
+}
+
+fn create_with(
+    t: &ncclReshardTensor_t,
+    rank: c_int,
+    config: Option<&ncclReshardConfig_t>,
+) -> Result<ncclReshardPlan_t, (c_int, String)> {
     let mut plan: ncclReshardPlan_t = std::ptr::null_mut();
-    // SAFETY: valid descriptors and out-pointer.
-    let r = unsafe { ncclReshardPlanCreate(&mut plan, 1, t, rank, std::ptr::null()) };
+    let config = config.map_or(std::ptr::null(), |c| c as *const ncclReshardConfig_t);
+    // SAFETY: valid descriptors, config (or NULL) and out-pointer.
+    let r = unsafe { ncclReshardPlanCreate(&mut plan, 1, t, rank, config) };
     if r == 0 {
         Ok(plan)
     } else {
@@ -515,10 +524,18 @@ fn run_convert(
 }
 
 /// Runs every rank's exported transfers (`ncclReshardPlanGetTransfers`) with byte copies and
-/// the header's convert rule, then checks every converted element and scale against the
-/// reference quantizer's conversion of the whole tensor: the export is enough to run a plan
-/// that quantizes.
-fn run_exported(spec: &TensorSpec, conversion: &Conversion, c: &ncclReshardTensor_t) -> u64 {
+/// the header's convert rule, round by round, each round's converts of the source view right
+/// before its copies (no earlier: a convert listed in a round later than a copy reading its
+/// output leaves that copy reading the workspace's zeros), then checks every converted
+/// element and scale against the reference quantizer's conversion of the whole tensor: the
+/// export is enough to run a plan that quantizes. Returns (values and scales checked, source
+/// converts listed after round 0).
+fn run_exported(
+    spec: &TensorSpec,
+    conversion: &Conversion,
+    c: &ncclReshardTensor_t,
+    config: Option<&ncclReshardConfig_t>,
+) -> (u64, usize) {
     let specs = std::slice::from_ref(spec);
     let conversions = [Some(conversion.clone())];
     let mut ranks: Vec<u32> = spec
@@ -539,7 +556,7 @@ fn run_exported(spec: &TensorSpec, conversion: &Conversion, c: &ncclReshardTenso
     let mut memory: HashMap<u32, RankMemory> = HashMap::new();
     let mut lists: HashMap<u32, Vec<ncclReshardTransfer_t>> = HashMap::new();
     for &r in &ranks {
-        let plan = create(c, r as c_int).unwrap();
+        let plan = create_with(c, r as c_int, config).unwrap();
         lists.insert(r, transfers(plan));
         // SAFETY: a plan this test created.
         unsafe { ncclReshardPlanDestroy(plan) };
@@ -556,19 +573,28 @@ fn run_exported(spec: &TensorSpec, conversion: &Conversion, c: &ncclReshardTenso
     let is = |x: &ncclReshardTransfer_t, k: ncclReshardTransferKind_t| x.kind == k as c_int;
     let convert = ncclReshardTransferKind_t::ncclReshardTransferConvert;
     let scale_tensor = conversion.is_scaled().then_some(1usize);
-    // Converts reading the source view first, then the copies round by round (sends and
-    // local copies applied to both ends: a receive has its send's geometry), then the
+    // Round by round: the round's converts reading the source view, then its copies (sends
+    // and local copies applied to both ends: a receive has its send's geometry); then the
     // converts reading the unconverted view.
-    for &r in &ranks {
-        for x in lists[&r].iter().filter(|x| is(x, convert)) {
-            if x.srcView == ncclReshardView_t::ncclReshardViewSource as c_int {
+    let from_source = |x: &ncclReshardTransfer_t| {
+        is(x, convert) && x.srcView == ncclReshardView_t::ncclReshardViewSource as c_int
+    };
+    let later = lists
+        .values()
+        .flatten()
+        .filter(|x| from_source(x) && x.round > 0)
+        .count();
+    let last = lists.values().flatten().map(|x| x.round).max().unwrap_or(0);
+    for round in 0..=last {
+        for &r in &ranks {
+            for x in lists[&r]
+                .iter()
+                .filter(|x| x.round == round && from_source(x))
+            {
                 let m = memory.get_mut(&r).unwrap();
                 run_convert(m, x, conversion, spec, scale_tensor, &scaled);
             }
         }
-    }
-    let last = lists.values().flatten().map(|x| x.round).max().unwrap_or(0);
-    for round in 0..=last {
         for &r in &ranks {
             for x in lists[&r].iter().filter(|x| x.round == round) {
                 let send = is(x, ncclReshardTransferKind_t::ncclReshardTransferSend);
@@ -611,7 +637,7 @@ fn run_exported(spec: &TensorSpec, conversion: &Conversion, c: &ncclReshardTenso
                 .unwrap_or_else(|e| panic!("{e}"));
         }
     }
-    checked
+    (checked, later)
 }
 
 fn rust_layout(first: u32, n: u32, dim: usize) -> Layout {
@@ -657,9 +683,48 @@ fn exported_transfers_run_a_quantizing_plan_elsewhere() {
         };
         quant.scaleInverse = c_int::from(inverse);
         let c = tensor(&src, &dst, &quant);
-        let checked = run_exported(&spec, &conversion, &c);
+        let (checked, _) = run_exported(&spec, &conversion, &c, None);
         assert_eq!(checked, 512 * 384 + 4 * 3, "every element and scale");
     }
+}
+
+#[test]
+fn exported_converts_come_in_the_round_that_first_reads_them() {
+    // 2 senders of 256 rows (2 block rows each) → 3 receivers of 128 columns, in 2 to 6
+    // rounds: a pair's stream goes out in round order, so a sender's second block row is
+    // first read in a later round. Run round by round, each convert no earlier than its
+    // round, the export still reproduces every element and scale; and some converts are
+    // listed after round 0 (they may run beside the rounds before).
+    let spec = TensorSpec {
+        shape: vec![512, 384],
+        dtype: DType::Bfloat16,
+        src: rust_layout(0, 2, 0),
+        dst: rust_layout(2, 3, 1),
+    };
+    let conversion = Conversion::quantize(
+        DType::Float8E4M3,
+        Scheme::Block {
+            rows: 128,
+            cols: 128,
+        },
+    );
+    let (src, dst, quant) = (c_layout(0, 2, 0), c_layout(2, 3, 1), block_quant());
+    let c = tensor(&src, &dst, &quant);
+    let mut later_somewhere = false;
+    for rounds in [2, 3, 4, 6] {
+        let config = ncclReshardConfig_t {
+            rounds,
+            ..config_initializer()
+        };
+        let (checked, later) = run_exported(&spec, &conversion, &c, Some(&config));
+        assert_eq!(
+            checked,
+            512 * 384 + 4 * 3,
+            "{rounds} rounds: every element and scale"
+        );
+        later_somewhere |= later > 0;
+    }
+    assert!(later_somewhere, "no convert was listed after round 0");
 }
 
 #[test]

@@ -137,8 +137,9 @@ pub struct Export {
     pub blocks: Vec<Block>,
     /// The blocks' parts by round (`Transfer::block` indexes `blocks`), in export order.
     pub transfers: Vec<Transfer>,
-    /// Conversions the rank runs before the first round (a sender's).
-    pub converts_before: Vec<StridedConvert>,
+    /// Conversions of what the rank sends (or copies locally), with the round of the first
+    /// transfer that reads their output (they must be done before it), by round.
+    pub converts_before: Vec<(u32, StridedConvert)>,
     /// Conversions the rank runs after the last round (a receiver's).
     pub converts_after: Vec<StridedConvert>,
 }
@@ -300,7 +301,9 @@ impl Plan {
         let blocks = self.planner.rank_blocks(self.rank)?;
         let mut transfers = self.planner.transfers(&blocks);
         transfers.sort_by_key(|t| (t.round, t.block, t.offset));
-        let (converts_before, converts_after) = self.planner.conversion_steps(self.rank, &blocks);
+        let (converts_before, converts_after) = self
+            .planner
+            .conversion_steps(self.rank, &blocks, &transfers);
         // Another thread may have set it meanwhile: both computed the same.
         let _ = self.export.set(Export {
             blocks,

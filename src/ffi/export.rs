@@ -35,7 +35,8 @@ pub(crate) fn info(plan: &Plan) -> ncclReshardPlanInfo_t {
 }
 
 /// The C form of every transfer of `plan`, in export order (see `ncclReshardTransfer_t`): the
-/// conversions before the rounds, the transfers by round, the conversions after them.
+/// transfers by round, each round's conversions of what it sends before them, the conversions
+/// after the last round.
 pub(crate) fn transfers(plan: &Plan) -> Result<Vec<ncclReshardTransfer_t>> {
     let export = plan.export()?;
     let rank = plan.rank();
@@ -104,10 +105,12 @@ pub(crate) fn transfers(plan: &Plan) -> Result<Vec<ncclReshardTransfer_t>> {
         }
         t
     };
-    for c in &export.converts_before {
-        out.push(convert(c, 0));
-    }
+    // Each round's conversions come before its transfers (both are in round order).
+    let mut converts = export.converts_before.iter().peekable();
     for transfer in &export.transfers {
+        while let Some((round, c)) = converts.next_if(|&&(round, _)| round <= transfer.round) {
+            out.push(convert(c, *round));
+        }
         let b = &export.blocks[transfer.block];
         let (kind, peer) = if b.from == b.to {
             (ncclReshardTransferKind_t::ncclReshardTransferLocal, b.to)
@@ -157,6 +160,9 @@ pub(crate) fn transfers(plan: &Plan) -> Result<Vec<ncclReshardTransfer_t>> {
             t.dstStride[d] = dim.dst_stride as i64;
         }
         out.push(t);
+    }
+    for (round, c) in converts {
+        out.push(convert(c, *round));
     }
     let last = plan.program().rounds().last().map_or(0, |r| r.round + 1);
     for c in &export.converts_after {

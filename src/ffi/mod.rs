@@ -443,8 +443,10 @@ pub unsafe extern "C" fn ncclReshardPlanGetInfo(
 /// Running every rank's transfers under that rule leaves exactly what `ncclReshard` leaves in
 /// the destination views and writes no byte outside them.
 ///
-/// Transfers are listed by round, ascending; within a round in canonical block order (tensor,
-/// then the block's position), the pieces of a block by `blockOffset`. Their bytes add up, kind
+/// Transfers are listed by round, ascending; within a round the convert transfers reading the
+/// source view first (the round's conversions), then the others in canonical block order
+/// (tensor, then the block's position), the pieces of a block by `blockOffset`; the convert
+/// transfers after the last round come last. Their bytes add up, kind
 /// by kind, to `bytesSent`, `bytesReceived` and `bytesCopied` of `ncclReshardPlanGetInfo`, and
 /// per peer and round to what `ncclReshard` sends and receives (its messages pack several
 /// transfers together or send one as it is; they are not listed).

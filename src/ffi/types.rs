@@ -696,9 +696,13 @@ pub struct ncclReshardPlanInfo_t {
 /// written at `dstOffset + Σ i[k]·dstStride[k]` of `dstView` (Converted or Destination) as
 /// `dstDtype`, the scale of block `b` (its index within the box) at `scaleOffset + Σ
 /// b[k]·scaleStride[k]` of `scaleView`, by the tensor's `quant`; `chunkBytes` is 0 and `bytes`
-/// the bytes written. Ordering: a convert transfer reading the Source view has round 0 and runs
-/// before the rank's transfers that read its Converted or Scales views; one reading the
-/// Unconverted view has a round one past the rank's last and runs after every receive.
+/// the bytes written. Ordering: a convert transfer reading the Source view has the round of
+/// the first of the rank's transfers that reads what it writes (its Converted or Scales
+/// bytes; the rank's last round if none does), is listed before that round's transfers, and
+/// must be done before the rank's transfers that read it start (it may run beside the rounds
+/// before; since 0.13 a box is cut by the round that first reads it, until then every such
+/// convert had round 0); one reading the Unconverted view has a round one past the rank's last
+/// and runs after every receive.
 ///
 /// `round`, `srcView`, `blockOffset` and `blockBytes` were added in 0.2: a caller whose struct
 /// is the older size gets the other fields only. Its copies are still exact, and without

@@ -13,7 +13,7 @@ use super::core::CorePlanner;
 use super::fingerprint;
 use super::overlap;
 use super::program::RankProgram;
-use super::quantize::Conversions;
+use super::quantize::{by_first_read, Conversions, WorkReads};
 use super::rounds::Transfer;
 use super::steps::StridedConvert;
 use crate::error::Result;
@@ -80,16 +80,33 @@ impl Planner {
 
     /// The conversions `rank` runs before and after the rounds, for `rank`'s blocks (as
     /// [`Planner::rank_blocks`] gives them), with workspace locations naming regions
-    /// (`region_of`) rather than offsets in the rank's workspace: the exported form.
+    /// (`region_of`) rather than offsets in the rank's workspace: the exported form. Those
+    /// before come with their round: the first of `transfers` (the rank's, as
+    /// [`Planner::transfers`] gives them) that reads what they write, else the rank's last,
+    /// cut and ordered as the program's are (`quantize::by_first_read`).
     pub fn conversion_steps(
         &self,
         rank: u32,
         blocks: &[Block],
-    ) -> (Vec<StridedConvert>, Vec<StridedConvert>) {
-        match &self.conversions {
-            Some(c) => c.converts(self.core.tensors(), rank, blocks),
-            None => (Vec::new(), Vec::new()),
+        transfers: &[Transfer],
+    ) -> (Vec<(u32, StridedConvert)>, Vec<StridedConvert>) {
+        let Some(conversions) = &self.conversions else {
+            return (Vec::new(), Vec::new());
+        };
+        let (before, after) = conversions.converts(self.core.tensors(), rank, blocks);
+        let mut reads = WorkReads::default();
+        let mut last = 0;
+        for t in transfers {
+            if blocks[t.block].from == rank {
+                reads.note(t.copy.src, t.copy.src_end(), t.round as usize);
+            }
+            last = last.max(t.round);
         }
+        let before = by_first_read(before, reads, last as usize)
+            .into_iter()
+            .map(|(k, c)| (k as u32, c))
+            .collect();
+        (before, after)
     }
 
     /// Rounds the data is spread over (see [`Config::rounds`]); relayed data takes one more.

@@ -1042,20 +1042,10 @@ fn offset_in(view: &RankView, start: &[u64]) -> u64 {
 /// write and orders them by it, ending each round's conversions there
 /// ([`RoundSpan::converts_end`](super::RoundSpan::converts_end)), so that an executor may run
 /// a round's conversions beside the round before it (docs/quantization.md, "Conversions beside
-/// transfers").
-///
-/// A pair's stream is sent in its rounds in stream order (`rounds.rs`), so a tensor's blocks
-/// are first read over several rounds: each box is cut along its outermost dim of more than
-/// one block into slabs of whole blocks (one block each, or as many as keep the box within 64
-/// slabs: a box's cost stays bounded however many rows it has), a slab's round is the first whose reads (packs and
-/// sends, and the local copies, which run with the first round) touch the extent of its
-/// converted bytes or of its scales (an extent holds every byte a strided read touches, so
-/// the round is never later than the first real read), and runs of slabs with one round make
-/// one conversion each. Slabs nothing reads go with the last round. Stable within a round.
-/// Run while workspace locations still name their regions (before they are placed).
+/// transfers"). The reads are the round's packs and sends, and the local copies, which run
+/// with the first round; the cutting is [`by_first_read`]'s. Run while workspace locations
+/// still name their regions (before they are placed).
 fn converts_by_round(program: &mut RankProgram) {
-    /// The most slabs one box is cut into.
-    const SLABS_MAX: u64 = 64;
     let rounds = program.round_spans.len();
     if rounds < 2 || program.converts_before.is_empty() {
         if let Some(span) = program.round_spans.last_mut() {
@@ -1063,56 +1053,100 @@ fn converts_by_round(program: &mut RankProgram) {
         }
         return;
     }
-    // Per workspace region: the extents its reads touch, with their rounds, by start.
-    let mut reads: HashMap<u32, Vec<(u64, u64, usize)>> = HashMap::new();
-    let mut note = |loc: &Loc, end: u64, k: usize| {
-        if loc.buffer == Buffer::Work && end > loc.offset {
-            reads
-                .entry(loc.tensor)
-                .or_default()
-                .push((loc.offset, end, k));
-        }
-    };
+    let mut reads = WorkReads::default();
     for copy in &program.local_copies {
-        note(&copy.src, copy.src_end(), 0);
+        reads.note(copy.src, copy.src_end(), 0);
     }
     let (mut packs, mut sends) = (0, 0);
     for (k, span) in program.round_spans.iter().enumerate() {
         let (packs_end, sends_end) = (span.packs_end, span.sends_end);
         for copy in program.packs.get(packs..packs_end).unwrap_or_default() {
-            note(&copy.src, copy.src_end(), k);
+            reads.note(copy.src, copy.src_end(), k);
         }
         for m in program.sends.get(sends..sends_end).unwrap_or_default() {
-            note(&m.loc, m.loc.offset.saturating_add(m.bytes), k);
+            reads.note(m.loc, m.loc.offset.saturating_add(m.bytes), k);
         }
         (packs, sends) = (packs_end, sends_end);
     }
-    for list in reads.values_mut() {
-        list.sort_unstable();
+    let keyed = by_first_read(
+        std::mem::take(&mut program.converts_before),
+        reads,
+        rounds - 1,
+    );
+    let firsts: Vec<usize> = keyed.iter().map(|&(k, _)| k).collect();
+    program.converts_before = keyed.into_iter().map(|(_, c)| c).collect();
+    for (k, span) in program.round_spans.iter_mut().enumerate() {
+        span.converts_end = firsts.partition_point(|&r| r <= k);
     }
-    // The first round reading any byte of `[lo, hi)` of region `id` (`rounds` if none).
-    let first_read = |id: u32, lo: u64, hi: u64| -> usize {
-        reads.get(&id).map_or(rounds, |list| {
+}
+
+/// Where a rank reads its conversion workspace, keyed by when (a round): per region, the
+/// extents read (an extent holds every byte a strided read touches) with their keys.
+#[derive(Default)]
+pub(crate) struct WorkReads(HashMap<u32, Vec<(u64, u64, usize)>>);
+
+impl WorkReads {
+    /// A read of `[loc.offset, end)` at `key`; reads of other buffers are not noted.
+    pub(crate) fn note(&mut self, loc: Loc, end: u64, key: usize) {
+        if loc.buffer == Buffer::Work && end > loc.offset {
+            self.0
+                .entry(loc.tensor)
+                .or_default()
+                .push((loc.offset, end, key));
+        }
+    }
+
+    /// The smallest key reading any byte of `[lo, hi)` of region `id`, if any does.
+    fn first(&self, id: u32, lo: u64, hi: u64) -> Option<usize> {
+        self.0.get(&id).and_then(|list| {
             list.iter()
                 .take_while(|&&(start, _, _)| start < hi)
                 .filter(|&&(_, end, _)| end > lo)
                 .map(|&(_, _, k)| k)
                 .min()
-                .unwrap_or(rounds)
         })
-    };
+    }
+}
+
+/// A sender's conversions (workspace locations naming their regions), each keyed by the first
+/// of `reads` that touches what it writes (its converted bytes or its scales), in key order
+/// (stable within a key); nothing read: `last`, and no key is above it.
+///
+/// A pair's stream is sent in its rounds in stream order (`rounds.rs`), so a tensor's blocks
+/// are first read over several rounds: each box is cut along its outermost dim of more than
+/// one block into slabs of whole blocks (one block each, or as many as keep the box within 64
+/// slabs: a box's cost stays bounded however many rows it has), each slab keyed by its first
+/// read (never later than the first real read: extents over-approximate), and runs of slabs
+/// with one key make one conversion each. The program's conversions
+/// ([`RoundSpan::converts_end`](super::RoundSpan::converts_end)) and the exported convert
+/// transfers (`ncclReshardPlanGetTransfers`) are both cut here.
+pub(crate) fn by_first_read(
+    converts: Vec<StridedConvert>,
+    reads: WorkReads,
+    last: usize,
+) -> Vec<(usize, StridedConvert)> {
+    /// The most slabs one box is cut into.
+    const SLABS_MAX: u64 = 64;
+    let mut reads = reads;
+    for list in reads.0.values_mut() {
+        list.sort_unstable();
+    }
     let mut keyed: Vec<(usize, StridedConvert)> = Vec::new();
-    for convert in std::mem::take(&mut program.converts_before) {
+    for convert in converts {
         let dst_size = u64::from(convert.arithmetic.dst.size());
         let round_of = |c: &StridedConvert| {
             let (dst, scale) = (c.dst, c.scale);
             let values = c.reach(|d| d.dst_stride, dst_size);
-            let mut k = first_read(dst.tensor, dst.offset, dst.offset.saturating_add(values));
+            let mut k = reads.first(dst.tensor, dst.offset, dst.offset.saturating_add(values));
             if let Some(scale) = scale {
                 let bytes = c.scale_reach();
-                k = k.min(first_read(scale.tensor, scale.offset, scale.offset + bytes));
+                let s = reads.first(scale.tensor, scale.offset, scale.offset + bytes);
+                k = match (k, s) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
             }
-            k.min(rounds - 1)
+            k.unwrap_or(last).min(last)
         };
         let Some(d) = convert.dims.iter().position(|d| d.count > d.block) else {
             keyed.push((round_of(&convert), convert));
@@ -1121,7 +1155,7 @@ fn converts_by_round(program: &mut RankProgram) {
         // Slabs of whole blocks, at most SLABS_MAX of them (per-channel blocks are rows).
         let (count, block) = (convert.dims[d].count, convert.dims[d].block.max(1));
         let step = count.div_ceil(block).div_ceil(SLABS_MAX) * block;
-        // Runs of slabs with one round: (from, to, round).
+        // Runs of slabs with one key: (from, to, key).
         let mut runs: Vec<(u64, u64, usize)> = Vec::new();
         for from in (0..count).step_by(step as usize) {
             let to = (from + step).min(count);
@@ -1141,11 +1175,7 @@ fn converts_by_round(program: &mut RankProgram) {
         );
     }
     keyed.sort_by_key(|&(k, _)| k);
-    let firsts: Vec<usize> = keyed.iter().map(|&(k, _)| k).collect();
-    program.converts_before = keyed.into_iter().map(|(_, c)| c).collect();
-    for (k, span) in program.round_spans.iter_mut().enumerate() {
-        span.converts_end = firsts.partition_point(|&r| r <= k);
-    }
+    keyed
 }
 
 /// Elements `from .. to` along dim `d` of `convert`'s box (block-aligned: `from` a multiple of
