@@ -690,7 +690,8 @@ typedef struct {
    */
   uint64_t bytesCopied;
   /**
-   * Staging arena bytes the plan addresses (packs and unpacks).
+   * Staging arena bytes the plan addresses (packs and unpacks): the most a call takes,
+   * single-buffer calls (whose receives may land in place) or per-tensor calls.
    */
   uint64_t stagingBytes;
   /**

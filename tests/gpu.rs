@@ -895,6 +895,100 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
     }
 }
 
+#[test]
+#[ignore = "needs CUDA and NCCL: scripts/gpu-check.sh, scripts/emulated-gpu-tests.sh"]
+fn receives_land_in_place_where_views_sit_back_to_back() {
+    let n = world();
+    if n < 4 {
+        println!("gpu: receiving in place skipped: {n} device(s)");
+        return;
+    }
+    // 8 tensors [16, cols] f32, 0..4 whole on rank 0 and 4..8 on rank 1, split by columns
+    // over ranks 2 and 3: each sender's message to a receiver is its four column halves,
+    // packed. With 64 columns a receiver's views are 2 KiB, so `prepare` (views at 256-byte
+    // offsets) puts them back to back and the messages land in place; with 66 they are
+    // 2112 bytes, 192 bytes apart, and they must not.
+    use ncclreshard::{Layout, Mesh};
+    for cols in [64u64, 66] {
+        let tensors: Vec<TensorSpec> = (0..8u32)
+            .map(|k| TensorSpec {
+                shape: vec![16, cols],
+                dtype: DType::Float32,
+                src: Layout::new(
+                    Mesh::new(vec![1], vec![k / 4]).unwrap(),
+                    vec![Placement::Replicate],
+                ),
+                dst: Layout::new(
+                    Mesh::new(vec![2], vec![2, 3]).unwrap(),
+                    vec![Placement::Shard(1)],
+                ),
+            })
+            .collect();
+        for (mode, rounds) in [(Mode::Staged, 0), (Mode::Auto, 3)] {
+            let config = Config {
+                mode,
+                rounds,
+                ..Default::default()
+            };
+            let outcome = with_ranks(n, true, |rank| {
+                let plan = plan_of(&tensors, rank.r, &config).unwrap();
+                // Single-buffer calls run the placed program; per-tensor calls the plan's own.
+                let program = plan.placed().unwrap_or(plan.program());
+                let in_place = program
+                    .recvs
+                    .iter()
+                    .filter(|m| m.loc.buffer == Buffer::Dst)
+                    .count();
+                let executor = NcclTransport::for_plan(&plan);
+                let data = prepare(&rank.device, &tensors, rank.r);
+                for _ in 0..2 {
+                    executor
+                        .execute(&data.buffers(), rank.comm, rank.device.stream.cast())
+                        .unwrap_or_else(|e| panic!("rank {}: {e}", rank.r));
+                }
+                let mut checked = data.verify(&rank.device, &tensors, rank.r);
+                // ncclReshardMulti (its views could sit anywhere: the plan's own program,
+                // which unpacks).
+                let fresh = prepare(&rank.device, &tensors, rank.r);
+                let (send, recv) = fresh.pointers();
+                let held = |t: &TensorSpec, p: usize| {
+                    usize::from(t.src.mesh.ranks().contains(&rank.r)) * p
+                };
+                let send: Vec<usize> = send
+                    .iter()
+                    .zip(&tensors)
+                    .map(|(&p, t)| held(t, p))
+                    .collect();
+                let buffers = plan
+                    .views()
+                    .per_tensor(&send, &recv)
+                    .unwrap_or_else(|e| panic!("rank {}: {e}", rank.r));
+                executor
+                    .execute(&buffers, rank.comm, rank.device.stream.cast())
+                    .unwrap_or_else(|e| panic!("per-tensor, rank {}: {e}", rank.r));
+                checked += fresh.verify(&rank.device, &tensors, rank.r);
+                data.free(&rank.device);
+                fresh.free(&rank.device);
+                (checked, in_place, program.unpacks.len())
+            });
+            let checked: u64 = outcome.iter().map(|o| o.0).sum();
+            let landed: usize = outcome.iter().map(|o| o.1).sum();
+            let unpacks: usize = outcome.iter().map(|o| o.2).sum();
+            if cols == 64 {
+                assert!(landed >= 4, "{mode:?}: {landed} receives landed in place");
+                assert_eq!(unpacks, 0, "{mode:?}: unpacks left");
+            } else {
+                assert_eq!(landed, 0, "{mode:?}: receives landed across gaps");
+            }
+            println!(
+                "gpu: {n} ranks, receiving in place, views {} ({mode:?}, {} round(s)): byte-exact, {checked} elements ({landed} receives in place, {unpacks} unpacks)",
+                if cols == 64 { "back to back" } else { "192 bytes apart" },
+                if rounds == 0 { 1 } else { rounds }
+            );
+        }
+    }
+}
+
 /// A named plan of tensors and their conversions.
 type QuantizedCase = (
     &'static str,

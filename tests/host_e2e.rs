@@ -4,6 +4,7 @@
 
 mod oracle;
 
+use ncclreshard::exec::{NoLimits, Plan, PlanTensor, StagingLimit};
 use ncclreshard::plan::{Buffer, ExecMode, Message, GROUPABLE_MAX_MESSAGES_PER_RANK};
 use ncclreshard::transport::host::{execute, RankBuffers};
 use ncclreshard::{
@@ -1314,4 +1315,116 @@ fn staging_limits_keep_some_unpacks_late_and_every_byte_right() {
         verify(&tensors, &ranks, &before, &buffers);
     }
     assert!(partial > 0, "no rank kept only some of its unpacks late");
+}
+
+// Receiving in place (`plan::in_place`): destination views at offsets back to back.
+
+/// Every rank's program from `exec::Plan` (the path `ncclReshardPlanCreate` takes), its
+/// destination views at offsets back to back in tensor order but for a `gap` of bytes before
+/// tensor `t` where `gaps[t % gaps.len()]`; `None` if some rank's plan is refused.
+fn placed_programs(
+    tensors: &[TensorSpec],
+    config: &Config,
+    gaps: &[bool],
+    gap: u64,
+) -> Option<Vec<RankProgram>> {
+    all_ranks(tensors)
+        .iter()
+        .map(|&r| {
+            let mut at = 0u64;
+            let placed = tensors
+                .iter()
+                .enumerate()
+                .map(|(t, spec)| {
+                    let extent = OracleView::of(spec, &spec.dst, r).map_or(0, |v| v.extent());
+                    let offset = at + if gaps[t % gaps.len()] { gap } else { 0 };
+                    at = offset + extent as u64;
+                    PlanTensor {
+                        dst_offset: offset,
+                        ..PlanTensor::new(spec.clone())
+                    }
+                })
+                .collect();
+            // The single-buffer call's program.
+            Plan::new(placed, r, config.clone(), StagingLimit::new(0), &NoLimits)
+                .ok()
+                .map(|plan| (**plan.placed().unwrap_or(plan.program())).clone())
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Destination views back to back in tensor order (now and then a gap before one):
+    /// receives whose bytes would be unpacked, in order, onto adjacent views land there, and
+    /// every byte still lands, no byte beside a view changes.
+    #[test]
+    fn receives_landing_in_place_are_byte_exact(
+        tensors in tensors(),
+        config in config(prop::sample::select(vec![Mode::Staged, Mode::Auto])),
+        gaps in prop::collection::vec(prop::bool::weighted(0.2), 1..=5),
+    ) {
+        let Some(programs) = placed_programs(&tensors, &config, &gaps, 64) else {
+            return Ok(());
+        };
+        let ranks = all_ranks(&tensors);
+        let before = initial_buffers(&tensors, &ranks);
+        let mut buffers = before.clone();
+        execute(&programs, &mut buffers).unwrap_or_else(|e| panic!("execute: {e}"));
+        verify(&tensors, &ranks, &before, &buffers);
+        verify_accounting(&tensors, &ranks, &programs);
+    }
+}
+
+#[test]
+fn receives_land_in_place_where_views_sit_back_to_back() {
+    // 8 tensors [16, 24] f32, 0..4 whole on rank 0 and 4..8 on rank 1, split by columns over
+    // ranks 2 and 3: a sender packs its column halves (strided in its view), and each
+    // receives 4 whole views of consecutive tensors in one staged message per sender.
+    let tensors: Vec<TensorSpec> = (0..8u32)
+        .map(|k| TensorSpec {
+            shape: vec![16, 24],
+            dtype: DType::Float32,
+            src: layout(
+                Mesh::new(vec![1], vec![k / 4]).unwrap(),
+                &[Placement::Replicate],
+            ),
+            dst: layout(grid(&[2], 2), &[Placement::Shard(1)]),
+        })
+        .collect();
+    let ranks = all_ranks(&tensors);
+    for (gap, in_place) in [(0u64, true), (64, false)] {
+        for mode in [Mode::Staged, Mode::Auto] {
+            let programs =
+                placed_programs(&tensors, &with_mode(mode), &[true], gap).expect("plans");
+            for p in programs.iter().filter(|p| p.rank >= 2) {
+                assert_eq!(p.recvs.len(), 2, "rank {}: one message per sender", p.rank);
+                let landed = p.recvs.iter().all(|m| m.loc.buffer == Buffer::Dst);
+                assert_eq!(
+                    landed, in_place,
+                    "rank {} with gaps of {gap}: {:?}",
+                    p.rank, p.recvs
+                );
+                if in_place {
+                    assert!(
+                        p.unpacks.is_empty() && p.staging_bytes == 0,
+                        "rank {}",
+                        p.rank
+                    );
+                    let runs: Vec<(u32, u32)> =
+                        p.dst_after.iter().map(|a| (a.view, a.next)).collect();
+                    assert_eq!(runs, [(0, 1), (1, 2), (2, 3), (4, 5), (5, 6), (6, 7)]);
+                    assert!(p.dst_after.iter().all(|a| a.bytes == 16 * 12 * 4));
+                } else {
+                    assert_eq!(p.unpacks.len(), 8);
+                    assert!(p.dst_after.is_empty());
+                }
+            }
+            let before = initial_buffers(&tensors, &ranks);
+            let mut buffers = before.clone();
+            execute(&programs, &mut buffers).unwrap_or_else(|e| panic!("execute: {e}"));
+            verify(&tensors, &ranks, &before, &buffers);
+        }
+    }
 }

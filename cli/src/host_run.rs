@@ -48,7 +48,8 @@ pub fn plan_fill_execute(
     }
     let planner = refit_setup::planner(tensors, conversions, config)?;
     let ranks = planner.ranks();
-    let (programs, plan) = refit_setup::plan_all(&planner, "planning ranks")?;
+    let (programs, plan) =
+        refit_setup::plan_all(&planner, refit_setup::Views::Separate, "planning ranks")?;
     let (mut buffers, fill) = fill(tensors, conversions, &ranks)?;
     let execute = match run_reshard(&programs, &mut buffers) {
         Ok(took) => took,

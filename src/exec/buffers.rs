@@ -12,6 +12,7 @@
 
 use crate::error::{Error, Result};
 use crate::layout::{RankView, Side, TensorSpec};
+use crate::plan::DstRange;
 use crate::quant::Conversion;
 
 /// Where a call's buffers are: what an executor is handed after [`RankViews`] checked them.
@@ -223,6 +224,24 @@ impl RankViews {
         })
     }
 
+    /// Where the destination views sit in the single-buffer call's destination buffer (one
+    /// entry per destination view, `None` where the rank has none): the layout its receives
+    /// may land in place in (`plan::in_place`). `None` when the single-buffer call is refused
+    /// (views overlap at their offsets: a plan only ever called per tensor may leave them 0).
+    pub fn dst_ranges(&self) -> Option<Vec<Option<DstRange>>> {
+        self.single_refused.is_none().then(|| {
+            self.tensors
+                .iter()
+                .map(|v| {
+                    v.dst.map(|r| DstRange {
+                        offset: r.offset,
+                        bytes: r.bytes,
+                    })
+                })
+                .collect()
+        })
+    }
+
     /// The views, one entry per tensor in plan order.
     pub fn tensors(&self) -> &[TensorViews] {
         &self.tensors
@@ -408,6 +427,20 @@ mod tests {
             names,
         ));
         assert!(err.contains("tensors[1].dstOffset"), "{err}");
+    }
+
+    #[test]
+    fn views_back_to_back_are_a_layout_to_receive_in_place_into() {
+        let two = [spec(), spec()];
+        let names = vec![None, Some("w".to_string())];
+        // Rank 1's destination views are 64 bytes: at 0 and 64 they sit back to back.
+        let views = RankViews::new(1, &two, &[(0, 0), (32, 64)], names.clone()).unwrap();
+        let range = |offset| Some(DstRange { offset, bytes: 64 });
+        assert_eq!(views.dst_ranges(), Some(vec![range(0), range(64)]));
+        // Overlapping views are no layout (offsets left at 0): the single-buffer call is
+        // refused.
+        let zero = RankViews::new(1, &two, &[(0, 0), (32, 0)], names).unwrap();
+        assert_eq!(zero.dst_ranges(), None);
     }
 
     #[test]

@@ -7,4 +7,6 @@ pub mod buffers;
 mod plan;
 pub mod schedule;
 
-pub use plan::{rank_program, Export, Limits, NoLimits, Plan, PlanTensor, StagingLimit};
+pub use plan::{
+    rank_program, rank_program_placed, Export, Limits, NoLimits, Plan, PlanTensor, StagingLimit,
+};

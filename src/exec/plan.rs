@@ -11,7 +11,10 @@ use super::buffers::RankViews;
 use crate::debug::{self, Level};
 use crate::error::{Error, Result};
 use crate::layout::{DType, TensorSpec};
-use crate::plan::{Block, Config, Mode, Planner, RankProgram, StridedConvert, Transfer};
+use crate::plan::{
+    overlap_unpacks, receive_in_place, Block, Config, DstRange, Mode, Planner, RankProgram,
+    StridedConvert, Transfer,
+};
 use crate::quant::Conversion;
 use std::sync::{Arc, OnceLock};
 
@@ -105,12 +108,45 @@ pub fn rank_program(
     staging: StagingLimit,
     limits: &dyn Limits,
 ) -> Result<RankProgram> {
+    let sequential = planner.rank_program_sequential(rank)?;
+    within(sequential, rank, staging, limits)
+}
+
+/// The program a single-buffer call (`ncclReshard`) of a rank whose destination views sit at
+/// `dst` runs (view `t` at `dst[t]`, tensors then scale tensors; views that do not overlap):
+/// [`rank_program`]'s, with its staged receives whose bytes would be unpacked, in order, onto
+/// adjacent destination bytes landing there instead (docs/executor.md, "Receiving in place");
+/// [`rank_program`]'s itself when there are none.
+pub fn rank_program_placed(
+    planner: &Planner,
+    rank: u32,
+    staging: StagingLimit,
+    limits: &dyn Limits,
+    dst: Option<&[Option<DstRange>]>,
+) -> Result<RankProgram> {
+    let mut sequential = planner.rank_program_sequential(rank)?;
+    if let Some(dst) = dst {
+        receive_in_place(&mut sequential, dst);
+    }
+    within(sequential, rank, staging, limits)
+}
+
+/// A program without late unpacks made into the program plan creation gives: its late
+/// unpacks marked within `staging` (all of them, or as many as fit), checked.
+fn within(
+    sequential: RankProgram,
+    rank: u32,
+    staging: StagingLimit,
+    limits: &dyn Limits,
+) -> Result<RankProgram> {
     let limit = staging.bytes();
     let needs = |p: &RankProgram| p.staging_bytes.saturating_add(p.work_bytes);
-    let mut program = planner.rank_program(rank)?;
+    let mut program = sequential.clone();
+    overlap_unpacks(&mut program, u64::MAX);
     if needs(&program) > limit && program.has_late_unpacks() {
         let staging = limit.saturating_sub(program.work_bytes);
-        program = planner.rank_program_within(rank, staging)?;
+        program = sequential;
+        overlap_unpacks(&mut program, staging);
     }
     let needed = needs(&program);
     if needed > limit {
@@ -151,6 +187,9 @@ pub struct Plan {
     rank: u32,
     planner: Planner,
     program: Arc<RankProgram>,
+    /// The single-buffer call's program where some of its receives land in place (its views
+    /// sit back to back at their offsets), if it differs from `program`.
+    placed: Option<Arc<RankProgram>>,
     views: RankViews,
     /// Each tensor's (source, destination) dtype.
     dtypes: Vec<(DType, DType)>,
@@ -196,7 +235,20 @@ impl Plan {
         )?;
         // The same program as program_from_transfers(rank_blocks, transfers), without listing
         // the blocks (tests/transfers.rs checks that they agree).
-        let program = Arc::new(rank_program(&planner, rank, staging, limits)?);
+        let sequential = planner.rank_program_sequential(rank)?;
+        // A single-buffer call's views sit at the offsets: where they do not overlap, its
+        // receives may land in place; the per-tensor call's views may sit anywhere.
+        let placed = match views.dst_ranges() {
+            Some(dst) => {
+                let mut placed = sequential.clone();
+                match receive_in_place(&mut placed, &dst) {
+                    0 => None,
+                    _ => Some(Arc::new(within(placed, rank, staging, limits)?)),
+                }
+            }
+            None => None,
+        };
+        let program = Arc::new(within(sequential, rank, staging, limits)?);
         debug::log(Level::Info, || {
             format!(
                 "plan for rank {rank}: {} tensors, {:?} mode, {} round(s), {} peers, {} sends ({} bytes), {} receives ({} bytes), {} bytes copied locally, {} staging bytes, fingerprint {:#018x}",
@@ -217,6 +269,7 @@ impl Plan {
             rank,
             planner,
             program,
+            placed,
             views,
             dtypes,
             export: OnceLock::new(),
@@ -268,9 +321,17 @@ impl Plan {
         &self.planner
     }
 
-    /// What the rank runs on every call.
+    /// What the rank runs on every per-tensor call (`ncclReshardMulti`), and on every
+    /// single-buffer call unless [`Plan::placed`] says otherwise.
     pub fn program(&self) -> &Arc<RankProgram> {
         &self.program
+    }
+
+    /// What the rank runs on a single-buffer call (`ncclReshard`) when it differs from
+    /// [`Plan::program`]: the same messages, some receives landing in place in the views the
+    /// tensors' destination offsets put back to back (docs/executor.md, "Receiving in place").
+    pub fn placed(&self) -> Option<&Arc<RankProgram>> {
+        self.placed.as_ref()
     }
 
     /// This rank's views and the rules a call's buffers must follow.

@@ -24,7 +24,9 @@ pub(crate) fn info(plan: &Plan) -> ncclReshardPlanInfo_t {
         bytesSent: p.bytes_sent(),
         bytesReceived: p.bytes_received(),
         bytesCopied: p.bytes_copied_locally(),
-        stagingBytes: p.staging_bytes,
+        stagingBytes: plan
+            .placed()
+            .map_or(p.staging_bytes, |q| q.staging_bytes.max(p.staging_bytes)),
         fingerprint: p.fingerprint,
         sendBytes: plan.views().send_bytes(),
         recvBytes: plan.views().recv_bytes(),

@@ -618,7 +618,8 @@ pub struct ncclReshardPlanInfo_t {
     pub bytesReceived: u64,
     /// Bytes copied locally (colocated source and destination on this rank).
     pub bytesCopied: u64,
-    /// Staging arena bytes the plan addresses (packs and unpacks).
+    /// Staging arena bytes the plan addresses (packs and unpacks): the most a call takes,
+    /// single-buffer calls (whose receives may land in place) or per-tensor calls.
     pub stagingBytes: u64,
     /// Equal on all ranks iff they created the plan from the same descriptors and config.
     pub fingerprint: u64,

@@ -187,6 +187,16 @@ impl DeviceProgram {
         }
     }
 
+    /// `program` (another of the plan's programs) with the same views' offsets.
+    pub fn sibling(&self, program: Arc<RankProgram>, constants: Vec<Vec<u64>>) -> DeviceProgram {
+        DeviceProgram::new(
+            program,
+            self.src_offsets.clone(),
+            self.dst_offsets.clone(),
+            constants,
+        )
+    }
+
     /// How the single-buffer call addresses the tensors' views.
     pub fn single_addressing(&self) -> Addressing<'_> {
         Addressing::Single {

@@ -20,6 +20,7 @@ mod config;
 mod core;
 mod fingerprint;
 mod fxhash;
+mod in_place;
 mod loads;
 mod messages;
 mod overlap;
@@ -35,11 +36,14 @@ pub use blocks::Block;
 pub use config::{
     Config, Mode, Topology, AUTO_MESSAGES_PER_RANK, GROUPABLE_MAX_MESSAGES_PER_RANK, MAX_ROUNDS,
 };
+pub use in_place::DstRange;
 pub use planner::Planner;
-pub use program::{ExecMode, Message, RankProgram, Round, RoundSpan};
+pub use program::{ExecMode, Message, RankProgram, Round, RoundSpan, ViewAfter};
 pub use rounds::Transfer;
 pub use steps::{Buffer, ConvertDim, CopyDim, Loc, StridedConvert, StridedCopy};
 pub use survivors::survivors;
 
 pub(crate) use config::DEFAULT_SPLIT_MIN_BYTES;
+pub(crate) use in_place::receive_in_place;
+pub(crate) use overlap::overlap_unpacks;
 pub(crate) use quantize::{region_of, WorkRegion};

@@ -138,6 +138,25 @@ pub struct RankProgram {
     /// Bytes of conversion workspace ([`Buffer::Work`](crate::plan::Buffer::Work)) the program
     /// addresses.
     pub work_bytes: u64,
+    /// Destination views that sit back to back in the call's destination buffer and that a
+    /// receive landing in place runs across (`plan::in_place`), by view. A receive at
+    /// `Loc { Dst, t, offset }` may run past the end of view `t` into the view after it (and
+    /// on); a call must keep those views adjacent. Empty unless the plan was made with the
+    /// rank's destination offsets.
+    pub dst_after: Vec<ViewAfter>,
+}
+
+/// Destination view `next` starts where view `view`, `bytes` long (its extent), ends: a
+/// receive landing in place runs from one into the other. In `ncclReshardMulti`,
+/// `recvbuffs[next]` must be `recvbuffs[view] + bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ViewAfter {
+    /// The view a receive runs out of.
+    pub view: u32,
+    /// Its extent in bytes.
+    pub bytes: u64,
+    /// The view it runs into.
+    pub next: u32,
 }
 
 impl RankProgram {

@@ -9,7 +9,9 @@
 use crate::error::{Error, Result};
 use crate::exec::schedule::{self, Step, Steps};
 use crate::layout::next_index;
-use crate::plan::{Buffer, Loc, Message, RankProgram, Round, StridedConvert, StridedCopy};
+use crate::plan::{
+    Buffer, Loc, Message, RankProgram, Round, StridedConvert, StridedCopy, ViewAfter,
+};
 use crate::quant::amax;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Barrier, Mutex};
@@ -170,6 +172,32 @@ impl Memory<'_> {
         let range =
             bounds(loc, bytes, buf.len()).ok_or_else(|| out_of_bounds(loc, bytes, buf.len()))?;
         Ok(&buf[range])
+    }
+
+    /// Writes `data` at `loc`; a receive landing in place may run past the end of a
+    /// destination view into the views after it (`after`, [`RankProgram::dst_after`]), as it
+    /// would in one buffer. Bounds-checked.
+    fn receive(&mut self, loc: Loc, data: &[u8], after: &[ViewAfter]) -> Result<()> {
+        let next = |t: u32| after.iter().find(|a| a.view == t);
+        let (mut at, mut rest) = (loc, data);
+        loop {
+            let here = match next(at.tensor).filter(|_| at.buffer == Buffer::Dst) {
+                Some(a) => (rest.len() as u64).min(a.bytes.saturating_sub(at.offset)),
+                None => rest.len() as u64,
+            };
+            let (now, later) = rest.split_at(here as usize);
+            self.write(at, here)?.copy_from_slice(now);
+            rest = later;
+            if rest.is_empty() {
+                return Ok(());
+            }
+            let a = next(at.tensor).expect("a receive runs on only into a next view");
+            at = Loc {
+                buffer: Buffer::Dst,
+                tensor: a.next,
+                offset: 0,
+            };
+        }
     }
 
     fn write(&mut self, loc: Loc, bytes: u64) -> Result<&mut [u8]> {
@@ -368,11 +396,19 @@ impl Steps for HostRank<'_, '_> {
     /// instead of taking a later one.
     fn exchange(&mut self, _: usize, round: &Round<'_>) -> Result<()> {
         self.meet_rounds_up_to(Some(round.round));
-        let (rank, shared) = (self.program.rank, self.shared);
+        let (rank, shared, after) = (self.program.rank, self.shared, &self.program.dst_after);
         let _ = self.work(|memory| send_all(rank, round.round, round.sends, memory, shared));
         shared.barrier.wait();
-        let _ = self
-            .work(|memory| receive_all(rank, round.round, round.recvs, memory, shared.mailboxes));
+        let _ = self.work(|memory| {
+            receive_all(
+                rank,
+                round.round,
+                round.recvs,
+                after,
+                memory,
+                shared.mailboxes,
+            )
+        });
         shared.barrier.wait();
         self.met += 1;
         self.result.clone()
@@ -459,6 +495,7 @@ fn receive_all(
     rank: u32,
     round: u32,
     recvs: &[Message],
+    after: &[ViewAfter],
     memory: &mut Memory<'_>,
     mailboxes: &Mailboxes,
 ) -> Result<()> {
@@ -492,9 +529,8 @@ fn receive_all(
             )));
         }
         memory
-            .write(recv.loc, recv.bytes)
-            .map_err(|e| e.context(format!("rank {rank}")))?
-            .copy_from_slice(&message);
+            .receive(recv.loc, &message, after)
+            .map_err(|e| e.context(format!("rank {rank}")))?;
     }
     Ok(())
 }

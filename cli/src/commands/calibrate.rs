@@ -121,6 +121,7 @@ fn compare(c: &Comparison) -> Result<ComparisonRow, Failure> {
         &cluster,
         refit_setup::config(Mode::Auto, &cluster),
         &options,
+        refit_setup::Views::Separate,
     )?;
     Ok(ComparisonRow {
         name: c.name,

@@ -1,7 +1,7 @@
 //! `ncclreshard refit`: a real refit of a scaled-down model on the host executor, every byte
 //! verified, next to the simulated time of the full-size refit on a cluster.
 
-use super::refit_setup::{self, RefitArgs};
+use super::refit_setup::{self, RefitArgs, Views};
 use super::simulate::{self, Simulation};
 use super::{usage, Command};
 use crate::args::{flag, value, Parsed};
@@ -239,7 +239,14 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         let config = refit_setup::config_with_options(parsed, "refit", mode, &cluster)?;
         let conversions = args.conversions(&refit, 1)?;
         Some((
-            simulate::simulate(&refit, &conversions, &cluster, config, &options)?,
+            simulate::simulate(
+                &refit,
+                &conversions,
+                &cluster,
+                config,
+                &options,
+                Views::Separate,
+            )?,
             refit.bytes(),
         ))
     } else {

@@ -6,8 +6,10 @@ use crate::args::Parsed;
 use crate::models_json::{load_model, load_system, Model};
 use crate::work;
 use crate::Failure;
-use ncclreshard::exec::{rank_program, StagingLimit};
+use ncclreshard::exec::buffers::RankViews;
+use ncclreshard::exec::{rank_program_placed, StagingLimit};
 use ncclreshard::layout::Side;
+use ncclreshard::plan::DstRange;
 use ncclreshard::quant::Conversion;
 use ncclreshard::transport::nccl::NcclTransport;
 use ncclreshard::{Config, DType, Mode, Planner, RankProgram, TensorSpec, Topology};
@@ -282,14 +284,94 @@ pub fn planner(
         .map_err(|e| Failure::Input(e.to_string()))
 }
 
-/// Every rank's program, planned on all cores with a progress line; and the wall time.
-pub fn plan_all(planner: &Planner, label: &str) -> Result<(Vec<RankProgram>, Duration), Failure> {
+/// Where a rank's destination views sit (`--views`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Views {
+    /// One buffer per view (`ncclReshardMulti` with separate allocations): the planner knows
+    /// nothing of where they sit.
+    Separate,
+    /// Back to back in tensor order, scale views after them, in one destination buffer (the
+    /// single-buffer `ncclReshard` with offsets in descriptor order): staged receives whose
+    /// data lands on adjacent views are received in place (docs/executor.md, "Receiving in
+    /// place").
+    Packed,
+}
+
+impl Views {
+    /// `--views separate|packed` (default separate).
+    pub fn parse(parsed: &Parsed, command: &'static str) -> Result<Views, Failure> {
+        match parsed.value("views") {
+            None | Some("separate") => Ok(Views::Separate),
+            Some("packed") => Ok(Views::Packed),
+            Some(other) => Err(usage(
+                command,
+                format!("--views {other:?}: expected separate or packed"),
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Views::Separate => "separate",
+            Views::Packed => "packed",
+        }
+    }
+
+    /// `rank`'s destination views as this layout places them, for the planner.
+    fn ranges(self, planner: &Planner, rank: u32) -> Option<Vec<Option<DstRange>>> {
+        if self == Views::Separate {
+            return None;
+        }
+        let n = planner.tensors().len();
+        let extents = RankViews::with_conversions(
+            rank,
+            planner.tensors(),
+            planner.conversions(),
+            &vec![(0, 0); n],
+            &vec![0; n],
+            vec![None; n],
+        )
+        .ok()?;
+        let mut at = 0u64;
+        Some(
+            extents
+                .tensors()
+                .iter()
+                .map(|v| {
+                    v.dst.map(|r| {
+                        let range = DstRange {
+                            offset: at,
+                            bytes: r.bytes,
+                        };
+                        at += r.bytes;
+                        range
+                    })
+                })
+                .collect(),
+        )
+    }
+}
+
+/// Every rank's program, planned on all cores with a progress line, its destination views
+/// placed as `views` says; and the wall time.
+pub fn plan_all(
+    planner: &Planner,
+    views: Views,
+    label: &str,
+) -> Result<(Vec<RankProgram>, Duration), Failure> {
     let ranks = planner.ranks();
     let (programs, took) = work::track(label, ranks.len(), |done| {
         work::map(&ranks, done, |&rank| {
             // As ncclReshardPlanCreate plans it (the staging limit, the NCCL transport's).
-            rank_program(planner, rank, StagingLimit::new(0), NcclTransport::LIMITS)
-                .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))
+            let placed = views.ranges(planner, rank);
+            rank_program_placed(
+                planner,
+                rank,
+                StagingLimit::new(0),
+                NcclTransport::LIMITS,
+                placed.as_deref(),
+            )
+            .map_err(|e| Failure::Input(format!("rank {rank}: {e}")))
         })
     });
     Ok((programs.into_iter().collect::<Result<_, _>>()?, took))

@@ -1,7 +1,7 @@
 //! `ncclreshard simulate`: estimated refit time on a cluster (reshard vs gather+broadcast vs
 //! the physical lower bound), from the real programs of every rank.
 
-use super::refit_setup::{self, RefitArgs};
+use super::refit_setup::{self, RefitArgs, Views};
 use super::{usage, Command};
 use crate::args::{flag, value, Parsed};
 use crate::out;
@@ -30,6 +30,7 @@ pub const COMMAND: Command = Command {
         value("dtype"),
         value("infer-dtype"),
         value("experts"),
+        value("views"),
         flag("colocated"),
         value("mode"),
         value("rounds"),
@@ -73,6 +74,11 @@ Options:
                      a plain cast. Also simulates the refit without conversion and reports
                      the bytes saved and the time ratio (JSON: "conversion")
   --experts E        stacked (default) or per-expert routed expert tensors
+  --views V          Where each inference rank's destination views sit: separate (default:
+                     one buffer each, as ncclReshardMulti with separate allocations) or packed
+                     (back to back in tensor order in one buffer, as ncclReshard with offsets
+                     in descriptor order: receives whose data lands on adjacent views land
+                     in place, no unpack; docs/executor.md, "Receiving in place")
   --colocated        Inference runs on the training ranks (default: the ranks after them)
   --mode MODE        auto (default), staged or groupable
   --rounds N         Staged/auto: rounds to spread the data over (default 0: automatic)
@@ -156,11 +162,13 @@ pub fn simulate(
     cluster: &Cluster,
     config: Config,
     options: &SimOptions,
+    views: Views,
 ) -> Result<Simulation, Failure> {
     let unconverted = if conversions.iter().any(Option::is_some) {
         let none = vec![None; refit.tensors.len()];
         let planner = refit_setup::planner(&refit.tensors, &none, config.clone())?;
-        let (programs, _) = refit_setup::plan_all(&planner, "planning ranks (no conversion)")?;
+        let (programs, _) =
+            refit_setup::plan_all(&planner, views, "planning ranks (no conversion)")?;
         let (report, _) = work::track("simulating (no conversion)", 0, |_| {
             sim::simulate_with(&programs, cluster, options)
         });
@@ -169,7 +177,7 @@ pub fn simulate(
         None
     };
     let planner = refit_setup::planner(&refit.tensors, conversions, config)?;
-    let (programs, planned) = refit_setup::plan_all(&planner, "planning ranks")?;
+    let (programs, planned) = refit_setup::plan_all(&planner, views, "planning ranks")?;
     let ((reshard, (m2n_hierarchical, m2n_direct, m2n_one_comm), baseline, bound), simulated) =
         work::track("simulating", 0, |_| {
             let peers = |params: &M2nParams, schedule: Schedule| {
@@ -438,6 +446,7 @@ struct Output {
     /// What inference stores (`--infer-dtype`, else `dtype`).
     infer_dtype: String,
     experts: &'static str,
+    views: &'static str,
     mode: &'static str,
     cluster: ClusterJson,
     tensors: usize,
@@ -629,6 +638,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
     let cluster = refit_setup::cluster(parsed, "simulate")?;
     let mode = refit_setup::mode(parsed, "simulate")?;
     let options = sim_options(parsed, "simulate")?;
+    let views = Views::parse(parsed, "simulate")?;
     let started = Instant::now();
     let refit = args.refit(1)?;
     let build_s = started.elapsed().as_secs_f64();
@@ -637,7 +647,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
     }
     let config = refit_setup::config_with_options(parsed, "simulate", mode, &cluster)?;
     let conversions = args.conversions(&refit, 1)?;
-    let s = simulate(&refit, &conversions, &cluster, config, &options)?;
+    let s = simulate(&refit, &conversions, &cluster, config, &options, views)?;
     let memory = s.reshard.memory;
     let reshard = finite(s.reshard.time_s);
     let output = Output {
@@ -651,6 +661,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         dtype: args.options.dtype.to_string(),
         infer_dtype: args.infer_dtype_name(),
         experts: args.experts_name(),
+        views: views.name(),
         mode: mode.name(),
         cluster: ClusterJson::new(&cluster, s.programs.len()),
         tensors: refit.tensors.len(),

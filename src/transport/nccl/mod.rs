@@ -33,6 +33,9 @@ use std::time::Duration;
 /// streams and communicators may run at once.
 pub struct NcclTransport {
     gpu: DeviceProgram,
+    /// What single-buffer calls run when it differs from `gpu`: the same messages, some
+    /// receives landing in place (`exec::Plan::placed`).
+    single: Option<DeviceProgram>,
     /// The program's distinct peers, ascending (checked against the communicator's size on
     /// every call; fingerprint slots follow this order).
     peers: Vec<u32>,
@@ -66,6 +69,7 @@ impl NcclTransport {
         let constants = vec![vec![program.fingerprint], vec![0u64; peers.len()]];
         NcclTransport {
             gpu: DeviceProgram::new(program, src_offsets, dst_offsets, constants),
+            single: None,
             peers,
             groupable,
             verify: std::env::var("NCCL_RESHARD_CHECK").is_ok_and(|v| v.trim() == "1"),
@@ -86,15 +90,37 @@ impl NcclTransport {
         self.deadline
     }
 
-    /// The transport of `plan`'s program, with its views' offsets in the single-buffer call.
+    /// The transport of `plan`'s program, with its views' offsets in the single-buffer call;
+    /// single-buffer calls run [`Plan::placed`] where the plan has it.
     pub fn for_plan(plan: &Plan) -> Self {
         let views = plan.views();
-        NcclTransport::new(
+        let transport = NcclTransport::new(
             plan.program().clone(),
             views.src_offsets(),
             views.dst_offsets(),
             plan.mode() == Mode::Groupable,
-        )
+        );
+        match plan.placed() {
+            Some(placed) => transport.with_single(placed.clone()),
+            None => transport,
+        }
+    }
+
+    /// Single-buffer calls run `program` instead: the same messages as the transport's own
+    /// program (the same peers, rounds and sizes), some receives landing in place in views the
+    /// offsets put back to back ([`RankProgram::dst_after`]).
+    pub fn with_single(mut self, program: Arc<RankProgram>) -> Self {
+        let constants = vec![vec![program.fingerprint], vec![0u64; self.peers.len()]];
+        self.single = Some(self.gpu.sibling(program, constants));
+        self
+    }
+
+    /// The program a call with `buffers` runs.
+    fn device_program(&self, buffers: &CallBuffers<'_>) -> &DeviceProgram {
+        match (buffers, &self.single) {
+            (CallBuffers::Single { .. }, Some(single)) => single,
+            _ => &self.gpu,
+        }
     }
 
     /// Waits for and compares the peers' fingerprints on every call (default:
@@ -113,7 +139,8 @@ impl NcclTransport {
         comm: *mut c_void,
         stream: *mut c_void,
     ) -> Result<()> {
-        let p = &*self.gpu.program;
+        let gpu = self.device_program(buffers);
+        let p = &*gpu.program;
         if p.is_empty() {
             return Ok(());
         }
@@ -137,14 +164,14 @@ impl NcclTransport {
             // Whatever this call's deadline: a communicator the library revoked takes nothing.
             deadline::refuse_revoked(comm, identity)?;
         }
-        let state = self.gpu.on_device(ordinal)?;
+        let state = gpu.on_device(ordinal)?;
         let device = &*state.device;
         let _current = device.context.push()?;
         let cu_stream = stream as sys::CUstream;
         check_stream(cu_stream, device)?;
         let capturing = driver::is_capturing(cu_stream)?;
         // Warm-up on the first call.
-        let tables = self.gpu.tables(&state, capturing)?;
+        let tables = gpu.tables(&state, capturing)?;
         // What the caller's group or capture does not allow.
         if let Some(nccl) = nccl {
             self.refuse(nccl, capturing)?;
@@ -170,9 +197,8 @@ impl NcclTransport {
             rounds: p.rounds_iter().count(),
             guard: guard.as_ref(),
         });
-        let mut call = DeviceCall::begin(
-            device, &self.gpu, tables, buffers, cu_stream, capturing, groups,
-        )?;
+        let mut call =
+            DeviceCall::begin(device, gpu, tables, buffers, cu_stream, capturing, groups)?;
         // Every way out of the call below marks its end for the plan's memory (`mark_use`).
         let mark = |state: &PlanDevice| {
             if capturing {
