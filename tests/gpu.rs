@@ -14,6 +14,7 @@ mod gpu_common;
 use cudarc::driver::sys;
 use gpu_common::*;
 use ncclreshard::exec::buffers::CallBuffers;
+use ncclreshard::exec::Plan;
 use ncclreshard::plan::{Buffer, RankProgram};
 use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
 use ncclreshard::transport::host::{execute, RankBuffers};
@@ -800,6 +801,52 @@ fn multi_rank_cases(n: u32) -> Vec<(&'static str, Vec<TensorSpec>, Config)> {
     cases
 }
 
+/// Runs `plan` on `rank` as callers do: `ncclReshard` twice (the second call reuses
+/// everything), then `ncclReshardMulti` on fresh buffers; checks every destination element after
+/// each and returns how many.
+fn single_twice_then_per_tensor(
+    rank: &Rank,
+    tensors: &[TensorSpec],
+    plan: &Plan,
+    name: &str,
+) -> u64 {
+    let executor = NcclTransport::for_plan(plan);
+    let data = prepare(&rank.device, tensors, rank.r);
+    for _ in 0..2 {
+        executor
+            .execute(&data.buffers(), rank.comm, rank.device.stream.cast())
+            .unwrap_or_else(|e| panic!("{name}, rank {}: {e}", rank.r));
+    }
+    let mut checked = data.verify(&rank.device, tensors, rank.r);
+    let fresh = prepare(&rank.device, tensors, rank.r);
+    let (send, recv) = fresh.pointers();
+    let send: Vec<usize> = send
+        .iter()
+        .zip(tensors)
+        .map(|(&p, t)| {
+            if t.src.mesh.ranks().contains(&rank.r) {
+                p
+            } else {
+                0
+            }
+        })
+        .collect();
+    executor
+        .execute(
+            &CallBuffers::PerTensor {
+                send: &send,
+                recv: &recv,
+            },
+            rank.comm,
+            rank.device.stream.cast(),
+        )
+        .unwrap_or_else(|e| panic!("{name} (per-tensor), rank {}: {e}", rank.r));
+    checked += fresh.verify(&rank.device, tensors, rank.r);
+    data.free(&rank.device);
+    fresh.free(&rank.device);
+    checked
+}
+
 #[test]
 #[ignore = "needs CUDA and NCCL: scripts/gpu-check.sh, scripts/emulated-gpu-tests.sh"]
 fn multi_rank_reshards_are_byte_exact_in_every_mode() {
@@ -830,41 +877,7 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
                 || from_arena;
             let late = program.has_late_unpacks();
             let beside = program.local_copies_beside();
-            let data = prepare(&rank.device, &tensors, rank.r);
-            let executor = NcclTransport::for_plan(&plan);
-            // ncclReshard twice (the second call reuses everything), then ncclReshardMulti.
-            for _ in 0..2 {
-                executor
-                    .execute(&data.buffers(), rank.comm, rank.device.stream.cast())
-                    .unwrap_or_else(|e| panic!("{name}, rank {}: {e}", rank.r));
-            }
-            let mut checked = data.verify(&rank.device, &tensors, rank.r);
-            let fresh = prepare(&rank.device, &tensors, rank.r);
-            let (send, recv) = fresh.pointers();
-            let send: Vec<usize> = send
-                .iter()
-                .zip(&tensors)
-                .map(|(&p, t)| {
-                    if t.src.mesh.ranks().contains(&rank.r) {
-                        p
-                    } else {
-                        0
-                    }
-                })
-                .collect();
-            executor
-                .execute(
-                    &CallBuffers::PerTensor {
-                        send: &send,
-                        recv: &recv,
-                    },
-                    rank.comm,
-                    rank.device.stream.cast(),
-                )
-                .unwrap_or_else(|e| panic!("{name} (per-tensor), rank {}: {e}", rank.r));
-            checked += fresh.verify(&rank.device, &tensors, rank.r);
-            data.free(&rank.device);
-            fresh.free(&rank.device);
+            let checked = single_twice_then_per_tensor(rank, &tensors, &plan, name);
             (checked, forwards, late, from_arena, beside)
         });
         let checked: u64 = outcome.iter().map(|o| o.0).sum();
@@ -939,36 +952,8 @@ fn receives_land_in_place_where_views_sit_back_to_back() {
                     .iter()
                     .filter(|m| m.loc.buffer == Buffer::Dst)
                     .count();
-                let executor = NcclTransport::for_plan(&plan);
-                let data = prepare(&rank.device, &tensors, rank.r);
-                for _ in 0..2 {
-                    executor
-                        .execute(&data.buffers(), rank.comm, rank.device.stream.cast())
-                        .unwrap_or_else(|e| panic!("rank {}: {e}", rank.r));
-                }
-                let mut checked = data.verify(&rank.device, &tensors, rank.r);
-                // ncclReshardMulti (its views could sit anywhere: the plan's own program,
-                // which unpacks).
-                let fresh = prepare(&rank.device, &tensors, rank.r);
-                let (send, recv) = fresh.pointers();
-                let held = |t: &TensorSpec, p: usize| {
-                    usize::from(t.src.mesh.ranks().contains(&rank.r)) * p
-                };
-                let send: Vec<usize> = send
-                    .iter()
-                    .zip(&tensors)
-                    .map(|(&p, t)| held(t, p))
-                    .collect();
-                let buffers = plan
-                    .views()
-                    .per_tensor(&send, &recv)
-                    .unwrap_or_else(|e| panic!("rank {}: {e}", rank.r));
-                executor
-                    .execute(&buffers, rank.comm, rank.device.stream.cast())
-                    .unwrap_or_else(|e| panic!("per-tensor, rank {}: {e}", rank.r));
-                checked += fresh.verify(&rank.device, &tensors, rank.r);
-                data.free(&rank.device);
-                fresh.free(&rank.device);
+                // ncclReshardMulti runs the plan's own program (its views could sit anywhere).
+                let checked = single_twice_then_per_tensor(rank, &tensors, &plan, "in place");
                 (checked, in_place, program.unpacks.len())
             });
             let checked: u64 = outcome.iter().map(|o| o.0).sum();

@@ -124,11 +124,9 @@ pub fn rank_program_placed(
     limits: &dyn Limits,
     dst: Option<&[Option<DstRange>]>,
 ) -> Result<RankProgram> {
-    let mut sequential = planner.rank_program_sequential(rank)?;
-    if let Some(dst) = dst {
-        receive_in_place(&mut sequential, dst);
-    }
-    within(sequential, rank, staging, limits)
+    let sequential = planner.rank_program_sequential(rank)?;
+    let placed = dst.and_then(|dst| receive_in_place(&sequential, dst));
+    within(placed.unwrap_or(sequential), rank, staging, limits)
 }
 
 /// A program without late unpacks made into the program plan creation gives: its late
@@ -238,14 +236,11 @@ impl Plan {
         let sequential = planner.rank_program_sequential(rank)?;
         // A single-buffer call's views sit at the offsets: where they do not overlap, its
         // receives may land in place; the per-tensor call's views may sit anywhere.
-        let placed = match views.dst_ranges() {
-            Some(dst) => {
-                let mut placed = sequential.clone();
-                match receive_in_place(&mut placed, &dst) {
-                    0 => None,
-                    _ => Some(Arc::new(within(placed, rank, staging, limits)?)),
-                }
-            }
+        let placed = match views
+            .dst_ranges()
+            .and_then(|dst| receive_in_place(&sequential, &dst))
+        {
+            Some(placed) => Some(Arc::new(within(placed, rank, staging, limits)?)),
             None => None,
         };
         let program = Arc::new(within(sequential, rank, staging, limits)?);

@@ -26,15 +26,15 @@ pub struct DstRange {
     pub bytes: u64,
 }
 
-/// Turns every staged receive of `program` (a program before late unpacks are marked) whose
-/// unpacks copy its staged bytes, in order, onto one run of adjacent destination bytes into a
-/// receive there; drops those unpacks, packs the round's remaining staging regions anew (in
-/// their order) and lists the views the new receives run across. `dst[t]` is destination view
-/// `t`'s place in the buffer (`None`: the rank has no view `t`); the views must not overlap.
-/// Returns how many receives now land in place.
-pub fn receive_in_place(program: &mut RankProgram, dst: &[Option<DstRange>]) -> usize {
+/// `program` (a program before late unpacks are marked) with every staged receive whose
+/// unpacks copy its staged bytes, in order, onto one run of adjacent destination bytes turned
+/// into a receive there: those unpacks dropped, the round's remaining staging regions packed
+/// anew (in their order), the views the new receives run across listed. `dst[t]` is
+/// destination view `t`'s place in the buffer (`None`: the rank has no view `t`); the views
+/// must not overlap. `None` when no receive lands in place (nothing is copied then).
+pub fn receive_in_place(program: &RankProgram, dst: &[Option<DstRange>]) -> Option<RankProgram> {
     if program.unpacks.is_empty() || program.has_late_unpacks() {
-        return 0;
+        return None;
     }
     // Each round's ends in the packs, sends, receives and unpacks (one round without spans).
     let ends: Vec<[usize; 4]> = if program.round_spans.is_empty() {
@@ -53,7 +53,8 @@ pub fn receive_in_place(program: &mut RankProgram, dst: &[Option<DstRange>]) -> 
     };
     let mut dropped = vec![false; program.unpacks.len()];
     let mut after: Vec<ViewAfter> = Vec::new();
-    let mut landed = 0;
+    // (receive, where it lands).
+    let mut landing: Vec<(usize, Loc)> = Vec::new();
     let mut start = [0usize; 4];
     for end in &ends {
         let [packs, sends, recvs, unpacks] = start;
@@ -62,32 +63,43 @@ pub fn receive_in_place(program: &mut RankProgram, dst: &[Option<DstRange>]) -> 
             .filter(|&i| program.unpacks[i].src.buffer == Buffer::Staging)
             .collect();
         by_src.sort_by_key(|&i| program.unpacks[i].src.offset);
+        // The staging the round's packs and sends read, by start: a receive's region one of
+        // them reads is not only the receive's.
+        let mut read: Vec<(u64, u64)> = program.packs[packs..end[0]]
+            .iter()
+            .map(|c| (c.src, c.src_end()))
+            .chain(
+                program.sends[sends..end[1]]
+                    .iter()
+                    .map(|m| (m.loc, m.loc.offset.saturating_add(m.bytes))),
+            )
+            .filter(|(loc, _)| loc.buffer == Buffer::Staging)
+            .map(|(loc, end)| (loc.offset, end))
+            .collect();
+        read.sort_unstable();
+        let read_end = read
+            .iter()
+            .scan(0u64, |most, &(_, e)| {
+                *most = (*most).max(e);
+                Some(*most)
+            })
+            .collect::<Vec<u64>>();
         for r in recvs..end[2] {
             let m = program.recvs[r];
             if m.loc.buffer != Buffer::Staging || m.bytes == 0 {
                 continue;
             }
             let (lo, hi) = (m.loc.offset, m.loc.offset + m.bytes);
+            // Some read starting before `hi` ends after `lo`.
+            let before = read.partition_point(|&(s, _)| s < hi);
+            if before > 0 && read_end[before - 1] > lo {
+                continue;
+            }
             let first = by_src.partition_point(|&i| program.unpacks[i].src.offset < lo);
             let Some(chain) = chain(&program.unpacks, &by_src[first..], lo, hi, dst) else {
                 continue;
             };
-            // A region the round's packs or sends also read is not only the receive's.
-            let touches = |loc: Loc, bytes: u64| {
-                loc.buffer == Buffer::Staging
-                    && loc.offset < hi
-                    && loc.offset.saturating_add(bytes) > lo
-            };
-            if program.packs[packs..end[0]]
-                .iter()
-                .any(|c| touches(c.src, c.src_end() - c.src.offset))
-                || program.sends[sends..end[1]]
-                    .iter()
-                    .any(|m| touches(m.loc, m.bytes))
-            {
-                continue;
-            }
-            program.recvs[r].loc = program.unpacks[chain[0]].dst;
+            landing.push((r, program.unpacks[chain[0]].dst));
             for w in chain.windows(2) {
                 let (a, b) = (program.unpacks[w[0]].dst, program.unpacks[w[1]].dst);
                 if a.tensor != b.tensor {
@@ -102,12 +114,15 @@ pub fn receive_in_place(program: &mut RankProgram, dst: &[Option<DstRange>]) -> 
             for i in chain {
                 dropped[i] = true;
             }
-            landed += 1;
         }
         start = *end;
     }
-    if landed == 0 {
-        return 0;
+    if landing.is_empty() {
+        return None;
+    }
+    let mut program = program.clone();
+    for (r, loc) in landing {
+        program.recvs[r].loc = loc;
     }
     // Each round's staging regions still used (receives' and sends'), packed anew in their
     // order from the arena's start.
@@ -176,7 +191,7 @@ pub fn receive_in_place(program: &mut RankProgram, dst: &[Option<DstRange>]) -> 
     after.sort_unstable();
     after.dedup();
     program.dst_after = after;
-    landed
+    Some(program)
 }
 
 /// The unpacks (indices, in order) that copy staging bytes `[lo, hi)` onto one run of adjacent
@@ -290,8 +305,14 @@ mod tests {
 
     #[test]
     fn a_receive_lands_where_its_unpacks_make_one_run_across_adjacent_views() {
-        let mut p = program(64);
-        assert_eq!(receive_in_place(&mut p, &views([0, 64, 512])), 1);
+        let p = receive_in_place(&program(64), &views([0, 64, 512])).expect("one lands");
+        assert_eq!(
+            p.recvs
+                .iter()
+                .filter(|m| m.loc.buffer == Buffer::Dst)
+                .count(),
+            1
+        );
         assert_eq!(p.recvs[0].loc, loc(Buffer::Dst, 0, 32));
         assert_eq!(
             p.dst_after,
@@ -312,14 +333,17 @@ mod tests {
     #[test]
     fn no_receive_lands_across_a_gap_or_from_inside_a_view() {
         for (first_end, at) in [(64, [0, 80, 512]), (48, [0, 64, 512])] {
-            let mut p = program(first_end);
-            let before = p.clone();
-            assert_eq!(
-                receive_in_place(&mut p, &views(at)),
-                0,
-                "{first_end} {at:?}"
-            );
-            assert_eq!(p, before);
+            let p = program(first_end);
+            assert_eq!(receive_in_place(&p, &views(at)), None, "{first_end} {at:?}");
         }
+        // Nor one whose staging a send of the round also reads.
+        let mut p = program(64);
+        p.sends.push(Message {
+            peer: 3,
+            loc: loc(Buffer::Staging, 0, 88),
+            bytes: 16,
+        });
+        p.round_spans[0].sends_end = 1;
+        assert_eq!(receive_in_place(&p, &views([0, 64, 512])), None);
     }
 }

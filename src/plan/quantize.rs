@@ -1122,12 +1122,11 @@ impl WorkReads {
 /// transfers (`ncclReshardPlanGetTransfers`) are both cut here.
 pub(crate) fn by_first_read(
     converts: Vec<StridedConvert>,
-    reads: WorkReads,
+    mut reads: WorkReads,
     last: usize,
 ) -> Vec<(usize, StridedConvert)> {
     /// The most slabs one box is cut into.
     const SLABS_MAX: u64 = 64;
-    let mut reads = reads;
     for list in reads.0.values_mut() {
         list.sort_unstable();
     }

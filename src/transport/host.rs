@@ -178,7 +178,11 @@ impl Memory<'_> {
     /// destination view into the views after it (`after`, [`RankProgram::dst_after`]), as it
     /// would in one buffer. Bounds-checked.
     fn receive(&mut self, loc: Loc, data: &[u8], after: &[ViewAfter]) -> Result<()> {
-        let next = |t: u32| after.iter().find(|a| a.view == t);
+        // `after` is sorted by view.
+        let next = |t: u32| {
+            let i = after.partition_point(|a| a.view < t);
+            after.get(i).filter(|a| a.view == t)
+        };
         let (mut at, mut rest) = (loc, data);
         loop {
             let here = match next(at.tensor).filter(|_| at.buffer == Buffer::Dst) {

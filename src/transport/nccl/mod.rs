@@ -53,6 +53,12 @@ pub struct NcclTransport {
 const MINE: usize = 0;
 const THEIRS: usize = 1;
 
+/// The words a program keeps on the device: its fingerprint (`MINE`) and one slot per peer for
+/// theirs (`THEIRS`).
+fn constants(program: &RankProgram, peers: &[u32]) -> Vec<Vec<u64>> {
+    vec![vec![program.fingerprint], vec![0u64; peers.len()]]
+}
+
 impl NcclTransport {
     /// What this transport can run (the GPU runtime's limits), for `exec::Plan::new`.
     pub const LIMITS: &'static dyn Limits = &DeviceLimits;
@@ -66,7 +72,7 @@ impl NcclTransport {
         groupable: bool,
     ) -> Self {
         let peers = program.peers();
-        let constants = vec![vec![program.fingerprint], vec![0u64; peers.len()]];
+        let constants = constants(&program, &peers);
         NcclTransport {
             gpu: DeviceProgram::new(program, src_offsets, dst_offsets, constants),
             single: None,
@@ -110,7 +116,7 @@ impl NcclTransport {
     /// program (the same peers, rounds and sizes), some receives landing in place in views the
     /// offsets put back to back ([`RankProgram::dst_after`]).
     pub fn with_single(mut self, program: Arc<RankProgram>) -> Self {
-        let constants = vec![vec![program.fingerprint], vec![0u64; self.peers.len()]];
+        let constants = constants(&program, &self.peers);
         self.single = Some(self.gpu.sibling(program, constants));
         self
     }
