@@ -18,7 +18,7 @@
 /** Library version this header belongs to (see ncclReshardGetVersion). */
 #define NCCL_RESHARD_MAJOR 0
 #define NCCL_RESHARD_MINOR 13
-#define NCCL_RESHARD_PATCH 0
+#define NCCL_RESHARD_PATCH 1
 #define NCCL_RESHARD_VERSION_CODE NCCL_RESHARD_VERSION(NCCL_RESHARD_MAJOR, NCCL_RESHARD_MINOR, NCCL_RESHARD_PATCH)
 
 /** Identifies an initialised ncclReshardConfig_t ("RESH"). */
@@ -1073,9 +1073,10 @@ ncclResult_t ncclReshardCommRevoke(ncclComm_t comm);
  * failure; destroy `comm` with `ncclCommDestroy`. The survivors' plan is created with
  * `config.failedRanks` (the same list).
  *
- * Host-only. Errors: `ncclInvalidArgument` (NULL, a count below 0), `ncclInvalidUsage` (the
- * NCCL has no `ncclCommShrink`, naming the version needed; `comm` was aborted), and NCCL's
- * own codes, with nothing written.
+ * Host-only. Errors: `ncclInvalidArgument` (NULL, a count of 0 or below: NCCL shrinks by
+ * one rank or more; after a revoke with every rank alive, make a new communicator),
+ * `ncclInvalidUsage` (the NCCL has no `ncclCommShrink`, naming the version needed; `comm` was
+ * aborted), and NCCL's own codes, with nothing written.
  */
 ncclResult_t ncclReshardCommShrink(ncclComm_t comm,
                                    const int *excludeRanksList,

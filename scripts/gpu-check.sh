@@ -16,8 +16,9 @@
 # copy kernel's paths on every row length and alignment, conversions against the host
 # executor on every bf16/f16 pattern (the hardware's cvt), and copy- and conversion-kernel
 # bandwidth against cudaMemcpy / cuMemcpy2DAsync, each beside its target. Sized to finish in
-# about 5 minutes on one H200, so that a 15-minute lease leaves time to rerun it. Then the
-# multi-rank tests again with 8 ranks on the one GPU through the loopback NCCL stand-in.
+# about 5 minutes on one H200, so that a 15-minute lease leaves time to rerun it. With
+# GPU_CHECK_LOOPBACK=1, then the multi-rank tests again with 8 ranks on the one GPU through the
+# loopback NCCL stand-in (opt-in: it does not yet work on a real GPU, loopback/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu
@@ -131,7 +132,10 @@ run_pass "" ""
 # Then the multi-rank tests with 8 ranks on this GPU through the loopback stand-in (sends and
 # receives as device copies ordered by stream memory operations), which real NCCL cannot do on
 # one device. Skipped there: what measures one rank or runs one rank (covered above).
-if [ -e "$out/loopback/libnccl.so.2" ]; then
+# Opt-in until the stand-in works on a real GPU (loopback/README.md, "On a real GPU").
+if [ "${GPU_CHECK_LOOPBACK:-0}" != 1 ]; then
+  echo "gpu: loopback pass not run: the stand-in does not yet work on a real GPU (loopback/README.md); GPU_CHECK_LOOPBACK=1 runs it" | tee -a "$report"
+elif [ -e "$out/loopback/libnccl.so.2" ]; then
   echo "== tests/gpu.rs with 8 ranks on this GPU through the loopback stand-in"
   loop=$(cd "$out/loopback" && pwd)
   run_pass " loopback" "copy_kernel_bandwidth_against_memcpy one_rank_colocated_layouts_are_byte_exact deadline_overhead_on_healthy_calls copy_paths_are_byte_exact_for_every_row_length_and_alignment one_rank_conversions_match_the_host_executor_on_every_16_bit_pattern_and_boundary staging_goes_back_after_each_call_captured_or_not late_unpacks_overlap_the_next_round" \

@@ -80,6 +80,26 @@ fn sends_match_receives_in_issue_order_across_groups() {
     use_device(0);
     sync(c[0].1);
     assert_eq!(read(0, z, 100), a);
+    // A self receive whose send is not in the same group: NCCL refuses it (the send's own
+    // group would be refused the same way).
+    let _turn = error_text_lock();
+    assert_eq!(recv(z, 100, 0, c[0]), 5);
+    assert!(
+        last_error().contains("without a matching send"),
+        "{}",
+        last_error()
+    );
+    // SAFETY: balanced group calls.
+    unsafe {
+        assert_eq!(ncclGroupStart(), 0);
+        assert_eq!(send(pa, 100, 0, c[0]), 0);
+        assert_eq!(ncclGroupEnd(), 5);
+    }
+    assert!(
+        last_error().contains("without a matching recv"),
+        "{}",
+        last_error()
+    );
 }
 
 #[test]

@@ -447,12 +447,17 @@ fn a_revoke_ends_an_unmatched_operation_and_refuses_new_ones_and_shrink_and_grow
     const LEN: usize = 64;
     let grow_id = Mutex::new(None);
     let offered = Barrier::new(2);
-    let outcome = ranks(2, |r, comm| {
+    // Rank 2 dies (does nothing after its init); ranks 0 and 1 survive.
+    let outcome = ranks(3, |r, comm| {
+        if r == 2 {
+            return None;
+        }
         let s = stream();
         let buf = upload(&[r as u8; LEN], s);
         if r == 0 {
-            // A receive no send will match: the stream waits until the revoke releases it.
-            nc(recv(buf, LEN, 1, comm, s), "recv");
+            // A receive the dead rank will not match: the stream waits until the revoke
+            // releases it.
+            nc(recv(buf, LEN, 2, comm, s), "recv");
             std::thread::sleep(Duration::from_millis(100));
             assert!(!idle(s), "an unmatched receive let its stream go on");
             let revoked = Instant::now();
@@ -467,15 +472,31 @@ fn a_revoke_ends_an_unmatched_operation_and_refuses_new_ones_and_shrink_and_grow
             );
             assert!(last_error().contains("was revoked"), "{}", last_error());
         }
-        // Both shrink excluding nobody (rank 0's parent is revoked: NCCL_SHRINK_ABORT).
+        // A shrink must exclude a rank, as NCCL's does (an empty list: ncclInvalidArgument).
         let mut shrunk = std::ptr::null_mut();
         // SAFETY: our communicator; an empty exclusion list.
+        let empty = unsafe {
+            ncclCommShrink(
+                comm,
+                std::ptr::null_mut(),
+                0,
+                &mut shrunk,
+                std::ptr::null_mut(),
+                1,
+            )
+        };
+        assert_eq!(empty, INVALID_ARGUMENT, "a shrink excluding no rank");
+        assert!(shrunk.is_null());
+        // The survivors shrink excluding the dead rank (rank 0's parent is revoked:
+        // NCCL_SHRINK_ABORT).
+        let mut dead = [2];
+        // SAFETY: our communicator; a list of one rank.
         nc(
             unsafe {
                 ncclCommShrink(
                     comm,
-                    std::ptr::null_mut(),
-                    0,
+                    dead.as_mut_ptr(),
+                    1,
                     &mut shrunk,
                     std::ptr::null_mut(),
                     1,
@@ -538,9 +559,9 @@ fn a_revoke_ends_an_unmatched_operation_and_refuses_new_ones_and_shrink_and_grow
                 nc(ncclCommDestroy(n as NcclComm), "destroy newcomer");
             }
         }
-        count
+        Some(count)
     });
-    assert_eq!(outcome, [3, 3]);
+    assert_eq!(outcome, [Some(3), Some(3), None]);
 }
 
 #[test]
@@ -654,6 +675,26 @@ fn refusals_are_clear_errors() {
             )
         };
         assert_eq!(ncclGroupEnd(), INVALID_USAGE, "the group's error");
+        sync(s);
+        {
+            let _mine = last_error_is_mine.lock().unwrap();
+            // A receive from self without its send in the same group: NCCL refuses it.
+            assert_eq!(
+                recv(buf, 16, r, comm, s),
+                INVALID_USAGE,
+                "an unmatched self receive"
+            );
+            assert!(
+                last_error().contains("without a matching send"),
+                "{}",
+                last_error()
+            );
+        }
+        // Paired in one group, self messages are fine.
+        nc(ncclGroupStart(), "start");
+        nc(send(buf, 8, r, comm, s), "self send");
+        nc(recv(buf + 8, 8, r, comm, s), "self recv");
+        nc(ncclGroupEnd(), "self pair");
         sync(s);
         let mut version = 0;
         // SAFETY: writes one int.

@@ -200,13 +200,23 @@ pub fn shrink_abort(flags: i32) -> NResult<bool> {
 
 /// `ncclCommShrink`'s exclusion list, sorted, checked against the caller: rank `rank` of
 /// `nranks`, `describe` naming its communicator for messages. Returns the list, the caller's
-/// rank in the new communicator (survivors keep their order) and its size.
+/// rank in the new communicator (survivors keep their order) and its size. As NCCL (since
+/// 2.27.3), an empty list (a NULL `excludeRanksList` or a count of 0) is refused: a shrink
+/// excludes one rank or more.
 pub fn shrink(
     raw: &[i32],
     rank: i32,
     nranks: i32,
     describe: &str,
 ) -> NResult<(Vec<i32>, i32, i32)> {
+    if raw.is_empty() {
+        return fail(
+            INVALID_ARGUMENT,
+            format!(
+                "ncclCommShrink on {describe}: excludeRanksCount is 0 (or excludeRanksList NULL); NCCL refuses a shrink that excludes no rank (\"ncclCommShrink : excludeRanksList argument is NULL\")"
+            ),
+        );
+    }
     let mut list = raw.to_vec();
     list.sort_unstable();
     if let Some(&r) = list.iter().find(|&&r| r < 0 || r >= nranks) {
@@ -318,8 +328,8 @@ mod tests {
     #[test]
     fn a_shrink_renumbers_survivors_in_order_and_refuses_bad_lists() {
         assert_eq!(shrink(&[5, 2], 4, 8, "c").unwrap(), (vec![2, 5], 3, 6));
-        assert_eq!(shrink(&[], 0, 1, "c").unwrap(), (vec![], 0, 1));
         for (list, why) in [
+            (&[][..], "excludes no rank"),
             (&[8][..], "not a rank of c"),
             (&[-1][..], "not a rank of c"),
             (&[1, 1][..], "twice"),

@@ -210,9 +210,14 @@ def comm_shrink(comm: Any, failed_ranks: Sequence[int], abort: bool = True) -> C
     survivors; returns an owned :class:`Communicator` (close it when done) after which `comm`'s
     failure is forgotten: close or drop `comm` (``ncclCommDestroy`` for an owned one).
 
-    Raises ValueError for a bad list, NcclReshardError for what NCCL or the library refuses
+    Raises ValueError for a bad or empty list, NcclReshardError for what NCCL or the library refuses
     (an NCCL without ``ncclCommShrink`` names the version needed)."""
     failed = [int(r) for r in failed_ranks]
+    if not failed:
+        raise ValueError(
+            "failed_ranks is empty: NCCL shrinks by one rank or more; with every rank alive after "
+            "a revoke, make a new communicator"
+        )
     if len(set(failed)) != len(failed) or any(r < 0 for r in failed):
         raise ValueError(f"failed_ranks {failed} must be distinct non-negative ranks")
     table = (ctypes.c_int * max(1, len(failed)))(*failed)

@@ -153,6 +153,8 @@ def test_the_communicator_functions_check_their_arguments() -> None:
         nr.comm_shrink(0, [1])
     with pytest.raises(ValueError, match="distinct non-negative"):
         nr.comm_shrink(0x1000, [1, 1])
+    with pytest.raises(ValueError, match="one rank or more"):
+        nr.comm_shrink(0x1000, [])
     with pytest.raises(ValueError, match="128"):
         nr.comm_grow(0x1000, 4, b"short")
     with pytest.raises(ValueError, match="new rank"):

@@ -305,9 +305,10 @@ pub unsafe extern "C" fn ncclReshardCommRevoke(comm: ncclComm_t) -> ncclResult_t
 /// failure; destroy `comm` with `ncclCommDestroy`. The survivors' plan is created with
 /// `config.failedRanks` (the same list).
 ///
-/// Host-only. Errors: `ncclInvalidArgument` (NULL, a count below 0), `ncclInvalidUsage` (the
-/// NCCL has no `ncclCommShrink`, naming the version needed; `comm` was aborted), and NCCL's
-/// own codes, with nothing written.
+/// Host-only. Errors: `ncclInvalidArgument` (NULL, a count of 0 or below: NCCL shrinks by
+/// one rank or more; after a revoke with every rank alive, make a new communicator),
+/// `ncclInvalidUsage` (the NCCL has no `ncclCommShrink`, naming the version needed; `comm` was
+/// aborted), and NCCL's own codes, with nothing written.
 #[no_mangle]
 pub unsafe extern "C" fn ncclReshardCommShrink(
     comm: ncclComm_t,

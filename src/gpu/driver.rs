@@ -609,6 +609,19 @@ impl MemoryPool {
                 (&mut threshold as *mut u64).cast::<c_void>(),
             )
         })?;
+        // No reuse that makes one stream wait for another's free: an allocation on one call's
+        // stream would then wait for an unrelated call's NCCL work (another communicator,
+        // another thread), which waits for peers, whose own pools may order the two calls the
+        // other way round: a wait across ranks that no rank's program holds.
+        let mut internal: i32 = 0;
+        // SAFETY: REUSE_ALLOW_INTERNAL_DEPENDENCIES takes an int.
+        call("cuMemPoolSetAttribute", || unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool.0,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                (&mut internal as *mut i32).cast::<c_void>(),
+            )
+        })?;
         Ok(pool)
     }
 

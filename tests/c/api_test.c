@@ -478,6 +478,9 @@ static void test_failures(void) {
                ncclInvalidArgument, "excludeRanksCount is -1");
   EXPECT_ERROR(ncclReshardCommShrink((ncclComm_t)(void*)&fake, failed, 1, &newcomm, NULL, 2),
                ncclInvalidArgument, "shrinkFlags is 2");
+  /* NCCL refuses a shrink that excludes no rank; the library says so first. */
+  EXPECT_ERROR(ncclReshardCommShrink((ncclComm_t)(void*)&fake, NULL, 0, &newcomm, NULL, 1),
+               ncclInvalidArgument, "excludeRanksCount is 0");
   CHECK(newcomm == (ncclComm_t)(void*)&fake);
   ncclUniqueId id;
   EXPECT_ERROR(ncclReshardCommGetUniqueId((ncclComm_t)(void*)&fake, NULL), ncclInvalidArgument,

@@ -166,7 +166,7 @@ pub fn settle(comm: Comm, result: c_int, what: &str) {
 }
 
 /// The symbol `name` in the NCCL the tests use (and its dependencies), if it has one.
-fn nccl_symbol(name: &str) -> Option<*mut c_void> {
+pub fn nccl_symbol(name: &str) -> Option<*mut c_void> {
     nccl();
     let path = std::env::var("NCCL_RESHARD_NCCL_LIBRARY").unwrap_or_else(|_| "libnccl.so.2".into());
     symbol_in(&path, name)

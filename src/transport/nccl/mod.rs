@@ -436,7 +436,8 @@ pub unsafe fn comm_revoke(comm: *mut c_void) -> Result<()> {
 }
 
 /// `ncclCommShrink` of the process's NCCL (which must have it: 2.27.3 or newer), excluding
-/// `exclude` (the same list on every survivor, which alone call it); `abort`:
+/// `exclude` (one rank or more, as NCCL requires; the same list on every survivor, which alone
+/// call it); `abort`:
 /// `NCCL_SHRINK_ABORT` (after a failure; required once the library revoked `comm`), else
 /// `NCCL_SHRINK_DEFAULT`. `config` is NULL (the parent's) or an `ncclConfig_t`. Returns the
 /// new communicator, on which this rank's rank is its old one less the excluded ranks below
@@ -454,6 +455,13 @@ pub unsafe fn comm_shrink(
     if comm.is_null() {
         return Err(Error::invalid_argument("comm is NULL"));
     }
+    if exclude.is_empty() {
+        // NCCL refuses it (a NULL list, a count of 0: ncclInvalidArgument) after its own
+        // checks; said here with the way on.
+        return Err(Error::invalid_argument(
+            "excludeRanksCount is 0: ncclCommShrink must exclude at least one rank (NCCL refuses an empty excludeRanksList); list the failed ranks, or, when every rank is alive after a revoke, create a new communicator (ncclCommInitRank with a new unique id) and destroy the revoked one",
+        ));
+    }
     deadline::refuse_aborted(comm)?;
     let nccl = library::nccl()?;
     let shrink = nccl.require(nccl.comm_shrink, "ncclCommShrink", library::SHRINK_SINCE)?;
@@ -466,11 +474,7 @@ pub unsafe fn comm_shrink(
     let result = unsafe {
         shrink(
             comm,
-            if list.is_empty() {
-                std::ptr::null_mut()
-            } else {
-                list.as_mut_ptr()
-            },
+            list.as_mut_ptr(),
             count,
             &mut newcomm,
             config,
