@@ -473,38 +473,49 @@ impl Cluster {
         }
     }
 
-    /// Bytes per second the copy kernel (or `torch.cat`) copies in long contiguous runs.
+    /// Bytes per second a framework's copy kernel (`torch.cat`, M2N's packs) copies in long
+    /// contiguous runs: `FRAMEWORK_COPY_EFFICIENCY` of `hbm_copy_bw`.
     pub fn contiguous_copy_bw(&self) -> f64 {
-        self.hbm_copy_bw * Cluster::copy_efficiency(u64::MAX, 16)
+        self.hbm_copy_bw * Cluster::FRAMEWORK_COPY_EFFICIENCY
     }
 
+    /// Fraction of `hbm_copy_bw` other projects' copy kernels reach on long contiguous runs
+    /// (`torch.cat` in gather + broadcast, M2N's packs): not measured here; 0.92 is what a
+    /// tuned 16-byte-per-lane copy kernel reached on an H200 (this library's before 0.5).
+    pub const FRAMEWORK_COPY_EFFICIENCY: f64 = 0.92;
+
     /// Fraction of `hbm_copy_bw` the copy kernel reaches on `run_bytes`-long contiguous runs
-    /// whose addresses and lengths are multiples of `align` bytes (at most 16).
-    ///
-    /// Not yet measured on a GPU for the kernel as it is now, so these are the kernel's stated
-    /// speeds (docs/executor.md, "The kernel": 64 bytes in flight per thread and two blocks per
-    /// SM keep about twice the bytes in flight that HBM needs, so each path is
-    /// bandwidth-bound; what it loses is partial sectors and shifted units): rows of 2 KiB or
-    /// more 0.92 of `cudaMemcpy`, 512 B–2 KiB 0.90, 64–512 B 0.85, shorter rows 0.85 × L/64;
-    /// rows aligned to 2, 4 or 8 bytes (funnel-shifted 16-byte units) 0.85 from 512 B; rows of
-    /// odd byte alignment 0.9 of that from 64 B, 0.3 below. The last GPU run measured the
-    /// kernel before it chose its path per row (H200, NCCL 2.28.9: 0.92 contiguous, 0.85 on
-    /// 4 KiB rows, 0.45 on 64-byte rows, 0.36 on bf16 rows of 1023); `scripts/gpu-check.sh`
-    /// prints the new figures beside their targets.
+    /// whose addresses and lengths are multiples of `align` bytes (at most 16): measured on an
+    /// H200 (`scripts/gpu-check.sh`, 0.13.0, kernel against `cudaMemcpy` of the same bytes)
+    /// at 0.845 for 1 GiB contiguous, 0.83 for 64 KiB rows, 0.78 for 4 KiB rows and 0.40 / 0.61
+    /// for 64-byte rows at 80- / 128-byte pitches (taken as 0.50), interpolated linearly in the
+    /// logarithm of the row length between those points; shorter rows than 64 bytes 0.50 × L/64.
+    /// Rows aligned to 2–8 bytes (funnel-shifted 16-byte units): 0.83 of that (bf16 rows of
+    /// 1023 elements measured 0.61 against 0.73 for aligned 2 KiB rows). Rows of
+    /// odd byte alignment (not measured): 0.9 of the shifted speed from 64 bytes, 0.3 below.
     pub fn copy_efficiency(run_bytes: u64, align: u64) -> f64 {
-        let run = run_bytes.max(1);
-        let by_run = match run {
-            2048.. => 0.92,
-            512.. => 0.90,
-            64.. => 0.85,
-            _ => 0.85 * run as f64 / 64.0,
+        const MEASURED: [(f64, f64); 4] = [
+            (64.0, 0.50),
+            (4096.0, 0.78),
+            (65536.0, 0.83),
+            (1073741824.0, 0.845),
+        ];
+        let run = run_bytes.max(1) as f64;
+        let by_run = if run < MEASURED[0].0 {
+            MEASURED[0].1 * run / MEASURED[0].0
+        } else if run >= MEASURED[3].0 {
+            MEASURED[3].1
+        } else {
+            let k = MEASURED.windows(2).position(|w| run < w[1].0).unwrap_or(2);
+            let ((l0, e0), (l1, e1)) = (MEASURED[k], MEASURED[k + 1]);
+            e0 + (e1 - e0) * (run / l0).ln() / (l1 / l0).ln()
         };
+        let shifted = 0.83 * by_run;
         match align {
             16.. => by_run,
-            2..=15 if run >= 512 => by_run.min(0.85),
-            2..=15 => by_run,
-            _ if run >= 64 => 0.9 * by_run.min(0.85),
-            _ => by_run.min(0.3),
+            2..=15 => shifted,
+            _ if run >= 64.0 => 0.9 * shifted,
+            _ => shifted.min(0.3),
         }
     }
 
@@ -512,7 +523,9 @@ impl Cluster {
     /// (the rest stay free for the next round's NCCL kernels; docs/executor.md).
     pub const LATE_UNPACK_SHARE: f64 = 0.5;
 
-    /// Fraction of HBM bandwidth the conversion kernel reaches on its traffic (docs/executor.md:
-    /// coalesced 16-byte strips, both halves of each paired `cvt`), stated, not yet measured.
-    pub const CONVERT_EFFICIENCY: f64 = 0.9;
+    /// Fraction of `cudaMemcpy`'s HBM traffic rate the conversion kernels reach on theirs:
+    /// measured on an H200 (`scripts/gpu-check.sh`, 0.13.0) at 0.32 for BF16 to FP8 E4M3 in
+    /// 128×128 blocks (512 MiB of BF16 in 1.41 ms: amax, scales and values passes), the only
+    /// scheme measured so far; casts and other schemes are taken as the same.
+    pub const CONVERT_EFFICIENCY: f64 = 0.32;
 }
