@@ -130,17 +130,20 @@ run_pass() {
 echo "== tests/gpu.rs on the real NCCL"
 run_pass "" ""
 # Then the multi-rank tests with 8 ranks on this GPU through the loopback stand-in (sends and
-# receives as device copies ordered by stream memory operations), which real NCCL cannot do on
+# receives as its kernel's copies ordered by stream memory operations), which real NCCL cannot do on
 # one device. Skipped there: what measures one rank or runs one rank (covered above).
 # Opt-in until the stand-in works on a real GPU (loopback/README.md, "On a real GPU").
 if [ "${GPU_CHECK_LOOPBACK:-0}" != 1 ]; then
-  echo "gpu: loopback pass not run: the stand-in does not yet work on a real GPU (loopback/README.md); GPU_CHECK_LOOPBACK=1 runs it" | tee -a "$report"
+  echo "gpu: loopback pass not run: the stand-in is not yet shown to work on a real GPU (loopback/README.md); GPU_CHECK_LOOPBACK=1 runs it" | tee -a "$report"
 elif [ -e "$out/loopback/libnccl.so.2" ]; then
   echo "== tests/gpu.rs with 8 ranks on this GPU through the loopback stand-in"
   loop=$(cd "$out/loopback" && pwd)
+  # Bounded: a hang ends after the stand-in's watchdog (15 s), a test after 60 s.
+  per_test=${GPU_CHECK_LOOPBACK_TEST_SECONDS:-60}
   run_pass " loopback" "copy_kernel_bandwidth_against_memcpy one_rank_colocated_layouts_are_byte_exact deadline_overhead_on_healthy_calls copy_paths_are_byte_exact_for_every_row_length_and_alignment one_rank_conversions_match_the_host_executor_on_every_16_bit_pattern_and_boundary staging_goes_back_after_each_call_captured_or_not late_unpacks_overlap_the_next_round" \
     NCCL_RESHARD_NCCL_LIBRARY="$loop/libnccl.so.2" \
-    LD_LIBRARY_PATH="$loop${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_DEVICE_MAX_CONNECTIONS=32
+    LD_LIBRARY_PATH="$loop${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" CUDA_DEVICE_MAX_CONNECTIONS=32 \
+    NCCL_LOOPBACK_TIMEOUT_SECONDS=15
 else
   echo "gpu: no $out/loopback/libnccl.so.2: the multi-rank pass on one GPU was not run (scripts/gpu-check.sh --prepare builds it)" | tee -a "$report"
 fi

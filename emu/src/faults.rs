@@ -22,7 +22,8 @@ fn planned() -> &'static Mutex<HashMap<usize, u64>> {
     PLANNED.get_or_init(Default::default)
 }
 
-/// Arms a failure of the `nth` launch on `stream` from now on (`nth` ≤ 0 disarms it); the
+/// Arms a failure of the `nth` launch of the copy and conversion kernels on `stream` from now on
+/// (`nth` ≤ 0 disarms it; the loopback stand-in's copies do not count); the
 /// calling thread's current context resolves NULL and the per-thread handle. Returns 0, or -1
 /// for a stream the emulator does not know.
 #[no_mangle]

@@ -80,8 +80,12 @@ impl Launch {
         block: [u32; 3],
         params: *const *const c_void,
     ) -> Launch {
-        let values = param_layout()
-            .sizes
+        let sizes: &[usize] = if function.info.name == crate::module::LOOPBACK_COPY {
+            &[8, 8, 8]
+        } else {
+            &param_layout().sizes
+        };
+        let values = sizes
             .iter()
             .enumerate()
             .map(|(i, &size)| {
@@ -170,8 +174,39 @@ extern "C" fn block_done() {
     crate::completion::progress();
 }
 
+/// Runs the loopback stand-in's copy kernel: `bytes` from `src` to `dst`, both checked like
+/// any kernel access against the device's allocations (alignment: bytes).
+fn run_loopback_copy(launch: &Launch, exec: &Exec<'_>) {
+    let word = |i: usize| launch.params[i][0] as u64;
+    let (dst, src, bytes) = (word(0), word(1), word(2));
+    if bytes == 0 {
+        return;
+    }
+    let device = Some(exec.device());
+    let who = || format!("{} on {}", launch.describe(), exec.stream.name());
+    let ends = memory::translate(src, bytes, device)
+        .map_err(|fault| fault.describe(&who(), src, bytes, false))
+        .and_then(|s| {
+            memory::translate(dst, bytes, device)
+                .map(|d| (s, d))
+                .map_err(|fault| fault.describe(&who(), dst, bytes, true))
+        });
+    match ends {
+        // SAFETY: both ranges lie inside live allocations of the stream's device; `copy`
+        // allows them to overlap (a message to oneself).
+        Ok((s, d)) => unsafe { std::ptr::copy(s, d, bytes as usize) },
+        Err(report) => {
+            diag::strict(report, ());
+            *lock(&exec.stream.context.sticky) = Some(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS);
+        }
+    }
+}
+
 /// Runs a launch on the stream's worker thread.
 pub fn run(launch: &Launch, exec: &Exec<'_>) {
+    if launch.function.info.name == crate::module::LOOPBACK_COPY {
+        return run_loopback_copy(launch, exec);
+    }
     let Some(which) = crate::module::runnable(&launch.function.info.name) else {
         diag::fatal(format_args!(
             "{} on {}: the emulator runs only {}",

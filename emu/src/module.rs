@@ -32,6 +32,15 @@ pub fn runnable(name: &str) -> Option<usize> {
     RUNNABLE.iter().position(|&r| r == name)
 }
 
+/// The loopback NCCL stand-in's copy kernel (loopback/src/copy.rs): `(u64 dst, u64 src, u64
+/// bytes)`, which the emulator runs as a byte copy (`kernel::run_loopback_copy`).
+pub const LOOPBACK_COPY: &str = "ncclreshardLoopbackCopy";
+
+/// Whether the emulator can run kernel `name`.
+pub fn launchable(name: &str) -> bool {
+    runnable(name).is_some() || name == LOOPBACK_COPY
+}
+
 /// What kind of image a module came from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ImageKind {

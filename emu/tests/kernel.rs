@@ -650,7 +650,7 @@ fn launching_a_kernel_the_emulator_cannot_run_aborts() {
     );
     assert_aborts(
         &out,
-        &["the emulator runs only ncclReshardCopyKernel and ncclReshardConvertKernel"],
+        &["the emulator runs only ncclReshardCopyKernel, ncclReshardConvertKernel and ncclreshardLoopbackCopy"],
     );
 }
 
@@ -747,4 +747,61 @@ fn nvrtc_cubins_load_on_matching_devices_and_run() {
     sync(s);
     oracle(&descs, &src, &mut want);
     assert_eq!(download(dst_dev, want.len()), want);
+}
+
+/// Launches the loopback stand-in's copy kernel: `bytes` from `src` to `dst` on `s`.
+fn loopback_copy(dst: u64, src: u64, bytes: u64, s: CUstream) -> CUresult {
+    let (r, m) = load(&ptx("7.0", "sm_70", "ncclreshardLoopbackCopy"));
+    ck(r, "load");
+    let (r, f) = function(m, "ncclreshardLoopbackCopy");
+    ck(r, "get function");
+    let (mut d, mut x, mut n) = (dst, src, bytes);
+    let mut params: [*mut c_void; 3] = [
+        (&mut d as *mut u64).cast(),
+        (&mut x as *mut u64).cast(),
+        (&mut n as *mut u64).cast(),
+    ];
+    // SAFETY: three u64 parameters, as the kernel takes.
+    unsafe {
+        cuLaunchKernel(
+            f,
+            4,
+            1,
+            1,
+            256,
+            1,
+            1,
+            0,
+            s,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+}
+
+#[test]
+fn the_loopback_copy_kernel_copies_bytes_and_faults_outside_allocations() {
+    if child().as_deref() == Some("loopback-out-of-range") {
+        use_device(0);
+        let s = stream(0);
+        let (src, dst) = (alloc(100), alloc(100));
+        ck(loopback_copy(dst, src, 101, s), "launch");
+        sync(s);
+        return;
+    }
+    use_device(0);
+    let s = stream(0);
+    let bytes: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 3) as u8).collect();
+    let (src, dst) = (alloc(1000), alloc(1000));
+    upload_async(src, &bytes, s);
+    // Odd offsets and length: the byte path.
+    ck(loopback_copy(dst + 1, src + 3, 995, s), "launch");
+    sync(s);
+    assert_eq!(download(dst + 1, 995), bytes[3..998]);
+    let out = run_child(
+        "the_loopback_copy_kernel_copies_bytes_and_faults_outside_allocations",
+        "loopback-out-of-range",
+        &[],
+    );
+    assert_aborts(&out, &["ncclreshardLoopbackCopy", "101 bytes"]);
 }

@@ -210,6 +210,10 @@ pub fn join(id: UniqueId, nranks: i32, rank: i32, blocking: bool) -> NResult<Arc
         d.current_device()?
     };
     crate::flags::ensure(context)?;
+    {
+        let _current = d.push(context)?;
+        crate::copy::ensure(context)?;
+    }
     let clique = {
         static SERIAL: AtomicU64 = AtomicU64::new(1);
         lock(cliques())

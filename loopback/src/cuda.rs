@@ -15,6 +15,10 @@ pub type DevicePtr = u64;
 /// The C types of the handles.
 type RawContext = *mut c_void;
 type RawStream = *mut c_void;
+type RawModule = *mut c_void;
+type RawFunction = *mut c_void;
+/// A `CUfunction` handle: opaque, never dereferenced here.
+pub type Function = usize;
 
 /// `cuMemHostAlloc` flags: portable (every context may use it) and mapped into the device's
 /// address space (with unified addressing its device address is its host address).
@@ -48,7 +52,23 @@ pub struct Driver {
     host_device_pointer: unsafe extern "C" fn(*mut DevicePtr, *mut c_void, c_uint) -> CuResult,
     wait_value: unsafe extern "C" fn(RawStream, DevicePtr, u32, c_uint) -> CuResult,
     write_value: unsafe extern "C" fn(RawStream, DevicePtr, u32, c_uint) -> CuResult,
-    memcpy_async: unsafe extern "C" fn(DevicePtr, DevicePtr, usize, RawStream) -> CuResult,
+    module_load_data: unsafe extern "C" fn(*mut RawModule, *const c_void) -> CuResult,
+    module_get_function:
+        unsafe extern "C" fn(*mut RawFunction, RawModule, *const c_char) -> CuResult,
+    #[allow(clippy::type_complexity)]
+    launch_kernel: unsafe extern "C" fn(
+        RawFunction,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        RawStream,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> CuResult,
 }
 
 /// The function `name` of the library `handle`, as the function pointer type `F`.
@@ -108,7 +128,9 @@ fn load() -> Result<Driver, String> {
         host_device_pointer: sym!("cuMemHostGetDevicePointer_v2"),
         wait_value: sym!("cuStreamWaitValue32_v2"),
         write_value: sym!("cuStreamWriteValue32_v2"),
-        memcpy_async: sym!("cuMemcpyAsync"),
+        module_load_data: sym!("cuModuleLoadData"),
+        module_get_function: sym!("cuModuleGetFunction"),
+        launch_kernel: sym!("cuLaunchKernel"),
     })
 }
 
@@ -264,22 +286,55 @@ impl Driver {
         )
     }
 
-    /// Enqueues a copy of `bytes` from `src` to `dst` (device memory, unified addressing).
+    /// Loads `image` (NUL-terminated PTX) into the current context, kept for the process's
+    /// life, and returns its function `name`.
+    pub fn load_function(&self, image: &CStr, name: &CStr) -> NResult<Function> {
+        let mut module: RawModule = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated PTX image; writes one handle.
+        self.check(
+            unsafe { (self.module_load_data)(&mut module, image.as_ptr().cast()) },
+            || "cuModuleLoadData (the stand-in's copy kernel)".into(),
+        )?;
+        let mut function: RawFunction = std::ptr::null_mut();
+        // SAFETY: a module just loaded; writes one handle.
+        self.check(
+            unsafe { (self.module_get_function)(&mut function, module, name.as_ptr()) },
+            || format!("cuModuleGetFunction({})", name.to_string_lossy()),
+        )?;
+        Ok(function as Function)
+    }
+
+    /// Enqueues `function` on `stream` with `blocks` blocks of `threads` threads and the
+    /// parameters `params` points at.
     ///
     /// # Safety
-    /// Both ranges are device (or pinned) memory valid for `bytes` bytes when the stream gets
-    /// there: the ranks' NCCL contract for their buffers.
-    pub unsafe fn copy(
+    /// `params` holds one pointer per parameter of `function`, each to a value of its type.
+    pub unsafe fn launch(
         &self,
+        function: Function,
+        blocks: u32,
+        threads: u32,
         stream: Stream,
-        dst: DevicePtr,
-        src: DevicePtr,
-        bytes: usize,
+        params: &mut [*mut c_void],
     ) -> NResult<()> {
-        // SAFETY: per the function's contract.
+        // SAFETY: per the function's contract; no shared memory, no `extra`.
         self.check(
-            unsafe { (self.memcpy_async)(dst, src, bytes, stream as RawStream) },
-            || format!("cuMemcpyAsync({dst:#x} <- {src:#x}, {bytes} bytes, stream {stream:#x})"),
+            unsafe {
+                (self.launch_kernel)(
+                    function as RawFunction,
+                    blocks,
+                    1,
+                    1,
+                    threads,
+                    1,
+                    1,
+                    0,
+                    stream as RawStream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            || format!("cuLaunchKernel ({blocks} x {threads}, stream {stream:#x})"),
         )
     }
 }

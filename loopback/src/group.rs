@@ -282,7 +282,7 @@ fn enqueue(comm: &Comm, stream: Stream, list: &[&Issued]) -> NResult<()> {
             // SAFETY: both buffers were posted to NCCL for this pair, which requires them to
             // hold `bytes` bytes until both streams have passed it; the waits around the copy
             // keep both there until it is done.
-            unsafe { d.copy(stream, dst, src, i.op.bytes as usize)? };
+            unsafe { crate::copy::launch(comm.context, stream, dst, src, i.op.bytes)? };
         }
         d.write(stream, pool.address(slot, Word::Done), 1)?;
     }
