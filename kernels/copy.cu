@@ -346,6 +346,28 @@ __device__ __forceinline__ void copy_tile(const CopyDesc& d, u64 src_base, u64 d
 
   RowAt at;
   seek_chunk(d, c0, src0, dst0, &at);
+  // A run inside one chunk whose ends and length are 16-byte aligned (contiguous copies, long
+  // rows): every lane of the block takes every blockDim.x-th unit, NCCL_RESHARD_SLOTS loads in
+  // flight before its stores, and no per-unit edge or shift arithmetic (the kernel before 0.5,
+  // which copied this way, reached 0.92 of cudaMemcpy on an H200; the general path below 0.84).
+  if (inside && ((at.src | at.dst | len) & 15) == 0) {
+    const u32 n = len >> 4;
+    const u32 step = blockDim.x;
+    for (u32 k0 = threadIdx.x; k0 < n; k0 += step * NCCL_RESHARD_SLOTS) {
+      uint4 v[NCCL_RESHARD_SLOTS];
+#pragma unroll
+      for (int j = 0; j < NCCL_RESHARD_SLOTS; ++j) {
+        const u32 k = k0 + (u32)j * step;
+        if (k < n) v[j] = load16(at.src + 16ull * k);
+      }
+#pragma unroll
+      for (int j = 0; j < NCCL_RESHARD_SLOTS; ++j) {
+        const u32 k = k0 + (u32)j * step;
+        if (k < n) store16(at.dst + 16ull * k, v[j]);
+      }
+    }
+    return;
+  }
   // The most units a row's destination touches: ceil((len + r) / 16), r its misalignment,
   // which is the same for every row when every destination stride is a multiple of 16.
   u64 strides = 0;
