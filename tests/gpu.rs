@@ -2597,10 +2597,11 @@ fn copy_kernel_bandwidth_against_memcpy() {
             data.free(device);
         }
 
-        // Conversions on one rank (the sender converts into its workspace, then a local copy
-        // moves the FP8 bytes to the view): the call's reads and writes (amax pass: source;
-        // values pass: source + FP8; the local copy: FP8 twice; scales) against cudaMemcpy
-        // moving as many bytes.
+        // Conversions on one rank (the sender converts into its workspace, then an NCCL self
+        // message moves the FP8 bytes to the view, as a sender sends from its workspace): the
+        // call's reads and writes (amax pass: source; values pass: source + FP8; the message:
+        // FP8 twice; scales) against cudaMemcpy moving as many bytes. Until 0.13.1 a local
+        // copy moved them, on the side stream on half the SMs (0.32x then).
         let block =
             |rows, cols| Conversion::quantize(DType::Float8E4M3, Scheme::Block { rows, cols });
         // One source for the three (generating 512 MiB of values on the host costs seconds;
@@ -2629,7 +2630,10 @@ fn copy_kernel_bandwidth_against_memcpy() {
             ),
         ] {
             let conversions = vec![Some(conversion.clone())];
-            let config = Config::default();
+            let config = Config {
+                local_via_messages: true,
+                ..Default::default()
+            };
             let plan = plan_at(&tensors, &conversions, 0, &config, &[(0, 0, 0)]).unwrap();
             let mut dst = vec![
                 converted_destination_view_bytes(&tensors[0], &conversion, 0)

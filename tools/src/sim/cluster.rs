@@ -525,7 +525,9 @@ impl Cluster {
 
     /// Fraction of `cudaMemcpy`'s HBM traffic rate the conversion kernels reach on theirs:
     /// measured on an H200 (`scripts/gpu-check.sh`, 0.13.0) at 0.32 for BF16 to FP8 E4M3 in
-    /// 128×128 blocks (512 MiB of BF16 in 1.41 ms: amax, scales and values passes), the only
-    /// scheme measured so far; casts and other schemes are taken as the same.
+    /// 128×128 blocks (512 MiB of BF16 in 1.41 ms: amax, scales and values passes, and the
+    /// one-rank test's local copy of the FP8 bytes, which runs on the side stream on half the
+    /// SMs: so a lower bound for the conversion passes alone), the only scheme measured so
+    /// far; casts and other schemes are taken as the same.
     pub const CONVERT_EFFICIENCY: f64 = 0.32;
 }
