@@ -785,6 +785,10 @@ __device__ __forceinline__ void convert_strips(const CopyDesc& d, const Bases& b
           : 1.0f;
 
   float amax = 0.0f;
+  // The next (row, strip) pair: pair q is row h0 + q / k_strips, strip q % k_strips, kept as
+  // counters (a 64-bit division per strip costs more than the strip's bytes).
+  u64 next_row = h0;
+  u64 next_strip = 0;
   for (u64 p = 0; p < pairs; p += NCCL_RESHARD_SLOTS) {
     uint4 v[NCCL_RESHARD_SLOTS];
     u64 src[NCCL_RESHARD_SLOTS], dst[NCCL_RESHARD_SLOTS], n[NCCL_RESHARD_SLOTS];
@@ -794,8 +798,12 @@ __device__ __forceinline__ void convert_strips(const CopyDesc& d, const Bases& b
       n[j] = 0;
       whole[j] = false;
       if (p + j < pairs) {
-        const u64 h = h0 + (p + j) / k_strips;
-        const u64 strip = gamma + ((p + j) % k_strips) * d.strip_groups;
+        const u64 h = next_row;
+        const u64 strip = gamma + next_strip * d.strip_groups;
+        if (++next_strip == k_strips) {
+          next_strip = 0;
+          ++next_row;
+        }
         const u64 first = strip * per;
         if (first < at.width) {
           u64 rs, rt;
