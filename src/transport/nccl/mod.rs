@@ -459,7 +459,7 @@ pub unsafe fn comm_shrink(
         // NCCL refuses it (a NULL list, a count of 0: ncclInvalidArgument) after its own
         // checks; said here with the way on.
         return Err(Error::invalid_argument(
-            "excludeRanksCount is 0: ncclCommShrink must exclude at least one rank (NCCL refuses an empty excludeRanksList); list the failed ranks, or, when every rank is alive after a revoke, create a new communicator (ncclCommInitRank with a new unique id) and destroy the revoked one",
+            "excludeRanksCount is 0: ncclCommShrink must exclude at least one rank (NCCL refuses an empty excludeRanksList); list the failed ranks, or, when every rank is alive after a revoke, create a new communicator (ncclCommInitRank with a new unique id) and keep the revoked one until the end (docs/resilience.md)",
         ));
     }
     deadline::refuse_aborted(comm)?;
