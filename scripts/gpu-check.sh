@@ -18,7 +18,7 @@
 # bandwidth against cudaMemcpy / cuMemcpy2DAsync, each beside its target. Sized to finish in
 # about 5 minutes on one H200, so that a 15-minute lease leaves time to rerun it. With
 # GPU_CHECK_LOOPBACK=1, then the multi-rank tests again with 8 ranks on the one GPU through the
-# loopback NCCL stand-in (opt-in: it does not yet work on a real GPU, loopback/README.md).
+# loopback NCCL stand-in (opt-in: not yet shown to work on a real GPU, loopback/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu
@@ -132,7 +132,7 @@ run_pass "" ""
 # Then the multi-rank tests with 8 ranks on this GPU through the loopback stand-in (sends and
 # receives as its kernel's copies ordered by stream memory operations), which real NCCL cannot do on
 # one device. Skipped there: what measures one rank or runs one rank (covered above).
-# Opt-in until the stand-in works on a real GPU (loopback/README.md, "On a real GPU").
+# Opt-in until the stand-in is shown to work on a real GPU (loopback/README.md, "On a real GPU").
 if [ "${GPU_CHECK_LOOPBACK:-0}" != 1 ]; then
   echo "gpu: loopback pass not run: the stand-in is not yet shown to work on a real GPU (loopback/README.md); GPU_CHECK_LOOPBACK=1 runs it" | tee -a "$report"
 elif [ -e "$out/loopback/libnccl.so.2" ]; then
