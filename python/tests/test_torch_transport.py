@@ -529,8 +529,13 @@ def _failing_rank(rank: int, world: int, how: str, check: bool) -> Optional[str]
     gloo refuses to post to it at once)."""
     spec = nr.TensorSpec("w", (4, 4), torch.float32, nr.Layout([2], 0, [nr.Shard(0)]), nr.Layout([2], 1, [nr.Replicate()]))
     plan = nr.Plan([spec], rank, nr.Config(mode="staged", timeout_ms=1000))
+    # Each rank's gloo init has ended once it gets here; a rank that dies before another's
+    # init has connected to it fails that init instead of the call under test.
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"initialized-{rank}", "1")
     if rank == 2:
         if how.startswith("dead"):
+            store.wait([f"initialized-{r}" for r in range(world)])
             os._exit(0)
         time.sleep(3)
         return None
