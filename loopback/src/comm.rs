@@ -211,8 +211,9 @@ pub fn join(id: UniqueId, nranks: i32, rank: i32, blocking: bool) -> NResult<Arc
     };
     crate::flags::ensure(context)?;
     {
+        // Loaded before any rank of this context waits on a flag (copy.rs).
         let _current = d.push(context)?;
-        crate::copy::ensure(context)?;
+        crate::copy::function(context)?;
     }
     let clique = {
         static SERIAL: AtomicU64 = AtomicU64::new(1);

@@ -85,12 +85,15 @@ fn loaded() -> &'static Mutex<HashMap<Context, Function>> {
     LOADED.get_or_init(Default::default)
 }
 
-/// Loads the kernel into `context` (current on the calling thread) unless it is there.
-pub fn ensure(context: Context) -> NResult<()> {
-    if let std::collections::hash_map::Entry::Vacant(slot) = lock(loaded()).entry(context) {
-        slot.insert(driver()?.load_function(PTX, NAME)?);
+/// The kernel in `context` (current on the calling thread), loaded there the first time.
+pub fn function(context: Context) -> NResult<Function> {
+    let mut loaded = lock(loaded());
+    if let Some(&function) = loaded.get(&context) {
+        return Ok(function);
     }
-    Ok(())
+    let function = driver()?.load_function(PTX, NAME)?;
+    loaded.insert(context, function);
+    Ok(function)
 }
 
 /// Enqueues the copy of `bytes` from `src` to `dst` on `stream` of `context` (current).
@@ -105,8 +108,7 @@ pub unsafe fn launch(
     src: DevicePtr,
     bytes: u64,
 ) -> NResult<()> {
-    ensure(context)?;
-    let function = lock(loaded())[&context];
+    let function = function(context)?;
     let units = if (dst | src | bytes) % 16 == 0 {
         bytes / 16
     } else {

@@ -89,42 +89,13 @@ pub fn end() -> NResult<i32> {
     launch(group.posted)
 }
 
-/// NCCL pairs a rank's sends to itself with its receives from itself within one group and
-/// refuses a group where one has no partner ("Trying to recv to self without a matching
-/// send", `ncclInvalidUsage`): a self message cannot wait for a later group.
-fn self_messages_pair_up(posted: &[Posted]) -> NResult<()> {
-    let mut counts: Vec<(usize, u64, u64, &Posted)> = Vec::new();
-    for p in posted.iter().filter(|p| p.peer == p.comm.rank) {
-        let at = match counts.iter().position(|c| c.0 == p.comm.handle) {
-            Some(at) => at,
-            None => {
-                counts.push((p.comm.handle, 0, 0, p));
-                counts.len() - 1
-            }
-        };
-        match p.kind {
-            Kind::Send => counts[at].1 += 1,
-            Kind::Recv => counts[at].2 += 1,
-        }
-    }
-    match counts.iter().find(|c| c.1 != c.2) {
-        None => Ok(()),
-        Some(&(_, sends, recvs, p)) => fail(
-            INVALID_USAGE,
-            format!(
-                "{} on {}: the group holds {sends} send(s) to self and {recvs} receive(s) from self; NCCL refuses a self send or receive without its partner in the same group (\"Trying to {} self without a matching {}\")",
-                p.kind.name(),
-                p.comm.describe(),
-                if sends > recvs { "send to" } else { "recv to" },
-                if sends > recvs { "recv" } else { "send" },
-            ),
-        ),
-    }
-}
-
 /// Issues a group now, or on a helper thread when a nonblocking communicator is in it.
 fn launch(posted: Vec<Posted>) -> NResult<i32> {
-    self_messages_pair_up(&posted)?;
+    ncclreshard_nccl_api::self_messages_pair_up(
+        &posted,
+        |p| (p.peer == p.comm.rank).then_some((p.comm.handle, p.kind == Kind::Send)),
+        |p| format!("{} on {}", p.kind.name(), p.comm.describe()),
+    )?;
     let mut nonblocking: Vec<Arc<Comm>> = Vec::new();
     for p in &posted {
         if !p.comm.blocking && !nonblocking.iter().any(|c| c.handle == p.comm.handle) {

@@ -198,6 +198,49 @@ pub fn shrink_abort(flags: i32) -> NResult<bool> {
     }
 }
 
+/// NCCL pairs a rank's sends to itself with its receives from itself within one group and
+/// refuses a group where one has no partner ("Trying to recv to self without a matching
+/// send", `ncclInvalidUsage`): a self message cannot wait for a later group. `self_op` gives
+/// an operation's communicator (any key) and whether it sends, for the group's operations to
+/// the caller itself (None for the rest); `describe` names one ("ncclRecv on comm …").
+pub fn self_messages_pair_up<T>(
+    posted: &[T],
+    self_op: impl Fn(&T) -> Option<(usize, bool)>,
+    describe: impl Fn(&T) -> String,
+) -> NResult<()> {
+    // Per communicator: its key, self sends, self receives, its first self operation.
+    let mut counts: Vec<(usize, u64, u64, &T)> = Vec::new();
+    for p in posted {
+        let Some((key, send)) = self_op(p) else {
+            continue;
+        };
+        let at = match counts.iter().position(|c| c.0 == key) {
+            Some(at) => at,
+            None => {
+                counts.push((key, 0, 0, p));
+                counts.len() - 1
+            }
+        };
+        if send {
+            counts[at].1 += 1;
+        } else {
+            counts[at].2 += 1;
+        }
+    }
+    match counts.iter().find(|c| c.1 != c.2) {
+        None => Ok(()),
+        Some(&(_, sends, recvs, p)) => fail(
+            INVALID_USAGE,
+            format!(
+                "{}: the group holds {sends} send(s) to self and {recvs} receive(s) from self; NCCL refuses a self send or receive without its partner in the same group (\"Trying to {} self without a matching {}\")",
+                describe(p),
+                if sends > recvs { "send to" } else { "recv to" },
+                if sends > recvs { "recv" } else { "send" },
+            ),
+        ),
+    }
+}
+
 /// `ncclCommShrink`'s exclusion list, sorted, checked against the caller: rank `rank` of
 /// `nranks`, `describe` naming its communicator for messages. Returns the list, the caller's
 /// rank in the new communicator (survivors keep their order) and its size. As NCCL (since
@@ -324,6 +367,39 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn self_messages_pair_up_within_a_group_per_communicator() {
+        // (communicator, send?, to self?)
+        let ops = [
+            (1, true, true),
+            (2, false, true),
+            (1, false, true),
+            (2, true, false),
+        ];
+        let check = |ops: &[(usize, bool, bool)]| {
+            self_messages_pair_up(
+                ops,
+                |&(c, s, me)| me.then_some((c, s)),
+                |o| format!("op {o:?}"),
+            )
+        };
+        assert!(check(&ops[..1]).is_err());
+        assert!(check(&ops[..])
+            .unwrap_err()
+            .message
+            .contains("0 send(s) to self and 1 receive(s)"));
+        assert!(check(&[ops[0], ops[2], ops[3]]).is_ok());
+        assert!(check(&[]).is_ok());
+        let e = check(&ops[..1]).unwrap_err();
+        assert_eq!(e.result, INVALID_USAGE);
+        assert!(
+            e.message
+                .contains("Trying to send to self without a matching recv"),
+            "{}",
+            e.message
+        );
+    }
 
     #[test]
     fn a_shrink_renumbers_survivors_in_order_and_refuses_bad_lists() {

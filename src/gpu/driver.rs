@@ -8,7 +8,7 @@
 //! also turns a failing `CUresult` into an error carrying the driver's own text.
 
 use crate::error::{panic_message, Error, Result};
-use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::sys::{self, CUmemPool_attribute as Attr, CUresult};
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
@@ -602,27 +602,31 @@ impl MemoryPool {
         pool.grant_peers(device)?;
         let mut threshold = if keep { u64::MAX } else { 0 };
         // SAFETY: RELEASE_THRESHOLD takes a u64.
-        call("cuMemPoolSetAttribute", || unsafe {
-            sys::cuMemPoolSetAttribute(
-                pool.0,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut threshold as *mut u64).cast::<c_void>(),
-            )
-        })?;
+        unsafe { pool.set(Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &mut threshold) }?;
         // No reuse that makes one stream wait for another's free: an allocation on one call's
         // stream would then wait for an unrelated call's NCCL work (another communicator,
         // another thread), which waits for peers, whose own pools may order the two calls the
         // other way round: a wait across ranks that no rank's program holds.
         let mut internal: i32 = 0;
         // SAFETY: REUSE_ALLOW_INTERNAL_DEPENDENCIES takes an int.
-        call("cuMemPoolSetAttribute", || unsafe {
-            sys::cuMemPoolSetAttribute(
-                pool.0,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
-                (&mut internal as *mut i32).cast::<c_void>(),
+        unsafe {
+            pool.set(
+                Attr::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                &mut internal,
             )
-        })?;
+        }?;
         Ok(pool)
+    }
+
+    /// Sets attribute `attr` to `value`.
+    ///
+    /// # Safety
+    /// `T` is the type CUDA takes for `attr` (cuda.h).
+    unsafe fn set<T>(&self, attr: Attr, value: &mut T) -> Result<()> {
+        // SAFETY: our pool; `value` points at the attribute's type (the caller's contract).
+        call("cuMemPoolSetAttribute", || unsafe {
+            sys::cuMemPoolSetAttribute(self.0, attr, (value as *mut T).cast::<c_void>())
+        })
     }
 
     /// Read and write access for every other device of the process that can access `device`

@@ -150,54 +150,19 @@ fn stream_of(p: &Posted) -> NResult<Arc<Stream>> {
     Ok(s)
 }
 
-/// NCCL pairs a rank's sends to itself with its receives from itself within one group and
-/// refuses a group where one has no partner ("Trying to recv to self without a matching
-/// send", `ncclInvalidUsage`): a self message cannot wait for a later group.
-fn self_messages_pair_up(posted: &[Posted]) -> NResult<()> {
-    let mut counts: Vec<(usize, u64, u64, &Posted)> = Vec::new();
-    for p in posted {
-        let (send, peer) = match p.kind {
-            OpKind::Send { peer, .. } => (true, peer),
-            OpKind::Recv { peer, .. } => (false, peer),
-            _ => continue,
-        };
-        if peer != p.comm.rank {
-            continue;
-        }
-        let key = p.comm.handle;
-        let at = match counts.iter().position(|c| c.0 == key) {
-            Some(at) => at,
-            None => {
-                counts.push((key, 0, 0, p));
-                counts.len() - 1
-            }
-        };
-        if send {
-            counts[at].1 += 1;
-        } else {
-            counts[at].2 += 1;
-        }
-    }
-    match counts.iter().find(|c| c.1 != c.2) {
-        None => Ok(()),
-        Some(&(_, sends, recvs, p)) => fail(
-            INVALID_USAGE,
-            format!(
-                "{} on {}: the group holds {sends} send(s) to self and {recvs} receive(s) from self; NCCL refuses a self send or receive without its partner in the same group (\"Trying to {} self without a matching {}\")",
-                p.kind.name(),
-                p.comm.describe(),
-                if sends > recvs { "send to" } else { "recv to" },
-                if sends > recvs { "recv" } else { "send" },
-            ),
-        ),
-    }
-}
-
 /// Issues a group: inits first, then one stream operation per stream (recorded into the
 /// capture when the stream is being captured). With a non-blocking communicator involved the
 /// issue happens on a helper thread and the call returns ncclInProgress.
 fn launch(posted: Vec<Posted>, inits: Vec<Arc<Comm>>) -> NResult<i32> {
-    self_messages_pair_up(&posted)?;
+    ncclreshard_nccl_api::self_messages_pair_up(
+        &posted,
+        |p| match p.kind {
+            OpKind::Send { peer, .. } if peer == p.comm.rank => Some((p.comm.handle, true)),
+            OpKind::Recv { peer, .. } if peer == p.comm.rank => Some((p.comm.handle, false)),
+            _ => None,
+        },
+        |p| format!("{} on {}", p.kind.name(), p.comm.describe()),
+    )?;
     // Revoked (by another thread) after its operations were posted in this group and before
     // the group's end: NCCL refuses to launch them.
     if let Some(p) = posted.iter().find(|p| lock(&p.comm.status).revoked) {
