@@ -17,8 +17,8 @@
 
 /** Library version this header belongs to (see ncclReshardGetVersion). */
 #define NCCL_RESHARD_MAJOR 0
-#define NCCL_RESHARD_MINOR 13
-#define NCCL_RESHARD_PATCH 1
+#define NCCL_RESHARD_MINOR 14
+#define NCCL_RESHARD_PATCH 0
 #define NCCL_RESHARD_VERSION_CODE NCCL_RESHARD_VERSION(NCCL_RESHARD_MAJOR, NCCL_RESHARD_MINOR, NCCL_RESHARD_PATCH)
 
 /** Identifies an initialised ncclReshardConfig_t ("RESH"). */
@@ -776,7 +776,8 @@ typedef struct {
  * tensor's scales travel from the sender's `ncclReshardViewScales` to the receiver's scale
  * view, with `tensor` = ntensors + k for the k-th tensor with scales (that view is
  * `recvbuffs[ntensors + k]`, or `recvbuff` + its `scaleOffset`) and `globalStart`/`globalCount`
- * indices of its block grid. A convert transfer (`ncclReshardTransferConvert`, `peer` = the
+ * indices of its block grid, in the plan's last round of data (since 0.14; before, anywhere in
+ * the pair's rounds). A convert transfer (`ncclReshardTransferConvert`, `peer` = the
  * rank) converts the box `globalStart`/`globalCount` of `tensor`, whole quantization blocks:
  * `count[k]` elements along each dim k < `copyNdim` (= `ndim`), element `i` read at
  * `srcOffset + Σ i[k]·srcStride[k]` of `srcView` (Source or Unconverted) as `srcDtype` and

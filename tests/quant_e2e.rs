@@ -60,6 +60,58 @@ fn a_bf16_weight_arrives_as_fp8_blocks_with_its_scales() {
     assert_eq!(sender.work_bytes, 256 * 384 + 2 * 3 * 4);
 }
 
+/// One sender holding sixteen bf16 tensors whole, eight replicas of each on eight nodes (one
+/// per node), FP8 128×128 blocks: the sender is eight times busier than any receiver, so its
+/// data is cut into chunks that cross the network once, to one node, and are forwarded from
+/// there. A forwarded chunk's round follows where it sits among the sender's bytes, as a
+/// pair's stream takes them (`assign.rs`, `Prepared::stream_round`), and the scales move in the
+/// last round, so the sender's first round reads (and must convert first) a round's share of
+/// its tensors: a quarter. With hashed rounds it was all of them (a piece of every tensor went
+/// in a first round); with hashed rounds and scales in the last round, 72 %; with stream rounds
+/// and scales in the pairs' streams (which held nothing else, one chunk each, some in round 0),
+/// all of them. Byte-exact on the host executor.
+#[test]
+fn a_sender_converts_what_it_forwards_in_about_the_round_it_sends_it() {
+    let spec = TensorSpec {
+        shape: vec![256, 256],
+        dtype: DType::Bfloat16,
+        src: layout(&[1], &[0], &[Placement::Replicate]),
+        dst: layout(&[8], &[1, 2, 3, 4, 5, 6, 7, 8], &[Placement::Replicate]),
+    };
+    let tensors = vec![spec; 16];
+    let conversions = vec![Some(block(128, 128)); 16];
+    for mode in [Mode::Staged, Mode::Auto] {
+        let config = Config {
+            mode,
+            topology: Topology::RanksPerNode(1),
+            split_min_bytes: 4096,
+            rounds: 5,
+            ..Default::default()
+        };
+        check_with_conversions(&tensors, &conversions, &config).unwrap();
+        let planner =
+            Planner::with_conversions(tensors.clone(), conversions.clone(), config).unwrap();
+        let program = planner.rank_program(0).unwrap();
+        assert!(
+            program.recvs.is_empty() && !program.sends.is_empty(),
+            "{mode:?}"
+        );
+        let per_round: Vec<u64> = program
+            .rounds()
+            .iter()
+            .map(|r| r.converts.iter().map(|c| c.elements()).sum())
+            .collect();
+        let all: u64 = per_round.iter().sum();
+        assert_eq!(all, 16 * 256 * 256, "{mode:?}: {per_round:?}");
+        // Forwarded chunks take the first 4 of the 5 rounds (the last is the forwards').
+        assert_eq!(
+            per_round,
+            [all / 4, all / 4, all / 4, all / 4, 0],
+            "{mode:?}: conversions by round"
+        );
+    }
+}
+
 #[test]
 fn a_senders_conversions_follow_its_rounds() {
     // [1024, 512] bf16, trainer TP2 on rows → inference TP4 on columns, in 4 rounds with small
@@ -98,12 +150,13 @@ fn a_senders_conversions_follow_its_rounds() {
             512 * 512,
             "rank {sender}: {per_round:?}"
         );
-        // Chunk boundaries cut rows anywhere, so a round's conversions reach into the next
-        // block row: the first round converts half the rank's blocks, two later rounds the
-        // rest.
+        // Each pair's stream holds the blocks' values alone (scales move in the last round),
+        // 128 rows of 128 FP8 columns per round: each round converts one row of blocks. (When
+        // the scales closed the stream, they shifted the chunk boundaries into the next block
+        // row: the first round converted two rows, the last none.)
         assert_eq!(
             per_round,
-            [2, 1, 1, 0].map(|rows| rows * 128 * 512),
+            [1, 1, 1, 1].map(|rows| rows * 128 * 512),
             "rank {sender}"
         );
         assert!(program.has_side_work());

@@ -697,9 +697,17 @@ impl Prepared {
     /// in the full deal. Relay forwards (`relay` true) run between receivers, so a sender
     /// skips them, and a receiver deals only its own node's group (and the hub's forwards when
     /// it is the hub): a rank's cost follows its own traffic, not every replica's.
-    pub fn deal(&self, tensor: u32, rotation: u64, view: View, emit: &mut Emit<'_>) {
+    pub fn deal(
+        &self,
+        tensor: u32,
+        rotation: u64,
+        position: Option<Position>,
+        view: View,
+        emit: &mut Emit<'_>,
+    ) {
         let turn = Turn {
             rotation,
+            position,
             slot: u64::from(tensor)
                 .wrapping_mul(1_000_003)
                 .wrapping_add(self.ordinal.wrapping_mul(u64::from(self.chunks))),
@@ -818,8 +826,24 @@ impl Prepared {
         let group = ((c + turn.rotation / 8_191) % self.fanout.relay_groups.len() as u64) as u32;
         let (member, _) = self.relay_leg(group, chunk, turn);
         let last = self.rounds - self.hub_spread;
-        let round = ((c + turn.rotation / 65_521) % u64::from(last)) as u32;
+        let round = match self.stream_round(chunk, turn, last) {
+            Some(round) => round,
+            None => ((c + turn.rotation / 65_521) % u64::from(last)) as u32,
+        };
         (group, member, round)
+    }
+
+    /// For a tensor placed by its senders' streams, the round of `rounds` (from 0) that
+    /// forwarded chunk `chunk` crosses the network in: where the chunk's middle sits among
+    /// what its senders send, as a pair's stream takes its bytes in order by round
+    /// (`rounds.rs`), so a sender reads (and converts) it in about the round its streams
+    /// would.
+    fn stream_round(&self, chunk: u32, turn: Turn, rounds: u32) -> Option<u32> {
+        let [start, len] = turn.position?.map(u128::from);
+        let chunks = u128::from(self.chunks.max(1));
+        let at = start + len * (2 * u128::from(chunk) + 1) / (2 * chunks);
+        let rounds = u128::from(rounds.max(1));
+        Some(((at * rounds) >> 32).min(rounds - 1) as u32)
     }
 
     /// The round a hub of `hub_group` forwards a chunk that reached it in `round` to group
@@ -1112,7 +1136,14 @@ pub(crate) enum View {
 struct Turn {
     rotation: u64,
     slot: u64,
+    /// Where the tensor's bytes sit among what its source mesh's ranks send, when its
+    /// forwarded chunks take their rounds from it ([`super::core::stream_positions`]).
+    position: Option<Position>,
 }
+
+/// Where a tensor's bytes sit among what the ranks of its source mesh send in all, in tensor
+/// order: (start, length) in 1/2³² of the mesh's total.
+pub(crate) type Position = [u32; 2];
 
 /// An overlap relayed over NVLink is cut into chunks of at least this many times
 /// `split_min_bytes` (8 MiB by default): each chunk is one message per node mate it is

@@ -8,7 +8,7 @@
 //! overlapping its source shard — found per dim by intersecting index runs, so a rank in
 //! neither mesh does no work for a tensor and a participant never loops over rank pairs.
 
-use super::assign::{Assignment, Grouping, Prepared, Receivers, View};
+use super::assign::{Assignment, Grouping, Position, Prepared, Receivers, View};
 use super::blocks::{assignment_blocks_into, Block, Move, Moved, Movement};
 use super::config::{
     Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_MESSAGES_PER_RANK, ROUND_TARGET_BYTES,
@@ -51,6 +51,9 @@ pub(crate) struct CorePlanner {
     pair_part_bytes: u64,
     /// Estimated bytes per rank: which senders are busier than any receiver.
     loads: Loads,
+    /// Per tensor, where its bytes sit among what its source mesh sends, for the tensors
+    /// whose forwarded chunks take their rounds from it ([`CorePlanner::place_by_stream`]).
+    positions: Vec<Option<Position>>,
 }
 
 /// Geometry computed once per rank call and shared by every tensor with the same layout,
@@ -192,6 +195,7 @@ impl CorePlanner {
         }
         let fingerprint = fingerprint::of_interned(&tensors, &layout_ids, &layouts, &config);
         let loads = Loads::new(&tensors, &layout_ids, &layouts, &config.topology);
+        let positions = vec![None; tensors.len()];
         let busiest = loads.busiest();
         drop(layouts);
         let rounds = rounds_for(busiest, &config);
@@ -207,7 +211,18 @@ impl CorePlanner {
             rounds,
             pair_part_bytes,
             loads,
+            positions,
         })
+    }
+
+    /// Tensors `placed` marks take their forwarded chunks' rounds from where their bytes sit
+    /// in their senders' streams ([`stream_positions`]), not from a hash: used for the
+    /// tensors senders convert, which a round can only send once converted (quantize.rs).
+    pub fn place_by_stream(&mut self, placed: impl Fn(usize) -> bool) {
+        let positions = stream_positions(&self.tensors);
+        for (t, position) in positions.into_iter().enumerate() {
+            self.positions[t] = placed(t).then_some(position);
+        }
     }
 
     /// Rounds the data is spread over (see [`Config::rounds`]); relayed data takes one more.
@@ -293,6 +308,7 @@ impl CorePlanner {
                 unit.deal(
                     t,
                     unit.rotation(t),
+                    self.positions[t as usize],
                     view,
                     &mut |from, to, region, round, relay| {
                         let keep = if own_is_dst {
@@ -709,6 +725,51 @@ fn distinct_ranks(meshes: &[Mesh]) -> Vec<u32> {
 
 /// Every tensor's (source, destination) layout ids, and the distinct layouts by id. A model
 /// lists tensors of one layout in a row, so each side tries the previous tensor's first.
+/// Per tensor, where its bytes sit among what the ranks of its source mesh send, in tensor
+/// order ((start, length) in 1/2³² of their total; each tensor weighs its bytes times its
+/// destination replicas): a pair's stream goes out in tensor order, its first round taking
+/// the start (`rounds.rs`), so data placed in rounds by this position is read by its senders
+/// in about the order their streams read it (docs/planner.md, "Rounds").
+pub(crate) fn stream_positions(tensors: &[TensorSpec]) -> Vec<Position> {
+    let mut mesh_of: FxHashMap<&Mesh, u32> = FxHashMap::default();
+    let mut totals: Vec<u128> = Vec::new();
+    let weighed: Vec<(u32, u128)> = tensors
+        .iter()
+        .map(|t| {
+            let next = totals.len() as u32;
+            let m = *mesh_of.entry(&t.src.mesh).or_insert(next);
+            if m == next {
+                totals.push(0);
+            }
+            let shards: u128 = (0..t.dst.placements.len())
+                .filter(|&a| t.dst.placements[a].dim().is_some())
+                .map(|a| u128::from(t.dst.mesh.shape()[a]))
+                .product::<u128>()
+                .max(1);
+            let replicas = (t.dst.mesh.size() as u128 / shards).max(1);
+            let bytes = u128::from(t.shape.iter().product::<u64>()) * u128::from(t.elem_size());
+            let w = bytes.saturating_mul(replicas);
+            totals[m as usize] = totals[m as usize].saturating_add(w);
+            (m, w)
+        })
+        .collect();
+    let mut before = vec![0u128; totals.len()];
+    weighed
+        .into_iter()
+        .map(|(m, w)| {
+            let total = totals[m as usize].max(1);
+            let at = before[m as usize];
+            before[m as usize] = at.saturating_add(w);
+            // x ≤ total: shifted so that both fit in 64 bits before scaling by 2³².
+            let shift = (128 - total.leading_zeros()).saturating_sub(64);
+            let scale = |x: u128| {
+                (((x >> shift) << 32) / (total >> shift).max(1)).min(u128::from(u32::MAX)) as u32
+            };
+            [scale(at), scale(w)]
+        })
+        .collect()
+}
+
 fn intern_layouts(tensors: &[TensorSpec]) -> (Vec<[u32; 2]>, Vec<&Layout>) {
     let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
     let mut layouts: Vec<&Layout> = Vec::new();

@@ -14,11 +14,13 @@ use crate::quant::{Conversion, ScaleFormat, Scheme};
 /// single-receiver nodes cut into about one chunk per round; 0.8: receivers' network load
 /// counts a node's replicas once, relayed overlaps cut into a chunk per member and round; 0.10:
 /// a relay forward to a node mate that its sender packs travels as a message of its own; 0.11:
-/// a pair's chunks take consecutive rounds; 0.12: a pair's stream goes out in round order),
+/// a pair's chunks take consecutive rounds; 0.12: a pair's stream goes out in round order;
+/// 0.14: chunks of sender-converted tensors forwarded between nodes take their rounds from
+/// where they sit in their senders' streams, and scales move in the last round of data),
 /// so that ranks running planners that disagree never agree on a fingerprint (the exchange at
 /// the first call refuses the mix instead of posting messages the peer does not expect).
 /// Before 0.6 it was not hashed.
-const PLANNER_REVISION: u64 = 11;
+const PLANNER_REVISION: u64 = 12;
 
 /// FNV-1a (a word per step) over a canonical encoding of the inputs: equal on all ranks iff
 /// they passed the same descriptors and config (the rank itself is not part of it). Tensors'

@@ -276,7 +276,9 @@ impl Conversions {
             scales += u32::from(plan.scale.is_some());
             plans.push(Some(plan));
         }
-        let inner = CorePlanner::new(inner_specs, config.clone())?;
+        let mut inner = CorePlanner::new(inner_specs, config.clone())?;
+        // What senders convert is read in about the order of their streams.
+        inner.place_by_stream(|v| matches!(roles[v], Role::Sender(_)));
         let conversions = Conversions {
             inner,
             roles,
@@ -621,6 +623,12 @@ impl Conversions {
             Ok(candidates[(h % candidates.len() as u64) as usize])
         };
         let grid_view = |blocks: Vec<IndexRuns>| RankView::dense(blocks, u64::from(scale.size));
+        // Scales move in the last round of data: the scale of a block is written by the
+        // conversion that writes the block, which must run before the first round that reads
+        // either (`by_first_read`); in a pair's stream, where a window of rounds may start
+        // anywhere, a few bytes of scales would hold the conversion of their whole blocks back
+        // to that pair's first round.
+        let last_round = self.inner.rounds().saturating_sub(1);
         let mut emit = |from: u32, to: u32, area: Vec<IndexRuns>, grid: &RankView| -> Result<()> {
             let Some(dst) = scale.layout.rank_view(&scale.shape, scale.size, to) else {
                 return Err(Error::internal(format!(
@@ -631,7 +639,7 @@ impl Conversions {
                 tensor: scale.index,
                 from,
                 to,
-                round: None,
+                round: Some(last_round),
                 relay: false,
             };
             for mut block in assignment_blocks(&area, movement, grid, &dst) {

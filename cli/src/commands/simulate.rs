@@ -7,6 +7,7 @@ use crate::args::{flag, value, Parsed};
 use crate::out;
 use crate::work;
 use crate::Failure;
+use ncclreshard::plan::StridedConvert;
 use ncclreshard::quant::Conversion;
 use ncclreshard::{Config, RankProgram};
 use ncclreshard_tools::models::Refit;
@@ -527,11 +528,18 @@ pub struct ConversionJson {
     time_ratio: Option<f64>,
     /// The largest conversion workspace of a rank.
     work_bytes_max: u64,
+    /// Of the bytes senders convert, the share their first rounds read: converted before
+    /// anything is sent, on every sender's critical path (the rest is converted beside the
+    /// rounds before; docs/quantization.md, "Conversions beside transfers").
+    first_round_share: Option<f64>,
+    /// The same share on the sender for which it is largest.
+    first_round_share_max: Option<f64>,
 }
 
 impl ConversionJson {
     pub fn new(s: &Simulation, conversions: &[Option<Conversion>]) -> Option<ConversionJson> {
         let plain = s.unconverted.as_ref()?;
+        let senders = converted_first(&s.programs);
         Some(ConversionJson {
             converted_tensors: conversions.iter().flatten().count(),
             unconverted_reshard_s: finite(plain.time_s),
@@ -539,8 +547,30 @@ impl ConversionJson {
             bytes_saved: plain.bytes_total as i64 - s.reshard.bytes_total as i64,
             time_ratio: ratio(s.reshard.time_s, plain.time_s),
             work_bytes_max: s.programs.iter().map(|p| p.work_bytes).max().unwrap_or(0),
+            first_round_share: ratio(
+                senders.iter().map(|s| s.1 as f64).sum(),
+                senders.iter().map(|s| s.0 as f64).sum(),
+            ),
+            first_round_share_max: senders
+                .iter()
+                .filter_map(|&(all, first)| ratio(first as f64, all as f64))
+                .reduce(f64::max),
         })
     }
+}
+
+/// Per sender: the bytes it converts before the rounds, and of them those its first round
+/// reads.
+fn converted_first(programs: &[RankProgram]) -> Vec<(u64, u64)> {
+    let bytes = |c: &[StridedConvert]| -> u64 { c.iter().map(StridedConvert::src_bytes).sum() };
+    programs
+        .iter()
+        .filter(|p| !p.converts_before.is_empty())
+        .map(|p| {
+            let first = p.rounds_iter().next().map_or(0, |r| bytes(r.converts));
+            (bytes(&p.converts_before), first)
+        })
+        .collect()
 }
 
 pub fn link_json(link: &LinkUse) -> (&'static str, &'static str) {
