@@ -1009,3 +1009,52 @@ fn units(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::stream_positions;
+    use crate::layout::{DType, Layout, Mesh, Placement, TensorSpec};
+
+    fn spec(shape: &[u64], src_ranks: &[u32], dst: (&[u64], &[u32], Placement)) -> TensorSpec {
+        let mesh = |shape: &[u64], ranks: &[u32]| {
+            Mesh::new(shape.to_vec(), ranks.to_vec()).expect("valid mesh")
+        };
+        TensorSpec {
+            shape: shape.to_vec(),
+            dtype: DType::Bfloat16,
+            src: Layout::new(
+                mesh(&[src_ranks.len() as u64], src_ranks),
+                vec![Placement::Shard(0)],
+            ),
+            dst: Layout::new(mesh(dst.0, dst.1), vec![Placement::Replicate, dst.2]),
+        }
+    }
+
+    /// Each tensor's place among its source mesh's tensors in tensor order, weighed by bytes
+    /// times destination replicas; tensors of other meshes do not count; sizes far past 2⁶⁴
+    /// bytes in all scale without overflow.
+    #[test]
+    fn positions_are_shares_of_the_source_meshs_bytes_in_tensor_order() {
+        let two_replicas = (&[2u64, 2][..], &[4u32, 5, 6, 7][..], Placement::Shard(1));
+        let four_replicas = (&[4u64, 1][..], &[4u32, 5, 6, 7][..], Placement::Shard(1));
+        let tensors = vec![
+            spec(&[64, 64], &[0, 1], two_replicas),
+            spec(&[64, 64], &[2, 3], two_replicas),
+            spec(&[64, 32], &[0, 1], four_replicas),
+            spec(&[64, 64], &[0, 1], two_replicas),
+        ];
+        // Mesh [0, 1]: weights 2·8192, 4·4096, 2·8192 bytes: a third each.
+        let third = (1u64 << 32) / 3;
+        let p = stream_positions(&tensors);
+        assert_eq!(p[0], [0, third as u32]);
+        assert_eq!(p[1], [0, u32::MAX]);
+        assert_eq!(p[2], [third as u32, third as u32]);
+        assert_eq!(p[3], [(2 * third) as u32, third as u32]);
+        let huge = vec![spec(&[1 << 40, 1 << 22], &[0], two_replicas); 3];
+        let p = stream_positions(&huge);
+        assert_eq!(
+            p.iter().map(|q| q[0]).collect::<Vec<_>>(),
+            [0, third as u32, (2 * third) as u32]
+        );
+    }
+}
