@@ -112,6 +112,61 @@ fn a_sender_converts_what_it_forwards_in_about_the_round_it_sends_it() {
     }
 }
 
+/// Stacked experts [4, 256, 256] held whole by one sender, two receivers each holding half of
+/// every expert's rows (TP2 on dim 1), each pair's data in one round, the two pairs in different
+/// rounds: each round reads a thin slice of every expert. The sender converts each slice
+/// before the round that sends it, half of the tensor per round: slabs are cut along every dim
+/// of more than one block and matched to the strided reads exactly (`by_first_read`). Until
+/// 0.14 slabs were whole experts keyed by the extents of reads, and the first round's read,
+/// which spans every expert, made the sender convert the whole tensor before it.
+#[test]
+fn a_round_reading_a_slice_of_every_expert_converts_only_that_slice_first() {
+    let spec = TensorSpec {
+        shape: vec![4, 256, 256],
+        dtype: DType::Bfloat16,
+        src: layout(&[1], &[0], &[Placement::Replicate]),
+        dst: layout(&[2], &[1, 2], &[Placement::Shard(1)]),
+    };
+    let conversion = Conversion::quantize(
+        DType::Float8E4M3,
+        Scheme::Block {
+            rows: 128,
+            cols: 128,
+        },
+    );
+    let config = Config {
+        mode: Mode::Staged,
+        rounds: 2,
+        split_min_bytes: 1 << 20,
+        ..Default::default()
+    };
+    check_with_conversions(
+        std::slice::from_ref(&spec),
+        &[Some(conversion.clone())],
+        &config,
+    )
+    .unwrap();
+    let planner = Planner::with_conversions(vec![spec], vec![Some(conversion)], config).unwrap();
+    let program = planner.rank_program(0).unwrap();
+    let rounds = program.rounds();
+    let peers: Vec<Vec<u32>> = rounds
+        .iter()
+        .map(|r| r.sends.iter().map(|m| m.peer).collect())
+        .collect();
+    // The first round sends one receiver its data, the last the other its data and both
+    // their scales.
+    assert_eq!(peers.len(), 2, "{peers:?}");
+    assert!(
+        peers[0].len() == 1 && peers[1].len() == 2,
+        "one receiver's data per round: {peers:?}"
+    );
+    let per_round: Vec<u64> = rounds
+        .iter()
+        .map(|r| r.converts.iter().map(|c| c.elements()).sum())
+        .collect();
+    assert_eq!(per_round, [4 * 128 * 256, 4 * 128 * 256]);
+}
+
 #[test]
 fn a_senders_conversions_follow_its_rounds() {
     // [1024, 512] bf16, trainer TP2 on rows → inference TP4 on columns, in 4 rounds with small

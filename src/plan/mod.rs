@@ -8,7 +8,8 @@
 //!   (`rounds.rs`) → messages (`messages.rs`) → the program (`program.rs`);
 //! - `quantize.rs`: tensors that arrive in another dtype, planned as inner tensors of a core of
 //!   their own, with conversion steps before and after the rounds;
-//! - `overlap.rs`: late unpacks, which may run beside the next round;
+//! - `overlap.rs`: late unpacks, which may run beside the next round (`bytesets.rs`: which
+//!   strided reads and writes may share a byte);
 //! - `survivors.rs`: the descriptors of the survivors of a failure (holes, renumbering) and
 //!   the refusal when no survivor holds data a survivor needs;
 //! - `steps.rs`: the steps a program is made of ([`StridedCopy`], [`StridedConvert`]) and the
@@ -16,6 +17,7 @@
 
 mod assign;
 mod blocks;
+mod bytesets;
 mod config;
 mod core;
 mod fingerprint;

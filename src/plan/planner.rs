@@ -98,7 +98,7 @@ impl Planner {
         let mut last = 0;
         for t in transfers {
             if blocks[t.block].from == rank {
-                reads.note(t.copy.src, t.copy.src_end(), t.round as usize);
+                reads.note_copy(&t.copy, t.round as usize);
             }
             last = last.max(t.round);
         }

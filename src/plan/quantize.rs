@@ -24,6 +24,7 @@
 
 use super::assign::Assignment;
 use super::blocks::{assignment_blocks, Block, Movement};
+use super::bytesets::{ByteSet, Reads};
 use super::config::{Config, Mode};
 use super::core::CorePlanner;
 use super::fingerprint::mix;
@@ -1063,16 +1064,16 @@ fn converts_by_round(program: &mut RankProgram) {
     }
     let mut reads = WorkReads::default();
     for copy in &program.local_copies {
-        reads.note(copy.src, copy.src_end(), 0);
+        reads.note_copy(copy, 0);
     }
     let (mut packs, mut sends) = (0, 0);
     for (k, span) in program.round_spans.iter().enumerate() {
         let (packs_end, sends_end) = (span.packs_end, span.sends_end);
         for copy in program.packs.get(packs..packs_end).unwrap_or_default() {
-            reads.note(copy.src, copy.src_end(), k);
+            reads.note_copy(copy, k);
         }
         for m in program.sends.get(sends..sends_end).unwrap_or_default() {
-            reads.note(m.loc, m.loc.offset.saturating_add(m.bytes), k);
+            reads.note_run(m.loc, m.bytes, k);
         }
         (packs, sends) = (packs_end, sends_end);
     }
@@ -1088,101 +1089,181 @@ fn converts_by_round(program: &mut RankProgram) {
     }
 }
 
-/// Where a rank reads its conversion workspace, keyed by when (a round): per region, the
-/// extents read (an extent holds every byte a strided read touches) with their keys.
+/// Where a rank reads its conversion workspace, keyed by when (a round): per region, the byte
+/// sets read with their keys.
 #[derive(Default)]
-pub(crate) struct WorkReads(HashMap<u32, Vec<(u64, u64, usize)>>);
+pub(crate) struct WorkReads(HashMap<u32, Vec<(usize, ByteSet)>>);
 
 impl WorkReads {
-    /// A read of `[loc.offset, end)` at `key`; reads of other buffers are not noted.
-    pub(crate) fn note(&mut self, loc: Loc, end: u64, key: usize) {
-        if loc.buffer == Buffer::Work && end > loc.offset {
+    /// The bytes `copy` reads, at `key`; reads of other buffers are not noted.
+    pub(crate) fn note_copy(&mut self, copy: &StridedCopy, key: usize) {
+        if copy.src.buffer == Buffer::Work && copy.bytes() > 0 {
+            self.0
+                .entry(copy.src.tensor)
+                .or_default()
+                .push((key, ByteSet::of_copy(copy, true)));
+        }
+    }
+
+    /// `bytes` bytes from `loc` on, read at `key`; reads of other buffers are not noted.
+    pub(crate) fn note_run(&mut self, loc: Loc, bytes: u64, key: usize) {
+        if loc.buffer == Buffer::Work && bytes > 0 {
             self.0
                 .entry(loc.tensor)
                 .or_default()
-                .push((loc.offset, end, key));
+                .push((key, ByteSet::run(loc.offset, bytes)));
         }
-    }
-
-    /// The smallest key reading any byte of `[lo, hi)` of region `id`, if any does.
-    fn first(&self, id: u32, lo: u64, hi: u64) -> Option<usize> {
-        self.0.get(&id).and_then(|list| {
-            list.iter()
-                .take_while(|&&(start, _, _)| start < hi)
-                .filter(|&&(_, end, _)| end > lo)
-                .map(|&(_, _, k)| k)
-                .min()
-        })
     }
 }
 
+/// The most slabs [`by_first_read`] cuts one box into.
+const SLABS_MAX: u64 = 256;
+
+/// Most comparisons of a written slab with a read [`by_first_read`] makes for one rank before
+/// it keys every further slab by the first read whose extent meets it (conservative).
+const FIRST_READ_WORK: u64 = 1 << 22;
+
 /// A sender's conversions (workspace locations naming their regions), each keyed by the first
-/// of `reads` that touches what it writes (its converted bytes or its scales), in key order
+/// of `reads` that may touch what it writes (its converted bytes or its scales), in key order
 /// (stable within a key); nothing read: `last`, and no key is above it.
 ///
 /// A pair's stream is sent in its rounds in stream order (`rounds.rs`), so a tensor's blocks
-/// are first read over several rounds: each box is cut along its outermost dim of more than
-/// one block into slabs of whole blocks (one block each, or as many as keep the box within 64
-/// slabs: a box's cost stays bounded however many rows it has), each slab keyed by its first
-/// read (never later than the first real read: extents over-approximate), and runs of slabs
-/// with one key make one conversion each. The program's conversions
+/// are first read over several rounds, and a round may read a thin slice of many blocks (a
+/// tensor-parallel shard's rows of every expert, or its columns of every row). Each box is cut
+/// into slabs of whole blocks along every dim of more than one block, outermost first, each
+/// into as many pieces as keep the box within [`SLABS_MAX`] slabs (a box's cost stays bounded
+/// however many blocks it has), each slab keyed by the first read that may share a byte with
+/// it (`bytesets.rs`: exact for runs and rows, never later than the first real read), and
+/// slabs with one key that make a box join into one conversion. The program's conversions
 /// ([`RoundSpan::converts_end`](super::RoundSpan::converts_end)) and the exported convert
-/// transfers (`ncclReshardPlanGetTransfers`) are both cut here.
+/// transfers (`ncclReshardPlanGetTransfers`) are both cut here. (Until 0.14 slabs were cut
+/// along the outermost such dim only and keyed by the extents of reads, so one strided read
+/// across a tensor's experts keyed all of them.)
 pub(crate) fn by_first_read(
     converts: Vec<StridedConvert>,
-    mut reads: WorkReads,
+    reads: WorkReads,
     last: usize,
 ) -> Vec<(usize, StridedConvert)> {
-    /// The most slabs one box is cut into.
-    const SLABS_MAX: u64 = 64;
-    for list in reads.0.values_mut() {
-        list.sort_unstable();
-    }
+    let reads: HashMap<u32, Reads> = reads
+        .0
+        .into_iter()
+        .map(|(id, list)| (id, Reads::new(list)))
+        .collect();
+    let mut work = FIRST_READ_WORK;
+    let mut key_of = |c: &StridedConvert| -> usize {
+        let mut first = |id: u32, set: ByteSet| {
+            reads
+                .get(&id)
+                .and_then(|r| r.first_meeting(&set, &mut work))
+        };
+        let mut k = first(c.dst.tensor, written_values(c));
+        if let Some((scale, set)) = c.scale.zip(written_scales(c)) {
+            k = match (k, first(scale.tensor, set)) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        k.unwrap_or(last).min(last)
+    };
     let mut keyed: Vec<(usize, StridedConvert)> = Vec::new();
     for convert in converts {
-        let dst_size = u64::from(convert.arithmetic.dst.size());
-        let round_of = |c: &StridedConvert| {
-            let (dst, scale) = (c.dst, c.scale);
-            let values = c.reach(|d| d.dst_stride, dst_size);
-            let mut k = reads.first(dst.tensor, dst.offset, dst.offset.saturating_add(values));
-            if let Some(scale) = scale {
-                let bytes = c.scale_reach();
-                let s = reads.first(scale.tensor, scale.offset, scale.offset + bytes);
-                k = match (k, s) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
+        // Per dim of more than one block, outermost first: its cut into pieces of `step`
+        // elements (whole blocks), as many as the slabs left allow.
+        let mut cuts: Vec<(usize, u64)> = Vec::new();
+        let mut left = SLABS_MAX;
+        for (d, dim) in convert.dims.iter().enumerate() {
+            let block = dim.block.max(1);
+            let blocks = dim.count.div_ceil(block);
+            if blocks < 2 || left < 2 {
+                continue;
             }
-            k.unwrap_or(last).min(last)
-        };
-        let Some(d) = convert.dims.iter().position(|d| d.count > d.block) else {
-            keyed.push((round_of(&convert), convert));
-            continue;
-        };
-        // Slabs of whole blocks, at most SLABS_MAX of them (per-channel blocks are rows).
-        let (count, block) = (convert.dims[d].count, convert.dims[d].block.max(1));
-        let step = count.div_ceil(block).div_ceil(SLABS_MAX) * block;
-        // Runs of slabs with one key: (from, to, key).
-        let mut runs: Vec<(u64, u64, usize)> = Vec::new();
-        for from in (0..count).step_by(step as usize) {
-            let to = (from + step).min(count);
-            let k = round_of(&slab_of(&convert, d, from, to));
-            match runs.last_mut() {
-                Some(run) if run.2 == k => run.1 = to,
-                _ => runs.push((from, to, k)),
-            }
+            let step = blocks.div_ceil(blocks.min(left)) * block;
+            left /= dim.count.div_ceil(step);
+            cuts.push((d, step));
         }
-        if let [(_, _, k)] = runs[..] {
-            keyed.push((k, convert));
-            continue;
-        }
-        keyed.extend(
-            runs.iter()
-                .map(|&(from, to, k)| (k, slab_of(&convert, d, from, to))),
-        );
+        cut_keyed(convert, &cuts, &mut key_of, &mut keyed);
     }
     keyed.sort_by_key(|&(k, _)| k);
     keyed
+}
+
+/// Appends `convert` cut along `cuts` ((dim, step), outermost first) to `out`, each slab with
+/// its key: the pieces along the first cut's dim that stay whole (one key for all their slabs)
+/// join the piece before them when it stayed whole with the same key.
+fn cut_keyed(
+    convert: StridedConvert,
+    cuts: &[(usize, u64)],
+    key_of: &mut dyn FnMut(&StridedConvert) -> usize,
+    out: &mut Vec<(usize, StridedConvert)>,
+) {
+    let Some((&(d, step), rest)) = cuts.split_first() else {
+        out.push((key_of(&convert), convert));
+        return;
+    };
+    let count = convert.dims[d].count;
+    // The last piece if it stayed whole: its place in `out` and where it starts along `d`.
+    let mut whole: Option<(usize, u64)> = None;
+    for from in (0..count).step_by(step as usize) {
+        let to = (from + step).min(count);
+        let at = out.len();
+        cut_keyed(slab_of(&convert, d, from, to), rest, key_of, out);
+        if out.len() != at + 1 {
+            whole = None;
+            continue;
+        }
+        match whole {
+            Some((before, start)) if out[before].0 == out[at].0 => {
+                out.pop();
+                out[before].1 = slab_of(&convert, d, start, to);
+            }
+            _ => whole = Some((at, from)),
+        }
+    }
+}
+
+/// The converted bytes `c` writes, as a byte set of its destination region.
+fn written_values(c: &StridedConvert) -> ByteSet {
+    let size = u64::from(c.arithmetic.dst.size());
+    dense_rows(
+        c.dst.offset,
+        size,
+        c.dims.iter().map(|d| (d.count, d.dst_stride)).collect(),
+    )
+}
+
+/// The scale bytes `c` writes (scaled conversions only), as a byte set of its scale region.
+fn written_scales(c: &StridedConvert) -> Option<ByteSet> {
+    let (scale, encoding) = c.scale.zip(c.arithmetic.scale)?;
+    Some(dense_rows(
+        scale.offset,
+        u64::from(encoding.format.size()),
+        c.dims
+            .iter()
+            .map(|d| (d.count.div_ceil(d.block.max(1)), d.scale_stride))
+            .collect(),
+    ))
+}
+
+/// `size`-byte elements at `offset + Σ i_d · stride_d` (`dims`: (count, stride), outermost
+/// first) as a byte set, inner dims that continue their element runs folded into the chunk.
+fn dense_rows(offset: u64, size: u64, mut dims: Vec<(u64, u64)>) -> ByteSet {
+    let mut chunk = size;
+    if dims.iter().any(|&(count, _)| count == 0) {
+        return ByteSet::run(offset, 0);
+    }
+    dims.retain(|&(count, _)| count > 1);
+    while let Some(&(count, stride)) = dims.last() {
+        if stride != chunk {
+            break;
+        }
+        chunk = chunk.saturating_mul(count);
+        dims.pop();
+    }
+    ByteSet {
+        offset,
+        chunk,
+        dims,
+    }
 }
 
 /// Elements `from .. to` along dim `d` of `convert`'s box (block-aligned: `from` a multiple of
