@@ -358,6 +358,17 @@ impl Layout {
             .collect()
     }
 
+    /// How many distinct shards the layout cuts a tensor into (at least 1): the product of the
+    /// mesh axes that shard some dim; each shard has `mesh.size() / shards()` replicas.
+    pub fn shards(&self) -> u64 {
+        let shape = self.mesh.shape();
+        (0..self.placements.len().min(shape.len()))
+            .filter(|&a| self.placements[a].dim().is_some())
+            .map(|a| shape[a])
+            .product::<u64>()
+            .max(1)
+    }
+
     /// A number naming `rank`'s shard, `None` when it is not in the mesh: its coordinates on
     /// the axes that shard some dim, mixed-radix. Ranks with equal numbers hold the same
     /// indices (replicas differ only on the other axes), so a planner computes a shard's

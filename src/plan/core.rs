@@ -723,8 +723,6 @@ fn distinct_ranks(meshes: &[Mesh]) -> Vec<u32> {
     ranks
 }
 
-/// Every tensor's (source, destination) layout ids, and the distinct layouts by id. A model
-/// lists tensors of one layout in a row, so each side tries the previous tensor's first.
 /// Per tensor, where its bytes sit among what the ranks of its source mesh send, in tensor
 /// order ((start, length) in 1/2³² of their total; each tensor weighs its bytes times its
 /// destination replicas): a pair's stream goes out in tensor order, its first round taking
@@ -741,14 +739,9 @@ pub(crate) fn stream_positions(tensors: &[TensorSpec]) -> Vec<Position> {
             if m == next {
                 totals.push(0);
             }
-            let shards: u128 = (0..t.dst.placements.len())
-                .filter(|&a| t.dst.placements[a].dim().is_some())
-                .map(|a| u128::from(t.dst.mesh.shape()[a]))
-                .product::<u128>()
-                .max(1);
-            let replicas = (t.dst.mesh.size() as u128 / shards).max(1);
+            let replicas = (t.dst.mesh.size() as u64 / t.dst.shards()).max(1);
             let bytes = u128::from(t.shape.iter().product::<u64>()) * u128::from(t.elem_size());
-            let w = bytes.saturating_mul(replicas);
+            let w = bytes.saturating_mul(u128::from(replicas));
             totals[m as usize] = totals[m as usize].saturating_add(w);
             (m, w)
         })
@@ -770,6 +763,8 @@ pub(crate) fn stream_positions(tensors: &[TensorSpec]) -> Vec<Position> {
         .collect()
 }
 
+/// Every tensor's (source, destination) layout ids, and the distinct layouts by id. A model
+/// lists tensors of one layout in a row, so each side tries the previous tensor's first.
 fn intern_layouts(tensors: &[TensorSpec]) -> (Vec<[u32; 2]>, Vec<&Layout>) {
     let mut ids: FxHashMap<&Layout, u32> = FxHashMap::default();
     let mut layouts: Vec<&Layout> = Vec::new();

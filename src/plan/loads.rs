@@ -52,14 +52,7 @@ impl Loads {
         layouts: &[&Layout],
         topology: &Topology,
     ) -> Loads {
-        let shards = |layout: &Layout| -> u128 {
-            (0..layout.placements.len())
-                .filter(|&a| layout.placements[a].dim().is_some())
-                .map(|a| u128::from(layout.mesh.shape()[a]))
-                .product::<u128>()
-                .max(1)
-        };
-        let shards: Vec<u128> = layouts.iter().map(|l| shards(l)).collect();
+        let shards: Vec<u128> = layouts.iter().map(|l| u128::from(l.shards())).collect();
         // Nodes holding one destination shard's replicas, per distinct destination layout.
         let mut replica_nodes: Vec<Option<u128>> = vec![None; layouts.len()];
         let mut replica_nodes_of = |id: u32, t: &TensorSpec| -> u128 {
