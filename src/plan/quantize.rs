@@ -749,18 +749,26 @@ impl Conversions {
     ) -> (Vec<StridedConvert>, Vec<StridedConvert>) {
         let mut before = Vec::new();
         let mut after = Vec::new();
+        // The tensors whose converted image or scales the rank's blocks read as their sender,
+        // in one pass over the blocks (not one per tensor: a rank's blocks and a model's
+        // tensors both run to thousands).
+        let mut read = vec![false; self.plans.len()];
+        for b in blocks {
+            if b.from == rank && b.copy.src.buffer == Buffer::Work {
+                if let (u, WorkRegion::Converted | WorkRegion::Scales) =
+                    region_of(b.copy.src.tensor)
+                {
+                    if let Some(r) = read.get_mut(u as usize) {
+                        *r = true;
+                    }
+                }
+            }
+        }
         for (t, plan) in self.plans.iter().enumerate() {
             let Some(plan) = plan else { continue };
             let spec = &tensors[t];
+            let reads_work = read[t];
             let t = t as u32;
-            let reads_work = blocks.iter().any(|b| {
-                b.from == rank
-                    && b.copy.src.buffer == Buffer::Work
-                    && matches!(
-                        region_of(b.copy.src.tensor),
-                        (u, WorkRegion::Converted | WorkRegion::Scales) if u == t
-                    )
-            });
             if plan.sender.is_some() && reads_work {
                 before.extend(sender_converts(spec, t, plan, rank));
             }
