@@ -127,13 +127,7 @@ fn a_round_reading_a_slice_of_every_expert_converts_only_that_slice_first() {
         src: layout(&[1], &[0], &[Placement::Replicate]),
         dst: layout(&[2], &[1, 2], &[Placement::Shard(1)]),
     };
-    let conversion = Conversion::quantize(
-        DType::Float8E4M3,
-        Scheme::Block {
-            rows: 128,
-            cols: 128,
-        },
-    );
+    let conversion = block(128, 128);
     let config = Config {
         mode: Mode::Staged,
         rounds: 2,
