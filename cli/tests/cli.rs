@@ -622,6 +622,20 @@ fn simulate_json_reports_every_method_the_floors_and_the_costs() {
     assert!(rounds
         .windows(2)
         .all(|w| w[0]["round"].as_u64() < w[1]["round"].as_u64()));
+    // Where the time goes: the sharing term splits into waiting for peers and the rest.
+    let critical = &json["critical_path"];
+    let part = |k: &str| {
+        critical[k]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{k}: {critical}"))
+    };
+    let (sharing, peers, links) = (
+        part("transfers_sharing_s"),
+        part("transfers_sharing_peers_s"),
+        part("transfers_sharing_links_s"),
+    );
+    assert!(peers >= 0.0 && links >= 0.0, "{critical}");
+    assert!((peers + links - sharing).abs() < 1e-9, "{critical}");
 
     // The text form names every method; a custom cluster is taken.
     let toy = |cluster: &str, json: &[&str]| {
@@ -882,6 +896,36 @@ fn bench_measures_plan_exec_and_copy() {
         assert!(entry["plan_ms"].as_f64().unwrap() > 0.0, "{entry}");
         assert!(entry["messages"].as_u64().unwrap() > 0, "{entry}");
     }
+    // --infer-dtype: the refit that converts on the way is planned (Qwen3-32B TP4·PP2 → TP4:
+    // every decoder linear weight to FP8 blocks; fewer bytes than the same refit in BF16).
+    let qwen = [
+        "bench",
+        "--plan",
+        "--model",
+        "qwen3-32b",
+        "--train",
+        "tp4,pp2",
+        "--infer",
+        "tp4",
+        "--json",
+    ];
+    let plain = json_of(&ncclreshard(&qwen));
+    let out = ncclreshard(&[&qwen[..], &["--infer-dtype", "fp8-block128"]].concat());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let fp8 = json_of(&out);
+    assert_eq!(fp8["infer_dtype"], "fp8-block128");
+    assert_eq!(fp8["converted_tensors"], 64 * 7, "{fp8}");
+    assert_eq!(
+        (
+            plain["infer_dtype"].clone(),
+            plain["converted_tensors"].clone()
+        ),
+        ("bfloat16".into(), 0.into())
+    );
+    assert!(
+        fp8["bytes_total"].as_u64().unwrap() < plain["bytes_total"].as_u64().unwrap() * 6 / 10,
+        "FP8 moves fewer bytes: {fp8} {plain}"
+    );
     let out = ncclreshard(&[&["bench", "--plan", "--rank", "16"][..], &spec].concat());
     assert_eq!(out.status.code(), Some(2));
     assert!(
@@ -1076,6 +1120,10 @@ fn model_command_mistakes_exit_2_with_a_message() {
         ),
         (vec!["bench"], "--plan, --exec or --copy"),
         (vec!["bench", "--plan", "--copy"], "one per run"),
+        (
+            vec!["bench", "--copy", "--infer-dtype", "fp8-block128"],
+            "--infer-dtype is an option of --plan",
+        ),
         (vec!["bench", "--copy", "--row", "3000"], "--row"),
         (
             vec!["bench", "--plan", "--model", "qwen3-32b"],
@@ -1093,6 +1141,39 @@ fn model_command_mistakes_exit_2_with_a_message() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
         assert!(stdout(&out).is_empty(), "{args:?} printed to stdout");
     }
+}
+
+#[test]
+fn simulate_json_says_how_much_senders_convert_before_their_first_round() {
+    // Qwen3-32B TP4·PP2 → TP4 to FP8 blocks: the 8 training ranks convert; the report gives
+    // the share of their conversions their first rounds read, over all of them and on the
+    // sender where it is largest, and names that sender.
+    let out = ncclreshard(&[
+        "simulate",
+        "--model",
+        "qwen3-32b",
+        "--train",
+        "tp4,pp2",
+        "--infer",
+        "tp4",
+        "--infer-dtype",
+        "fp8-block128",
+        "--trials",
+        "0",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json = json_of(&out);
+    let c = &json["conversion"];
+    assert_eq!(c["converted_tensors"], 64 * 7, "{c}");
+    let (share, max) = (
+        c["first_round_share"].as_f64().unwrap(),
+        c["first_round_share_max"].as_f64().unwrap(),
+    );
+    assert!(0.0 < share && share <= max && max <= 1.0, "{c}");
+    let rank = c["first_round_share_rank"].as_u64().unwrap();
+    assert!(rank < 8, "a training rank: {c}");
+    assert!(c["bytes_saved"].as_i64().unwrap() > 0, "{c}");
 }
 
 #[test]

@@ -1579,5 +1579,47 @@ fn the_critical_path_adds_up_to_the_last_ranks_finish() {
         );
         let named = c.rated_s + c.efficiency_s + c.latency_s;
         assert!(c.transfers_s >= named * (1.0 - 1e-9), "{mode:?}: {c:?}");
+        // Waiting for peers is a part of the rest.
+        assert!(c.peers_s >= 0.0, "{mode:?}: {c:?}");
+        assert!(
+            c.peers_s <= (c.transfers_s - named) + 1e-9,
+            "{mode:?}: {c:?}"
+        );
     }
+}
+
+#[test]
+fn a_receiver_waiting_for_its_senders_last_round_counts_it_as_waiting_for_peers() {
+    // Rank 0 sends 10 GB to rank 8 in round 0 (0.2 s at 50 GB/s), then 1 GB to rank 16 in
+    // round 1. Rank 16 has nothing in round 0, so it is ready for round 1 at once, and waits
+    // 0.2 s for rank 0 to get there: it finishes last, and of its 0.22 s of transfers 0.02 s
+    // are its own bytes and the other 0.2 s waiting for its peer.
+    let cluster = dgx_no_latency();
+    let (big, small) = (10_000_000_000u64, 1_000_000_000u64);
+    let mut two_rounds = sender(0, &[(8, big), (16, small)]);
+    two_rounds.round_spans = vec![
+        RoundSpan {
+            round: 0,
+            sends_end: 1,
+            ..Default::default()
+        },
+        RoundSpan {
+            round: 1,
+            sends_end: 2,
+            ..Default::default()
+        },
+    ];
+    let programs = vec![
+        two_rounds,
+        in_round(receiver(8, 0, big), 0),
+        in_round(receiver(16, 0, small), 1),
+    ];
+    let report = simulate(&programs, &cluster);
+    let nic = 50.0 * GB;
+    assert_close(report.time_s, (big + small) as f64 / nic);
+    let c = report.critical.expect("a critical path");
+    assert_eq!(c.rank, 16);
+    assert_close(c.transfers_s, (big + small) as f64 / nic);
+    assert_close(c.rated_s, small as f64 / nic);
+    assert_close(c.peers_s, big as f64 / nic);
 }

@@ -31,6 +31,7 @@ pub const COMMAND: Command = Command {
         value("scale"),
         value("cluster"),
         value("dtype"),
+        value("infer-dtype"),
         value("experts"),
         flag("colocated"),
         value("mode"),
@@ -86,6 +87,8 @@ Options:
   --model, --train, --infer, --system, --dtype, --experts, --colocated, --mode, --rounds,
   --no-relay, --cluster
                As for `ncclreshard simulate` (the cluster sets the planner's topology)
+  --infer-dtype D  --plan: plan the refit that converts on the way (as `simulate
+               --infer-dtype`; docs/quantization.md), e.g. fp8-block128
   --sample N   --plan: plan only N ranks spread evenly over the refit (the first training and
                inference ranks among them) instead of every rank, for refits of thousands
                of ranks; the all-ranks, slowest and peak-memory figures are then over those
@@ -121,8 +124,10 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         .into_iter()
         .filter(|m| parsed.flag(m))
         .collect();
-    if parsed.value("failed").is_some() && chosen.as_slice() != ["plan"] {
-        return Err(usage("bench", "--failed is an option of --plan"));
+    for option in ["failed", "infer-dtype"] {
+        if parsed.value(option).is_some() && chosen.as_slice() != ["plan"] {
+            return Err(usage("bench", format!("--{option} is an option of --plan")));
+        }
     }
     match chosen.as_slice() {
         ["plan"] => bench_plan(parsed),
@@ -148,6 +153,10 @@ struct PlanBench {
     train: String,
     infer: String,
     tensors: usize,
+    /// What inference stores (`--infer-dtype`, else the training dtype), and how many
+    /// tensors are converted on the way.
+    infer_dtype: String,
+    converted_tensors: usize,
     ranks: usize,
     /// With `--sample N`: the ranks planned (N spread evenly, the first training and
     /// inference ranks among them); the all-ranks figures are then over these.
@@ -238,19 +247,20 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
             ranks
         }
     };
+    // With --infer-dtype: the conversions the refit makes on the way.
+    let converting = args.conversions(&refit, 1)?;
     // With --failed: the survivors' plan (renumbered as ncclCommShrink renumbers), timed too.
-    let none = vec![None; refit.tensors.len()];
     let (survived, survivors) = if failed.is_empty() {
         (None, Duration::ZERO)
     } else {
         let started = Instant::now();
-        let survived = ncclreshard::plan::survivors(&refit.tensors, &none, &config, &failed)
+        let survived = ncclreshard::plan::survivors(&refit.tensors, &converting, &config, &failed)
             .map_err(|e| Failure::Input(format!("--failed: {e}")))?;
         (Some(survived), started.elapsed())
     };
     let (tensors, conversions, config) = match &survived {
         Some((tensors, conversions, config)) => (&tensors[..], &conversions[..], config.clone()),
-        None => (&refit.tensors[..], &none[..], config),
+        None => (&refit.tensors[..], &converting[..], config),
     };
     let started = Instant::now();
     let planner = refit_setup::planner(tensors, conversions, config)?;
@@ -372,6 +382,8 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         train: args.train_text.clone(),
         infer: args.infer_text.clone(),
         tensors: refit.tensors.len(),
+        infer_dtype: args.infer_dtype_name(),
+        converted_tensors: converting.iter().flatten().count(),
         ranks: planner.ranks().len(),
         sampled_ranks: sample.map(|_| ranks.len()),
         mode: mode.name(),
@@ -402,6 +414,15 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         return Ok(0);
     }
     let r = &result;
+    let converted_line = if r.converted_tensors == 0 {
+        String::new()
+    } else {
+        format!(
+            " ({} converted to {} on the way)",
+            out::count(r.converted_tensors as u64),
+            r.infer_dtype
+        )
+    };
     let survivors_line = if failed.is_empty() {
         String::new()
     } else {
@@ -412,7 +433,7 @@ fn bench_plan(parsed: &Parsed) -> Result<u8, Failure> {
         )
     };
     out::print(&format!(
-        "bench --plan {}: {}\n  {} tensors, {} ranks, mode {}, topology {} ranks per node\n{survivors_line}  Planner::new                    {:>10.2} ms\n  one rank (rank {:<5})           {:>10.2} ms   Planner::new + rank_program\n  first inference rank ({:<5})   {:>10.2} ms\n  slowest rank ({:<5})           {:>10.2} ms\n  slowest rank alone ({:<5})     {:>10.2} ms   the {} slowest, again one at a time\n  all ranks, wall                 {:>10.2} ms   on {} threads\n  all ranks, CPU                  {:>10.2} ms   sum over ranks\n  messages                        {} (at most {} per rank)\n  bytes sent                      {}\n  peak resident memory            {}\n",
+        "bench --plan {}: {}\n  {} tensors{converted_line}, {} ranks, mode {}, topology {} ranks per node\n{survivors_line}  Planner::new                    {:>10.2} ms\n  one rank (rank {:<5})           {:>10.2} ms   Planner::new + rank_program\n  first inference rank ({:<5})   {:>10.2} ms\n  slowest rank ({:<5})           {:>10.2} ms\n  slowest rank alone ({:<5})     {:>10.2} ms   the {} slowest, again one at a time\n  all ranks, wall                 {:>10.2} ms   on {} threads\n  all ranks, CPU                  {:>10.2} ms   sum over ranks\n  messages                        {} (at most {} per rank)\n  bytes sent                      {}\n  peak resident memory            {}\n",
         r.model,
         args.specs_text(&refit),
         out::count(r.tensors as u64),

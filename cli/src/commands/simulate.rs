@@ -262,12 +262,16 @@ pub struct CriticalJson {
     /// per-message latencies no byte of the rank overlaps (per round, its pairs' shortest), and
     /// the rest: link efficiency (`transfers_efficiency_s`, the same bytes at achievable
     /// speed) and sharing links with other ranks' flows, incast and waiting for peers to
-    /// reach the round (`transfers_sharing_s`).
+    /// reach the round (`transfers_sharing_s`), of which waiting for the last peer of each
+    /// round to enter it (`transfers_sharing_peers_s`, [`sim::CriticalPath::peers_s`]) and
+    /// the rest (`transfers_sharing_links_s`).
     transfers_rated_s: f64,
     transfers_latency_s: f64,
     transfers_sharing_and_efficiency_s: f64,
     transfers_efficiency_s: f64,
     transfers_sharing_s: f64,
+    transfers_sharing_peers_s: f64,
+    transfers_sharing_links_s: f64,
     unpacks_s: f64,
     late_tail_s: f64,
     /// `reshard_s - nominal_s`: what jitter adds to the median.
@@ -281,6 +285,8 @@ impl CriticalJson {
     fn new(c: &sim::CriticalPath, s: &Simulation) -> CriticalJson {
         let nominal =
             c.packs_s + c.conversions_s + c.waits_s + c.transfers_s + c.unpacks_s + c.late_tail_s;
+        let sharing = (c.transfers_s - c.rated_s - c.latency_s - c.efficiency_s).max(0.0);
+        let peers = c.peers_s.min(sharing);
         CriticalJson {
             rank: c.rank,
             nominal_s: nominal,
@@ -292,8 +298,9 @@ impl CriticalJson {
             transfers_latency_s: c.latency_s,
             transfers_sharing_and_efficiency_s: (c.transfers_s - c.rated_s - c.latency_s).max(0.0),
             transfers_efficiency_s: c.efficiency_s,
-            transfers_sharing_s: (c.transfers_s - c.rated_s - c.latency_s - c.efficiency_s)
-                .max(0.0),
+            transfers_sharing_s: sharing,
+            transfers_sharing_peers_s: peers,
+            transfers_sharing_links_s: sharing - peers,
             unpacks_s: c.unpacks_s,
             late_tail_s: c.late_tail_s,
             jitter_s: s.reshard.time_s - nominal,
@@ -532,14 +539,21 @@ pub struct ConversionJson {
     /// anything is sent, on every sender's critical path (the rest is converted beside the
     /// rounds before; docs/quantization.md, "Conversions beside transfers").
     first_round_share: Option<f64>,
-    /// The same share on the sender for which it is largest.
+    /// The same share on the sender for which it is largest…
     first_round_share_max: Option<f64>,
+    /// …and that sender (the lowest such rank).
+    first_round_share_rank: Option<u32>,
 }
 
 impl ConversionJson {
     pub fn new(s: &Simulation, conversions: &[Option<Conversion>]) -> Option<ConversionJson> {
         let plain = s.unconverted.as_ref()?;
         let senders = converted_first(&s.programs);
+        // The sender whose first round reads the largest share (the first such, by rank).
+        let busiest = senders
+            .iter()
+            .filter_map(|&(rank, all, first)| ratio(first as f64, all as f64).map(|r| (rank, r)))
+            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)));
         Some(ConversionJson {
             converted_tensors: conversions.iter().flatten().count(),
             unconverted_reshard_s: finite(plain.time_s),
@@ -548,27 +562,25 @@ impl ConversionJson {
             time_ratio: ratio(s.reshard.time_s, plain.time_s),
             work_bytes_max: s.programs.iter().map(|p| p.work_bytes).max().unwrap_or(0),
             first_round_share: ratio(
+                senders.iter().map(|s| s.2 as f64).sum(),
                 senders.iter().map(|s| s.1 as f64).sum(),
-                senders.iter().map(|s| s.0 as f64).sum(),
             ),
-            first_round_share_max: senders
-                .iter()
-                .filter_map(|&(all, first)| ratio(first as f64, all as f64))
-                .reduce(f64::max),
+            first_round_share_max: busiest.map(|(_, share)| share),
+            first_round_share_rank: busiest.map(|(rank, _)| rank),
         })
     }
 }
 
-/// Per sender: the bytes it converts before the rounds, and of them those its first round
-/// reads.
-fn converted_first(programs: &[RankProgram]) -> Vec<(u64, u64)> {
+/// Per sender: its rank, the bytes it converts before the rounds, and of them those its
+/// first round reads.
+fn converted_first(programs: &[RankProgram]) -> Vec<(u32, u64, u64)> {
     let bytes = |c: &[StridedConvert]| -> u64 { c.iter().map(StridedConvert::src_bytes).sum() };
     programs
         .iter()
         .filter(|p| !p.converts_before.is_empty())
         .map(|p| {
             let first = p.rounds_iter().next().map_or(0, |r| bytes(r.converts));
-            (bytes(&p.converts_before), first)
+            (p.rank, bytes(&p.converts_before), first)
         })
         .collect()
 }

@@ -229,6 +229,13 @@ pub struct CriticalPath {
     /// with no other traffic, full link efficiency and no latency (the rest is link
     /// efficiency, sharing with other ranks' flows, incast and waiting for peers).
     pub rated_s: f64,
+    /// Inside `transfers_s`, past its bytes, efficiency and latency: per round, how long after
+    /// the rank was ready its last peer there was (when the round's last flow could start),
+    /// at most what the round took beyond the rank's own bytes of it at achievable speed on
+    /// its busiest port and its latency. Rounds are coupled through peers: a sender enters
+    /// round `k + 1` only when its last receiver of round `k` is done, so a receiver that
+    /// finished early waits for it (docs/simulator.md §7, "Waiting for peers").
+    pub peers_s: f64,
     /// Unpacks before the next round.
     pub unpacks_s: f64,
     /// Late unpacks still running after the last round's transfers.

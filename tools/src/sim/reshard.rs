@@ -378,9 +378,9 @@ impl<'a> Model<'a> {
                     flows.push(network.route(from, to, bytes as f64));
                     let latency_s = run.len() as f64 * cluster.message_latency(from, to);
                     if j != i {
-                        let nic = usize::from(cluster.domain(from) == cluster.domain(to)) * 2;
-                        port_bytes[i][nic] += bytes;
-                        port_bytes[j][nic + 1] += bytes;
+                        let port = egress_port(cluster, from, to);
+                        port_bytes[i][port] += bytes;
+                        port_bytes[j][port + 1] += bytes;
                     }
                     latency[i * nr + k] = latency[i * nr + k].min(latency_s);
                     latency[j * nr + k] = latency[j * nr + k].min(latency_s);
@@ -618,8 +618,20 @@ impl<'a> Model<'a> {
                 }
                 c.packs_s += pack[slot];
                 c.waits_s += (ready_at[slot] - entered[slot] - pack[slot]).max(0.0);
-                c.transfers_s += done_at[slot] - ready_at[slot];
+                let took = done_at[slot] - ready_at[slot];
+                c.transfers_s += took;
                 c.latency_s += self.latency[slot];
+                // The last peer of the round entered it this long after the rank was ready.
+                let last_peer = ends_of[slot]
+                    .iter()
+                    .map(|&f| {
+                        let m = &meta[f as usize];
+                        let other = if m.from == i { m.to } else { m.from };
+                        ready_at[other * nr + k] - ready_at[slot]
+                    })
+                    .fold(0.0f64, f64::max);
+                let beyond = took - self.round_need_s(i, k, cluster) - self.latency[slot];
+                c.peers_s += last_peer.min(beyond).max(0.0);
                 c.unpacks_s += unpack[slot];
                 exit = done_at[slot] + unpack[slot];
             }
@@ -656,6 +668,30 @@ impl<'a> Model<'a> {
             link_bytes: outcome.link_bytes,
         }
     }
+
+    /// Rank `i`'s own bytes of round `k` at achievable speed on its busiest port in that round.
+    fn round_need_s(&self, i: usize, k: usize, cluster: &Cluster) -> f64 {
+        let mut ports = [0u64; 4];
+        for &f in &self.ends_of[i * self.nr + k] {
+            let m = &self.meta[f as usize];
+            if m.from == m.to {
+                continue;
+            }
+            let port = egress_port(cluster, self.ranks[m.from], self.ranks[m.to]);
+            ports[port + usize::from(m.to == i)] += self.flows[f as usize].bytes as u64;
+        }
+        port_seconds(
+            &ports,
+            cluster.nic_achievable(),
+            cluster.nvlink_achievable(),
+        )
+    }
+}
+
+/// Which of a rank's ports (`[NIC out, NIC in, NVLink out, NVLink in]`) a flow from `from` to
+/// `to` leaves `from` by; it enters `to` by the next one.
+fn egress_port(cluster: &Cluster, from: u32, to: u32) -> usize {
+    usize::from(cluster.domain(from) == cluster.domain(to)) * 2
 }
 
 /// NCCL buffer bytes of one connection to `peer`: its channels times `chunk × 8` steps
@@ -748,12 +784,16 @@ fn counts(programs: &[RankProgram], cluster: &Cluster) -> (u64, u64, u64) {
 fn busiest_port_s(port_bytes: &[[u64; 4]], nic_bw: f64, nvlink_bw: f64) -> Vec<f64> {
     port_bytes
         .iter()
-        .map(|b| {
-            let nic = b[0].max(b[1]) as f64 / nic_bw;
-            let nvlink = b[2].max(b[3]) as f64 / nvlink_bw;
-            nic.max(nvlink)
-        })
+        .map(|b| port_seconds(b, nic_bw, nvlink_bw))
         .collect()
+}
+
+/// The seconds a rank's busiest port takes for `bytes` (per port, as [`egress_port`] numbers
+/// them).
+fn port_seconds(bytes: &[u64; 4], nic_bw: f64, nvlink_bw: f64) -> f64 {
+    let nic = bytes[0].max(bytes[1]) as f64 / nic_bw;
+    let nvlink = bytes[2].max(bytes[3]) as f64 / nvlink_bw;
+    nic.max(nvlink)
 }
 
 /// The report of a call: times as simulated, message and byte counts from the programs.
