@@ -234,7 +234,7 @@ pub struct CriticalPath {
     /// at most what the round took beyond the rank's own bytes of it at achievable speed on
     /// its busiest port and its latency. Rounds are coupled through peers: a sender enters
     /// round `k + 1` only when its last receiver of round `k` is done, so a receiver that
-    /// finished early waits for it (docs/simulator.md §7, "Waiting for peers").
+    /// finished early waits for it (docs/simulator.md §7, "Where the time goes").
     pub peers_s: f64,
     /// Unpacks before the next round.
     pub unpacks_s: f64,
