@@ -898,17 +898,7 @@ fn bench_measures_plan_exec_and_copy() {
     }
     // --infer-dtype: the refit that converts on the way is planned (Qwen3-32B TP4·PP2 → TP4:
     // every decoder linear weight to FP8 blocks; fewer bytes than the same refit in BF16).
-    let qwen = [
-        "bench",
-        "--plan",
-        "--model",
-        "qwen3-32b",
-        "--train",
-        "tp4,pp2",
-        "--infer",
-        "tp4",
-        "--json",
-    ];
+    let qwen = [&["bench", "--plan"][..], &QWEN_TP4_PP2_TO_TP4, &["--json"]].concat();
     let plain = json_of(&ncclreshard(&qwen));
     let out = ncclreshard(&[&qwen[..], &["--infer-dtype", "fp8-block128"]].concat());
     assert!(out.status.success(), "{}", stderr(&out));
@@ -1143,25 +1133,30 @@ fn model_command_mistakes_exit_2_with_a_message() {
     }
 }
 
+/// A small refit whose decoder linear weights quantize to FP8 128×128 blocks (both layouts
+/// hold whole blocks): Qwen3-32B from TP4·PP2 (8 ranks) to TP4 (4 ranks).
+const QWEN_TP4_PP2_TO_TP4: [&str; 6] = [
+    "--model",
+    "qwen3-32b",
+    "--train",
+    "tp4,pp2",
+    "--infer",
+    "tp4",
+];
+
 #[test]
 fn simulate_json_says_how_much_senders_convert_before_their_first_round() {
     // Qwen3-32B TP4·PP2 → TP4 to FP8 blocks: the 8 training ranks convert; the report gives
     // the share of their conversions their first rounds read, over all of them and on the
     // sender where it is largest, and names that sender.
-    let out = ncclreshard(&[
-        "simulate",
-        "--model",
-        "qwen3-32b",
-        "--train",
-        "tp4,pp2",
-        "--infer",
-        "tp4",
-        "--infer-dtype",
-        "fp8-block128",
-        "--trials",
-        "0",
-        "--json",
-    ]);
+    let out = ncclreshard(
+        &[
+            &["simulate"][..],
+            &QWEN_TP4_PP2_TO_TP4,
+            &["--infer-dtype", "fp8-block128", "--trials", "0", "--json"],
+        ]
+        .concat(),
+    );
     assert!(out.status.success(), "{}", stderr(&out));
     let json = json_of(&out);
     let c = &json["conversion"];
