@@ -1317,6 +1317,70 @@ fn staging_limits_keep_some_unpacks_late_and_every_byte_right() {
     assert!(partial > 0, "no rank kept only some of its unpacks late");
 }
 
+/// Auto mode in several rounds (docs/planner.md §4): a pair's piece that is one run in the
+/// receiver's view and holds at least a pair part / 8 (and 1 MiB) lands there, a message of
+/// its own, though the sender's side is strided (row shards of column-sharded sources: the
+/// sender packs it); smaller pieces of the same pair and round travel in one staged message
+/// that the receiver unpacks.
+#[test]
+fn pieces_contiguous_only_at_the_destination_land_there() {
+    // Row shards over ranks 0–1 into column shards over ranks 2–5: every piece is 512 rows
+    // of a quarter of the columns, strided in the sender's shard and one run in the
+    // receiver's. Tensors 0 and 1: 2 MiB pieces; 2 and 3: 512 B pieces.
+    let spec = |rows: u64, cols: u64| TensorSpec {
+        shape: vec![rows, cols],
+        dtype: DType::Float32,
+        src: layout(grid(&[2], 0), &[Placement::Shard(0)]),
+        dst: layout(grid(&[4], 2), &[Placement::Shard(1)]),
+    };
+    let tensors = vec![
+        spec(1024, 4096),
+        spec(1024, 4096),
+        spec(16, 64),
+        spec(16, 64),
+    ];
+    let config = Config {
+        mode: Mode::Auto,
+        rounds: 2,
+        ..Default::default()
+    };
+    let programs = run_checked(&tensors, &config);
+    let mib = 1u64 << 20;
+    for p in &programs[2..] {
+        let r = p.rank;
+        // Both large pieces from each of the two senders land in place, whatever round.
+        let in_place: Vec<&Message> = p.recvs.iter().filter(|m| m.bytes >= mib).collect();
+        assert!(
+            in_place.len() >= 4 && in_place.iter().all(|m| m.loc.buffer == Buffer::Dst),
+            "rank {r}: {:?}",
+            p.recvs
+        );
+        assert_eq!(
+            in_place.iter().map(|m| m.bytes).sum::<u64>(),
+            2 * 2 * 512 * 1024 * 4,
+            "rank {r}"
+        );
+        // Only the small tensors are unpacked, from staged receives.
+        assert!(!p.unpacks.is_empty(), "rank {r}");
+        assert!(
+            p.unpacks.iter().all(|u| u.dst.tensor >= 2),
+            "rank {r}: {:?}",
+            p.unpacks
+        );
+        assert!(p.recvs.iter().any(|m| m.loc.buffer == Buffer::Staging));
+    }
+    for p in &programs[..2] {
+        // The senders pack the large pieces (their rows are strided) into staging.
+        let packed: u64 = p
+            .packs
+            .iter()
+            .filter(|c| c.src.tensor < 2)
+            .map(|c| c.bytes())
+            .sum();
+        assert_eq!(packed, 2 * 4 * 512 * 1024 * 4, "rank {}", p.rank);
+    }
+}
+
 // Receiving in place (`plan::in_place`): destination views at offsets back to back.
 
 /// Every rank's program from `exec::Plan` (the path `ncclReshardPlanCreate` takes), its

@@ -28,10 +28,11 @@ pub const AUTO_STAGE_MIN_MESSAGES: u64 = 4;
 pub const AUTO_STAGE_MAX_AVG_BYTES: u64 = 1 << 20;
 /// …or there are more of them than this.
 pub const AUTO_STAGE_MAX_MESSAGES: u64 = 256;
-/// In an `Auto` plan of several rounds, a piece contiguous on both ends travels as it is (no
-/// pack, no unpack) when it has at least [`AUTO_STAGE_MAX_AVG_BYTES`] and at least this
-/// fraction of the plan's smallest pair part (see [`AUTO_MESSAGES_PER_RANK`]); smaller ones
-/// join the pair's staged message of that round. Pieces far smaller than a part would each
+/// In an `Auto` plan of several rounds, a piece contiguous at its destination lands there as a
+/// message of its own (no unpack; the sender packs it where its side is strided) when it has
+/// at least [`AUTO_STAGE_MAX_AVG_BYTES`] and at least this fraction of the plan's smallest
+/// pair part (see [`AUTO_MESSAGES_PER_RANK`]); smaller ones join the pair's staged message of
+/// that round. Pieces far smaller than a part would each
 /// cost a message of their own where the budget allows about one per part: a model that keeps
 /// thousands of 1.8 MB per-expert tensors (Kimi-K2, parts of about 38 MB) would post one
 /// message per tensor and peer, 61,725 on one inference rank.

@@ -198,10 +198,11 @@ impl Emitter {
 
     /// Emits this rank's half of the pair whose copies (canonical order) are given.
     /// `pair` is (sender, receiver), for messages. `coalesce`: in auto mode, the plan has
-    /// several rounds (so it is not groupable anyway): pieces contiguous on both ends of at
-    /// least [`AUTO_STAGE_MAX_AVG_BYTES`] and 1/[`AUTO_DIRECT_PART_FRACTION`] of
-    /// `part_bytes` (the plan's smallest pair part) go as they are, the rest as one staged
-    /// message, but for relay forwards between `node_mates` (copies reading the sender's
+    /// several rounds (so it is not groupable anyway): pieces contiguous at the destination of
+    /// at least [`AUTO_STAGE_MAX_AVG_BYTES`] and 1/[`AUTO_DIRECT_PART_FRACTION`] of
+    /// `part_bytes` (the plan's smallest pair part) land there, each a message of its own
+    /// (the sender packs those strided at its end), the rest as one staged message, but for
+    /// relay forwards between `node_mates` (copies reading the sender's
     /// destination view) that the sender would pack: each is a staged message of its own, so
     /// that a forwarder whose data still sits in the arena it arrived in sends it from there
     /// (`plan::overlap`). Both ends tell them apart from the copies and the topology alone.
@@ -265,10 +266,11 @@ impl Emitter {
             }
             Mode::Staged => true,
             Mode::Auto if coalesce => {
-                // Large pieces contiguous on both ends go as they are (no copy); the rest
-                // travels as one staged message when it would take several.
+                // Large pieces contiguous at the destination land there, unpacked by nobody
+                // (packed by the sender where its side is strided); the rest travels as one
+                // staged message when it would take several.
                 let min = AUTO_STAGE_MAX_AVG_BYTES.max(part_bytes / AUTO_DIRECT_PART_FRACTION);
-                let is_direct = |c: &&StridedCopy| c.is_contiguous() && c.bytes() >= min;
+                let is_direct = |c: &&StridedCopy| c.dst_is_contiguous() && c.bytes() >= min;
                 let split: (Vec<&StridedCopy>, Vec<&StridedCopy>);
                 let (direct, rest): (&[&StridedCopy], &[&StridedCopy]) =
                     match copies.iter().filter(|c| is_direct(c)).count() {
