@@ -32,10 +32,10 @@ pub const AUTO_STAGE_MAX_MESSAGES: u64 = 256;
 /// message of its own (no unpack; the sender packs it where its side is strided) when it has
 /// at least [`AUTO_STAGE_MAX_AVG_BYTES`] and at least this fraction of the plan's smallest
 /// pair part (see [`AUTO_MESSAGES_PER_RANK`]); smaller ones join the pair's staged message of
-/// that round. Pieces far smaller than a part would each
-/// cost a message of their own where the budget allows about one per part: a model that keeps
-/// thousands of 1.8 MB per-expert tensors (Kimi-K2, parts of about 38 MB) would post one
-/// message per tensor and peer, 61,725 on one inference rank.
+/// that round. Pieces far smaller than a part would each cost a message of their own where the
+/// budget allows about one per part: a model that keeps thousands of 1.8 MB per-expert tensors
+/// (Kimi-K2, parts of about 38 MB) would post one message per tensor and peer, 61,725 on one
+/// inference rank.
 pub const AUTO_DIRECT_PART_FRACTION: u64 = 8;
 /// Groupable mode refuses a pair whose regions split into more runs than this before adjacent
 /// runs are merged (planning them would take too much memory); auto and staged modes coalesce

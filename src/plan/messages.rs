@@ -202,10 +202,10 @@ impl Emitter {
     /// at least [`AUTO_STAGE_MAX_AVG_BYTES`] and 1/[`AUTO_DIRECT_PART_FRACTION`] of
     /// `part_bytes` (the plan's smallest pair part) land there, each a message of its own
     /// (the sender packs those strided at its end), the rest as one staged message, but for
-    /// relay forwards between `node_mates` (copies reading the sender's
-    /// destination view) that the sender would pack: each is a staged message of its own, so
-    /// that a forwarder whose data still sits in the arena it arrived in sends it from there
-    /// (`plan::overlap`). Both ends tell them apart from the copies and the topology alone.
+    /// relay forwards between `node_mates` (copies reading the sender's destination view) that
+    /// the sender would pack: each is a staged message of its own, so that a forwarder whose
+    /// data still sits in the arena it arrived in sends it from there (`plan::overlap`). Both
+    /// ends tell them apart from the copies and the topology alone.
     #[allow(clippy::too_many_arguments)]
     pub fn pair(
         &mut self,
