@@ -691,7 +691,7 @@ impl<'a> Model<'a> {
 /// Which of a rank's ports (`[NIC out, NIC in, NVLink out, NVLink in]`) a flow from `from` to
 /// `to` leaves `from` by; it enters `to` by the next one.
 fn egress_port(cluster: &Cluster, from: u32, to: u32) -> usize {
-    usize::from(cluster.domain(from) == cluster.domain(to)) * 2
+    usize::from(cluster.same_domain(from, to)) * 2
 }
 
 /// NCCL buffer bytes of one connection to `peer`: its channels times `chunk × 8` steps
