@@ -69,8 +69,8 @@ impl Assignment {
 ///   its round, and that member forwards it to the others over NVLink in the next round.
 /// - Forwarding between receiving nodes (same conditions, at least 2 rounds, at least 2
 ///   receiving nodes): when the unit's senders are busier than any receiver
-///   ([`Loads::forward_fraction`]), that share of the chunks (picked by a hash of the rotation
-///   and the chunk) crosses the network once, to one member of one node (the hub), in a round
+///   ([`Loads::forward_fraction`]), that share of the chunks (evenly spaced, from the unit's
+///   offsets, [`Spread`]) crosses the network once, to one member of one node (the hub), in a round
 ///   r ≤ rounds − 1 − s; the hub forwards it to its node mates in r + 1 and to one member (the
 ///   entry) of every other node in one of the rounds r + 1 … r + s ([`hub_spread`] `s`, 1
 ///   unless that would cost too many messages), and each entry to its node mates in the round
@@ -708,6 +708,7 @@ impl Prepared {
         let turn = Turn {
             rotation,
             position,
+            spread: Spread::of(tensor, self.ordinal),
             slot: u64::from(tensor)
                 .wrapping_mul(1_000_003)
                 .wrapping_add(self.ordinal.wrapping_mul(u64::from(self.chunks))),
@@ -812,23 +813,33 @@ impl Prepared {
         }
     }
 
-    /// Whether relay chunk `chunk` is forwarded between receiving nodes under `rotation`.
+    /// Whether relay chunk `chunk` is forwarded between receiving nodes under `turn`: the
+    /// chunks where `chunk · share + phase` crosses a multiple of [`FORWARD_SCALE`] (a line
+    /// drawn at slope `share`), so a unit forwards `chunks · share` of its chunks within one,
+    /// evenly spaced, and the phases of the units a receiver shares spread evenly
+    /// ([`Spread`]).
     fn forwarded(&self, chunk: u32, turn: Turn) -> bool {
         self.forward_share > 0
-            && mix([turn.rotation, u64::from(chunk)]) % FORWARD_SCALE < self.forward_share
+            && on_line(
+                u64::from(chunk),
+                self.forward_share,
+                turn.spread.scaled(0, FORWARD_SCALE),
+            )
     }
 
     /// A forwarded chunk's hub: (relay group, member, round it arrives in, at most
     /// rounds − 1 − [`Prepared::hub_spread`], so that its forwards and the entries' relays land
-    /// by the plan's extra round).
+    /// by the plan's extra round). Consecutive chunks take the next group and the next round,
+    /// from offsets of the unit ([`Spread`]).
     fn hub(&self, chunk: u32, turn: Turn) -> (u32, u32, u32) {
         let c = u64::from(chunk);
-        let group = ((c + turn.rotation / 8_191) % self.fanout.relay_groups.len() as u64) as u32;
+        let groups = self.fanout.relay_groups.len() as u64;
+        let group = ((c + turn.spread.scaled(2, groups)) % groups) as u32;
         let (member, _) = self.relay_leg(group, chunk, turn);
-        let last = self.rounds - self.hub_spread;
-        let round = match self.stream_round(chunk, turn, last) {
+        let last = u64::from(self.rounds - self.hub_spread);
+        let round = match self.stream_round(chunk, turn, last as u32) {
             Some(round) => round,
-            None => ((c + turn.rotation / 65_521) % u64::from(last)) as u32,
+            None => ((c + turn.spread.scaled(1, last)) % last) as u32,
         };
         (group, member, round)
     }
@@ -1135,10 +1146,56 @@ pub(crate) enum View {
 #[derive(Clone, Copy)]
 struct Turn {
     rotation: u64,
+    /// Where the unit's forwarded chunks start ([`Prepared::forwarded`], [`Prepared::hub`]).
+    spread: Spread,
     slot: u64,
     /// Where the tensor's bytes sit among what its source mesh's ranks send, when its
     /// forwarded chunks take their rounds from it ([`super::core::stream_positions`]).
     position: Option<Position>,
+}
+
+/// A unit's offsets for its forwarded chunks: which of its chunks are forwarded (a phase), the
+/// round the first goes in and the hub group it goes to. Each is a Kronecker (additive
+/// recurrence) sequence over the tensor index and the unit's ordinal, `tensor · a + ordinal · b`
+/// modulo 2⁶⁴ with `a`, `b` from irrational numbers, read as a fraction of 2⁶⁴: the units a
+/// receiver shares (one tensor after another, one source shard after another) take offsets
+/// spread evenly over their range, where a hash scatters them at random. What a receiver takes
+/// in per round sums over hundreds of units, and every round waits for its busiest receiver:
+/// with hashed offsets the bytes DeepSeek-V3's inference ranks (`pp16,ep16 → tp32,dp8`) take
+/// in per round straight from trainers, forwarded chunks as hubs included, spread by 36–41 MB
+/// (standard deviation), with these by 25–30 MB (docs/simulator.md §7).
+#[derive(Clone, Copy)]
+struct Spread([u64; 3]);
+
+impl Spread {
+    /// Per offset: (tensor step, ordinal step), in 1/2⁶⁴ and rounded to odd: 1/φ and √2 − 1,
+    /// the R2 sequence's 1/g and 1/g² (g the plastic number), 1/e and π − 3.
+    const STEPS: [(u64, u64); 3] = [
+        (0x9e37_79b9_7f4a_7c15, 0x6a09_e667_f3bc_c909),
+        (0xc13f_a9a9_02a6_328f, 0x91e1_0da5_c79e_7b1d),
+        (0x5e2d_58d8_b3bc_df1b, 0x243f_6a88_85a3_08d3),
+    ];
+
+    fn of(tensor: u32, ordinal: u64) -> Spread {
+        Spread(Spread::STEPS.map(|(a, b)| {
+            u64::from(tensor)
+                .wrapping_mul(a)
+                .wrapping_add(ordinal.wrapping_mul(b))
+        }))
+    }
+
+    /// Offset `which` scaled to `0..n`.
+    fn scaled(&self, which: usize, n: u64) -> u64 {
+        ((u128::from(self.0[which]) * u128::from(n)) >> 64) as u64
+    }
+}
+
+/// Whether item `i` of a sequence is taken when `share` of every [`FORWARD_SCALE`] are, from
+/// `phase` (`< FORWARD_SCALE`): where `i · share + phase` crosses a multiple of
+/// [`FORWARD_SCALE`]. Any `n` consecutive items hold `n · share / FORWARD_SCALE` taken ones,
+/// rounded down or up, evenly spaced.
+fn on_line(i: u64, share: u64, phase: u64) -> bool {
+    (i * share + phase) / FORWARD_SCALE != ((i + 1) * share + phase) / FORWARD_SCALE
 }
 
 /// Where a tensor's bytes sit among what the ranks of its source mesh send in all, in tensor
@@ -1215,7 +1272,59 @@ fn split_region(region: &[IndexRuns], parts: u64) -> Vec<Vec<IndexRuns>> {
 
 #[cfg(test)]
 mod tests {
-    use super::hub_spread;
+    use super::{hub_spread, on_line, Spread, FORWARD_SCALE};
+
+    #[test]
+    fn a_unit_forwards_its_share_of_chunks_evenly_spaced() {
+        for share in [1, 7, 100, 341, 512, 700, 1023, FORWARD_SCALE] {
+            for phase in [0, 1, 333, 512, FORWARD_SCALE - 1] {
+                let taken: Vec<u64> = (0..200).filter(|&i| on_line(i, share, phase)).collect();
+                // Any window of n chunks holds n · share / SCALE of them, rounded down or up.
+                for n in [1u64, 3, 12, 31, 200] {
+                    for start in 0..=(200 - n) {
+                        let k = taken
+                            .iter()
+                            .filter(|&&i| i >= start && i < start + n)
+                            .count();
+                        let exact = n * share;
+                        let (lo, hi) = (exact / FORWARD_SCALE, exact.div_ceil(FORWARD_SCALE));
+                        assert!(
+                            (lo..=hi).contains(&(k as u64)),
+                            "share {share} phase {phase}: {k} of {n} from {start}"
+                        );
+                    }
+                }
+            }
+        }
+        assert!(!(0..100).any(|i| on_line(i, 0, 5)));
+        assert!((0..100).all(|i| on_line(i, FORWARD_SCALE, 5)));
+    }
+
+    #[test]
+    fn units_offsets_spread_evenly_where_hashed_ones_scatter() {
+        // The units one receiver shares: 1,025 tensors × 16 source shards (ordinals as
+        // `Prepared` builds them from coordinates, 8,191 apart). Every offset, scaled to 8
+        // hub groups or 11, 12, 23 or 64 rounds, fills each bin within 10 units of the mean
+        // (2,050 to 256 units); independent draws would miss it by about 2.5 standard
+        // deviations, 113 units with 8 bins and 40 with 64.
+        let units: Vec<Spread> = (0..1025u32)
+            .flat_map(|t| (0..16u64).map(move |o| Spread::of(t, 7 * 8_191 * 8_191 + o * 8_191)))
+            .collect();
+        for which in 0..3 {
+            for bins in [8u64, 11, 12, 23, 64] {
+                let mut count = vec![0u64; bins as usize];
+                for u in &units {
+                    count[u.scaled(which, bins) as usize] += 1;
+                }
+                let mean = units.len() as f64 / bins as f64;
+                let worst = count
+                    .iter()
+                    .map(|&c| (c as f64 - mean).abs())
+                    .fold(0.0, f64::max);
+                assert!(worst <= 10.0, "offset {which}, {bins} bins: {count:?}");
+            }
+        }
+    }
 
     #[test]
     fn hub_spread_is_the_least_that_keeps_forwards_within_half_the_message_bound() {

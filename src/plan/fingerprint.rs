@@ -18,11 +18,13 @@ use crate::quant::{Conversion, ScaleFormat, Scheme};
 /// 0.14: chunks of sender-converted tensors forwarded between nodes take their rounds from
 /// where they sit in their senders' streams, and scales move in the last round of data;
 /// 0.15: in auto plans of several rounds, large pieces contiguous at the destination land
-/// there as messages of their own, whatever their source side),
+/// there as messages of their own, whatever their source side; 0.16: which chunks are
+/// forwarded between nodes, their hubs and rounds follow offsets spread evenly over the units
+/// instead of a hash),
 /// so that ranks running planners that disagree never agree on a fingerprint (the exchange at
 /// the first call refuses the mix instead of posting messages the peer does not expect).
 /// Before 0.6 it was not hashed.
-const PLANNER_REVISION: u64 = 13;
+const PLANNER_REVISION: u64 = 14;
 
 /// FNV-1a (a word per step) over a canonical encoding of the inputs: equal on all ranks iff
 /// they passed the same descriptors and config (the rank itself is not part of it). Tensors'
