@@ -1,6 +1,6 @@
 //! The C ABI (docs/design.md §3): the only module with `#[no_mangle]` exports and C naming.
 //!
-//! Every export runs inside [`boundary::boundary`]: arguments are NULL-checked and validated,
+//! Every export runs inside `boundary::boundary`: arguments are NULL-checked and validated,
 //! errors return NCCL result codes with a message in `ncclReshardGetLastError()`, outputs are
 //! written only on success, and no panic crosses into C. `include/ncclReshard.h` is generated
 //! from this module by cbindgen (see `tests/header.rs`).

@@ -14,8 +14,8 @@ pub enum Mode {
     /// run outside a user group (a call inside one is refused).
     Staged,
     /// The default. Per peer pair and round: staged when sending runs as they are would need
-    /// many messages ([`AUTO_STAGE_MIN_MESSAGES`] or more, averaging under
-    /// [`AUTO_STAGE_MAX_AVG_BYTES`] or more than [`AUTO_STAGE_MAX_MESSAGES`] of them), else one
+    /// many messages (`AUTO_STAGE_MIN_MESSAGES` or more, averaging under
+    /// `AUTO_STAGE_MAX_AVG_BYTES` or more than `AUTO_STAGE_MAX_MESSAGES` of them), else one
     /// message per destination-contiguous run (packed by the sender where its side is
     /// strided); in a plan of several rounds, whenever it would need more than one. Must run
     /// outside a user group (a call inside one is refused).
@@ -58,7 +58,7 @@ pub const AUTO_MAX_ROUNDS: u32 = 32;
 /// therefore at least the busiest rank's bytes over (this − the plan's other ranks, which
 /// bounds any rank's peers), and at least [`Config::split_min_bytes`]: a rank then has at
 /// most one message per peer plus one per part. Pieces sent as they are
-/// ([`AUTO_DIRECT_PART_FRACTION`]) and relays come on top.
+/// (`AUTO_DIRECT_PART_FRACTION`) and relays come on top.
 pub const AUTO_MESSAGES_PER_RANK: u64 = 4096;
 /// The most rounds a config may ask for.
 pub const MAX_ROUNDS: u32 = 1024;
@@ -153,7 +153,7 @@ pub struct Config {
     pub local_via_messages: bool,
     /// Staged and auto modes: how many rounds the data is cut into (staging is reused by every
     /// round, relays forward in the next round); 0 picks from the tensors' sizes, aiming at
-    /// [`ROUND_TARGET_BYTES`] per rank and round. Groupable mode always has one round.
+    /// `ROUND_TARGET_BYTES` per rank and round. Groupable mode always has one round.
     pub rounds: u32,
     /// Staged and auto modes with a known topology: when several replicas of a destination
     /// shard sit on one node and their data comes from other nodes, send each part across
