@@ -836,10 +836,13 @@ impl Prepared {
         let groups = self.fanout.relay_groups.len() as u64;
         let group = ((c + turn.spread.scaled(2, groups)) % groups) as u32;
         let (member, _) = self.relay_leg(group, chunk, turn);
-        let last = u64::from(self.rounds - self.hub_spread);
-        let round = match self.stream_round(chunk, turn, last as u32) {
+        let last = self.rounds - self.hub_spread;
+        let round = match self.stream_round(chunk, turn, last) {
             Some(round) => round,
-            None => ((c + turn.spread.scaled(1, last)) % last) as u32,
+            None => {
+                let last = u64::from(last);
+                ((c + turn.spread.scaled(1, last)) % last) as u32
+            }
         };
         (group, member, round)
     }

@@ -30,7 +30,8 @@ pub struct Block {
     pub count: Vec<u64>,
     /// The box as bytes: from the sender's view to the receiver's.
     pub copy: StridedCopy,
-    /// The round the unit fixed for this data (relays), or `None`: see [`Assignment::round`](super::Assignment::round).
+    /// The round the unit fixed for this data (relays), or `None`: see
+    /// [`Assignment::round`](super::Assignment::round).
     pub round: Option<u32>,
 }
 
