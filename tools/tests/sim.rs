@@ -1437,7 +1437,8 @@ fn deepseek_v3_reshard_from_real_programs() {
     programs.sort_by_key(|p| p.rank);
     let planned = started.elapsed();
     let started = Instant::now();
-    let reshard = simulate(&programs, &cluster);
+    // One run without jitter (the trials would repeat it with noise).
+    let reshard = simulate_with(&programs, &cluster, &SimOptions { trials: 0, seed: 1 });
     let simulated = started.elapsed();
     let baseline = gather_broadcast(&tensors, &cluster);
     let bound = lower_bound(&tensors, &cluster);
@@ -1478,10 +1479,12 @@ fn deepseek_v3_reshard_from_real_programs() {
         m2n_bench.sim.time_s / reshard.time_s,
         baseline.time_s / reshard.time_s
     );
-    // A complexity guard, not a benchmark: the simulation takes a few seconds here;
-    // recomputing rates for every finished flow (O(flows²)) would take minutes.
+    // A complexity guard, not a benchmark: the simulation takes about half a minute here
+    // (since 0.16.1 its merged events leave links idle at most 0.1 % of the time, which
+    // takes tens of thousands of rate recomputations); one for every finished flow would
+    // take hours.
     assert!(
-        simulated.as_secs_f64() < 20.0,
+        simulated.as_secs_f64() < 180.0,
         "simulation took {simulated:?}"
     );
     // Never below the floor; within 1.4× of it (the target for the planner is 1.25×),
