@@ -54,8 +54,9 @@ a rail-optimised fabric, copy speed by run length, memory, jitter (median and p9
 --trials). Also NCCL M2N's hierarchical and direct algorithms and NeMo RL's gather+broadcast on
 the same model, the physical floor (forwarding allowed) and the floor of direct plans. These
 are simulations; `ncclreshard calibrate` shows how well the model reproduces published
-measurements. Planning hundreds of ranks takes a while; progress goes to stderr, results to
-stdout.
+measurements. Planning and simulating hundreds of ranks take a while (DeepSeek-V3's 512
+ranks: about two minutes on 2 cores, a third of that with --trials 0); progress goes to stderr,
+results to stdout.
 
 Options:
   --model NAME|FILE  deepseek-v3, kimi-k2, qwen3-235b-a22b, qwen3-32b, llama-3.1-70b,
