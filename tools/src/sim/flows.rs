@@ -135,19 +135,24 @@ pub(crate) fn run_gated(
             let f = f as usize;
             (done_at[f], fraction(rate[f], tightest[f]))
         });
-        // A start's share: what it would get beside the flows already on its links.
-        let starts = pending.iter().map(|&Reverse((start, f))| {
-            let f = f as usize;
-            let rate = flows[f]
-                .links()
-                .iter()
-                .map(|&l| capacity[l as usize] / (filler.on(l) + 1) as f64)
-                .fold(tightest[f], f64::min);
-            (f64::from_bits(start).max(now), fraction(rate, tightest[f]))
-        });
+        let longest = first + MAX_WINDOW * now.max(floor);
+        // A start's share: what it would get beside the flows already on its links (only for
+        // the starts the window could reach).
+        let starts = pending
+            .iter()
+            .map(|&Reverse((start, f))| (f64::from_bits(start).max(now), f as usize))
+            .filter(|&(start, _)| start <= longest)
+            .map(|(start, f)| {
+                let rate = flows[f]
+                    .links()
+                    .iter()
+                    .map(|&l| capacity[l as usize] / (filler.on(l) + 1) as f64)
+                    .fold(tightest[f], f64::min);
+                (start, fraction(rate, tightest[f]))
+            });
         let horizon = merge_horizon(
             first,
-            first + MAX_WINDOW * now.max(floor),
+            longest,
             IDLE_FRACTION * filler.busy.len() as f64,
             finishes.chain(starts),
             &mut waiting,
