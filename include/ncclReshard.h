@@ -18,7 +18,7 @@
 /** Library version this header belongs to (see ncclReshardGetVersion). */
 #define NCCL_RESHARD_MAJOR 0
 #define NCCL_RESHARD_MINOR 16
-#define NCCL_RESHARD_PATCH 1
+#define NCCL_RESHARD_PATCH 2
 #define NCCL_RESHARD_VERSION_CODE NCCL_RESHARD_VERSION(NCCL_RESHARD_MAJOR, NCCL_RESHARD_MINOR, NCCL_RESHARD_PATCH)
 
 /** Identifies an initialised ncclReshardConfig_t ("RESH"). */

@@ -521,6 +521,42 @@ fn json_of(out: &Output) -> Value {
 }
 
 #[test]
+fn simulate_rank_breaks_down_the_rank_asked_for() {
+    let run = |extra: &[&str]| {
+        let args = [
+            "simulate", "--model", "dsv3-toy", "--train", "pp1,ep8", "--infer", "tp8", "--trials",
+            "0", "--json",
+        ];
+        ncclreshard(&[&args[..], extra].concat())
+    };
+    let last = run(&[]);
+    assert!(last.status.success(), "{}", stderr(&last));
+    let last = json_of(&last);
+    // A training rank: its own clock, which ends no later than the run does.
+    let out = run(&["--rank", "3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let json = json_of(&out);
+    let critical = &json["critical_path"];
+    assert_eq!(critical["rank"], 3, "{critical}");
+    let nominal = critical["nominal_s"].as_f64().unwrap();
+    let run_s = last["reshard_s"].as_f64().unwrap();
+    assert!(
+        nominal > 0.0 && nominal <= run_s + 1e-12,
+        "{nominal} > {run_s}"
+    );
+    assert_eq!(json["reshard_s"], last["reshard_s"]);
+    assert!(!critical["rounds"].as_array().unwrap().is_empty());
+    // Not a rank of the refit: a usage error naming the ranks there are.
+    let out = run(&["--rank", "16"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("--rank 16") && err.contains("0 to 15"),
+        "{err}"
+    );
+}
+
+#[test]
 fn simulate_json_reports_every_method_the_floors_and_the_costs() {
     let out = ncclreshard(&[
         "simulate", "--model", "dsv3-toy", "--train", "pp1,ep8", "--infer", "tp8", "--json",
@@ -636,6 +672,42 @@ fn simulate_json_reports_every_method_the_floors_and_the_costs() {
     );
     assert!(peers >= 0.0 && links >= 0.0, "{critical}");
     assert!((peers + links - sharing).abs() < 1e-9, "{critical}");
+    // Round by round: ascending rounds, each entered when the one before was done and
+    // unpacked, its transfers summing to the rank's, the peer it waited for never a
+    // negative wait.
+    let by_round = critical["rounds"].as_array().unwrap();
+    assert!(!by_round.is_empty(), "{critical}");
+    let f = |r: &Value, k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k}: {r}"));
+    let mut transfers = 0.0;
+    for (at, r) in by_round.iter().enumerate() {
+        assert!(
+            f(r, "entered_s") <= f(r, "ready_s") && f(r, "ready_s") <= f(r, "done_s"),
+            "{r}"
+        );
+        assert!(
+            (f(r, "done_s") - f(r, "ready_s") - f(r, "transfers_s")).abs() < 1e-12,
+            "{r}"
+        );
+        assert!(
+            f(r, "last_peer_after_s") >= 0.0 && f(r, "own_s") >= 0.0,
+            "{r}"
+        );
+        assert_eq!(
+            r["last_peer"].is_null(),
+            r["flows"].as_u64() == Some(0),
+            "{r}"
+        );
+        transfers += f(r, "transfers_s");
+        if let Some(next) = by_round.get(at + 1) {
+            assert!(r["round"].as_u64() < next["round"].as_u64(), "{critical}");
+            let left = f(r, "done_s") + f(r, "unpack_s");
+            assert!(
+                (f(next, "entered_s") - left).abs() < 1e-9,
+                "{r} then {next}"
+            );
+        }
+    }
+    assert!((transfers - part("transfers_s")).abs() < 1e-9, "{critical}");
 
     // The text form names every method; a custom cluster is taken.
     let toy = |cluster: &str, json: &[&str]| {

@@ -618,7 +618,11 @@ fn jitter_trials_give_a_median_and_a_p90() {
     let programs: Vec<RankProgram> = (0..8).map(|r| sender(r, &[(8 + r, gb)])).collect();
     let nominal = simulate(&programs, &cluster);
     assert_eq!((nominal.trials, nominal.p90_s), (0, nominal.time_s));
-    let options = SimOptions { trials: 9, seed: 7 };
+    let options = SimOptions {
+        trials: 9,
+        seed: 7,
+        ..SimOptions::default()
+    };
     let jittered = simulate_with(&programs, &cluster, &options);
     assert_eq!(jittered.trials, 9);
     // Jitter only delays: every trial is at least the nominal time.
@@ -1438,7 +1442,7 @@ fn deepseek_v3_reshard_from_real_programs() {
     let planned = started.elapsed();
     let started = Instant::now();
     // One run without jitter (the trials would repeat it with noise).
-    let reshard = simulate_with(&programs, &cluster, &SimOptions { trials: 0, seed: 1 });
+    let reshard = simulate_with(&programs, &cluster, &SimOptions::default());
     let simulated = started.elapsed();
     let baseline = gather_broadcast(&tensors, &cluster);
     let bound = lower_bound(&tensors, &cluster);

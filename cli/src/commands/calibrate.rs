@@ -113,7 +113,7 @@ fn compare(c: &Comparison) -> Result<ComparisonRow, Failure> {
     let conversions = args.conversions(&refit, 1)?;
     let options = SimOptions {
         trials: DEFAULT_TRIALS,
-        seed: 1,
+        ..SimOptions::default()
     };
     let s = simulate(
         &refit,

@@ -38,6 +38,7 @@ pub const COMMAND: Command = Command {
         flag("no-relay"),
         value("trials"),
         value("seed"),
+        value("rank"),
         flag("json"),
     ],
     run,
@@ -87,6 +88,8 @@ Options:
   --no-relay         Send each replica its data across the network (no NVLink relays)
   --trials N         Monte Carlo trials with jitter (default 5; 0: one run without jitter)
   --seed N           Seed of the trials (default 1)
+  --rank R           Break down rank R's time (JSON: "critical_path", round by round in
+                     its "rounds") instead of the rank that finishes last's
   --json             JSON output: reshard_s (median), reshard_p90_s, lower_bound_s (the
                      physical floor), direct_bound_s, m2n_hierarchical_s, m2n_direct_s,
                      gather_broadcast_s, peak_staging_bytes, setup_s, fits, ...
@@ -151,7 +154,11 @@ pub fn sim_options(parsed: &Parsed, command: &'static str) -> Result<SimOptions,
         .number::<u64>("seed")
         .map_err(|e| usage(command, e))?
         .unwrap_or(1);
-    Ok(SimOptions { trials, seed })
+    Ok(SimOptions {
+        trials,
+        seed,
+        rank: None,
+    })
 }
 
 /// Simulates `refit` with `conversions` (one per tensor; `None`: it arrives as it is), with the
@@ -280,6 +287,27 @@ pub struct CriticalJson {
     /// The physical floor, and how far above it the nominal run is.
     floor_s: f64,
     over_floor_s: f64,
+    /// The same rank round by round ([`sim::CriticalRound`]).
+    rounds: Vec<CriticalRoundJson>,
+}
+
+/// One round of the critical path's rank, as `simulate --json` prints it: when it entered the
+/// round, was ready, was done; its transfers (`done_s - ready_s`) against its own bytes at
+/// achievable speed (`own_s`); the peer that was ready last and how long after it; its unpacks
+/// before the next round and beside it.
+#[derive(Serialize)]
+pub struct CriticalRoundJson {
+    round: u32,
+    entered_s: f64,
+    ready_s: f64,
+    done_s: f64,
+    transfers_s: f64,
+    own_s: f64,
+    last_peer: Option<u32>,
+    last_peer_after_s: f64,
+    unpack_s: f64,
+    late_unpack_s: f64,
+    flows: usize,
 }
 
 impl CriticalJson {
@@ -307,6 +335,23 @@ impl CriticalJson {
             jitter_s: s.reshard.time_s - nominal,
             floor_s: s.bound.time_s,
             over_floor_s: nominal - s.bound.time_s,
+            rounds: c
+                .rounds
+                .iter()
+                .map(|r| CriticalRoundJson {
+                    round: r.round,
+                    entered_s: r.entered_s,
+                    ready_s: r.ready_s,
+                    done_s: r.done_s,
+                    transfers_s: r.done_s - r.ready_s,
+                    own_s: r.own_s,
+                    last_peer: r.last_peer,
+                    last_peer_after_s: r.last_peer_after_s,
+                    unpack_s: r.unpack_s,
+                    late_unpack_s: r.late_unpack_s,
+                    flows: r.flows,
+                })
+                .collect(),
         }
     }
 }
@@ -680,13 +725,26 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
     let args = RefitArgs::parse(parsed, "simulate")?;
     let cluster = refit_setup::cluster(parsed, "simulate")?;
     let mode = refit_setup::mode(parsed, "simulate")?;
-    let options = sim_options(parsed, "simulate")?;
+    let mut options = sim_options(parsed, "simulate")?;
+    options.rank = parsed
+        .number::<u32>("rank")
+        .map_err(|e| usage("simulate", e))?;
     let views = Views::parse(parsed, "simulate")?;
     let started = Instant::now();
     let refit = args.refit(1)?;
     let build_s = started.elapsed().as_secs_f64();
     if refit.tensors.is_empty() {
         return Err(usage("simulate", "the model has no tensors"));
+    }
+    let ranks = refit.train_ranks.end.max(refit.infer_ranks.end);
+    if let Some(rank) = options.rank.filter(|&r| r >= ranks) {
+        return Err(usage(
+            "simulate",
+            format!(
+                "--rank {rank} is not a rank of this refit: its ranks are 0 to {}",
+                ranks - 1
+            ),
+        ));
     }
     let config = refit_setup::config_with_options(parsed, "simulate", mode, &cluster)?;
     let conversions = args.conversions(&refit, 1)?;
@@ -767,7 +825,11 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             .into_iter()
             .map(|(side, ranks)| (side, SideNicJson::new(&s.reshard.nic_bytes, ranks.clone())))
             .collect(),
-        critical_path: s.reshard.critical.map(|c| CriticalJson::new(&c, &s)),
+        critical_path: s
+            .reshard
+            .critical
+            .as_ref()
+            .map(|c| CriticalJson::new(c, &s)),
         rounds_profile: s.reshard.rounds.as_ref().map(RoundsJson::new),
         reshard_phases: phases(&s.reshard),
         m2n_hierarchical: M2nJson::new(&s.m2n_hierarchical),

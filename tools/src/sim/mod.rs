@@ -207,7 +207,7 @@ pub struct RoundLoad {
 /// rated speed), `efficiency_s` (what link efficiency adds to them) and `latency_s` (per round,
 /// the latency before any of its bytes move); the rest is sharing links with other ranks'
 /// flows, incast and waiting for peers to reach a round.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct CriticalPath {
     pub rank: u32,
     /// Packs and local copies on the caller's stream, before each round's transfers.
@@ -240,6 +240,38 @@ pub struct CriticalPath {
     pub unpacks_s: f64,
     /// Late unpacks still running after the last round's transfers.
     pub late_tail_s: f64,
+    /// The same rank round by round, every round of the plan in order (rounds it has no
+    /// flows in included): where each round's time went, and which peer it waited for.
+    pub rounds: Vec<CriticalRound>,
+}
+
+/// One round of the [`CriticalPath`]'s rank. Times are from the start of the call; the
+/// rank's `transfers_s` is the sum of `done_s − ready_s`, its `unpacks_s` of `unpack_s`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CriticalRound {
+    /// The plan's round number.
+    pub round: u32,
+    /// When the rank entered the round (its previous round's unpacks done).
+    pub entered_s: f64,
+    /// When its flows could start: packed, posted, and past the late unpacks whose staging
+    /// the round reuses.
+    pub ready_s: f64,
+    /// When its last flow of the round was done (`ready_s` where it has none).
+    pub done_s: f64,
+    /// Its own bytes of the round at achievable speed on its busiest port: what `done_s −
+    /// ready_s` would be with no other traffic and no waiting.
+    pub own_s: f64,
+    /// The peer of the round that was ready last (`None`: no flows), and how long after
+    /// this rank (0 if before it): while it was not there, its flows with this rank could
+    /// not start.
+    pub last_peer: Option<u32>,
+    pub last_peer_after_s: f64,
+    /// Unpacks on the call's stream after the transfers, before the next round.
+    pub unpack_s: f64,
+    /// Unpacks beside the next round, on the side stream.
+    pub late_unpack_s: f64,
+    /// The rank's flows (one per peer and direction) in the round.
+    pub flows: usize,
 }
 
 /// Device memory a rank needs for one call besides its weights, against what is free.

@@ -2,7 +2,7 @@
 
 use super::fabric::Network;
 use super::flows::{self, Flow};
-use super::{median_p90, Cluster, CriticalPath, MemoryUse, Phase, Rng, SimReport};
+use super::{median_p90, Cluster, CriticalPath, CriticalRound, MemoryUse, Phase, Rng, SimReport};
 use ncclreshard::plan::{RankProgram, StridedConvert, StridedCopy};
 use std::collections::HashMap;
 
@@ -15,11 +15,18 @@ pub struct SimOptions {
     pub trials: u32,
     /// Seed of the trials' random draws (the same seed gives the same estimate).
     pub seed: u64,
+    /// The rank whose time the report's [`CriticalPath`] breaks down; `None` (or a rank with
+    /// no program): the rank that finishes last.
+    pub rank: Option<u32>,
 }
 
 impl Default for SimOptions {
     fn default() -> Self {
-        SimOptions { trials: 0, seed: 1 }
+        SimOptions {
+            trials: 0,
+            seed: 1,
+            rank: None,
+        }
     }
 }
 
@@ -104,7 +111,7 @@ fn runs(model: &Model<'_>, cluster: &Cluster, options: &SimOptions) -> Vec<Run> 
         .map_or(1, |n| n.get())
         .min(jobs.len());
     let one = |job: Option<u32>| match job {
-        None => model.run(cluster, None),
+        None => model.run(cluster, None, options.rank),
         Some(t) => {
             let mut rng = Rng::new(
                 options
@@ -112,7 +119,7 @@ fn runs(model: &Model<'_>, cluster: &Cluster, options: &SimOptions) -> Vec<Run> 
                     .wrapping_mul(0x9E37_79B9)
                     .wrapping_add(u64::from(t)),
             );
-            model.run(cluster, Some(&mut rng))
+            model.run(cluster, Some(&mut rng), None)
         }
     };
     let mut done: Vec<(usize, Run)> = std::thread::scope(|scope| {
@@ -439,7 +446,9 @@ impl<'a> Model<'a> {
     }
 
     /// One run; with `rng`, jittered.
-    fn run(&self, cluster: &Cluster, mut rng: Option<&mut Rng>) -> Run {
+    /// One run (jittered when `rng` is given), the critical path broken down for `focus`
+    /// (when it has a program) or for the rank that finishes last.
+    fn run(&self, cluster: &Cluster, mut rng: Option<&mut Rng>, focus: Option<u32>) -> Run {
         let (n, nr) = (self.n, self.nr);
         let delay: Vec<f64> = (0..n * nr)
             .map(|_| rng.as_mut().map_or(0.0, |r| r.exp(cluster.jitter_s)))
@@ -597,10 +606,12 @@ impl<'a> Model<'a> {
                 .map(|i| v[i * nr..(i + 1) * nr].iter().sum::<f64>())
                 .fold(0.0, f64::max)
         };
-        // The rank that finishes last, round by round: what its clock spent where.
+        // The rank that finishes last (or the one asked for), round by round: what its clock
+        // spent where.
         let critical = (!stuck && n > 0).then(|| {
-            let i = (0..n)
-                .max_by(|&a, &b| finished[a].total_cmp(&finished[b]))
+            let i = focus
+                .and_then(|r| self.ranks.iter().position(|&x| x == r))
+                .or_else(|| (0..n).max_by(|&a, &b| finished[a].total_cmp(&finished[b])))
                 .unwrap_or(0);
             let mut c = CriticalPath {
                 rank: self.ranks[i],
@@ -609,31 +620,50 @@ impl<'a> Model<'a> {
             let mut exit = 0.0f64;
             for k in 0..nr {
                 let slot = i * nr + k;
+                let mut round = CriticalRound {
+                    round: self.labels.get(k).copied().unwrap_or(0),
+                    entered_s: entered[slot],
+                    ready_s: ready_at[slot],
+                    done_s: ready_at[slot],
+                    unpack_s: unpack[slot],
+                    late_unpack_s: late[slot],
+                    flows: ends_of[slot].len(),
+                    ..CriticalRound::default()
+                };
+                c.packs_s += pack[slot];
+                c.unpacks_s += unpack[slot];
                 if ends_of[slot].is_empty() {
-                    c.packs_s += pack[slot];
                     c.waits_s += ready_at[slot] - entered[slot] - pack[slot];
-                    c.unpacks_s += unpack[slot];
                     exit = ready_at[slot] + unpack[slot];
+                    c.rounds.push(round);
                     continue;
                 }
-                c.packs_s += pack[slot];
                 c.waits_s += (ready_at[slot] - entered[slot] - pack[slot]).max(0.0);
                 let took = done_at[slot] - ready_at[slot];
                 c.transfers_s += took;
                 c.latency_s += self.latency[slot];
-                // The last peer of the round entered it this long after the rank was ready.
-                let last_peer = ends_of[slot]
+                // The peer of the round that was ready last, and how long after the rank.
+                let (peer, after) = ends_of[slot]
                     .iter()
                     .map(|&f| {
                         let m = &meta[f as usize];
                         let other = if m.from == i { m.to } else { m.from };
-                        ready_at[other * nr + k] - ready_at[slot]
+                        (other, ready_at[other * nr + k] - ready_at[slot])
                     })
-                    .fold(0.0f64, f64::max);
-                let beyond = took - self.round_need_s(i, k, cluster) - self.latency[slot];
-                c.peers_s += last_peer.min(beyond).max(0.0);
-                c.unpacks_s += unpack[slot];
+                    .fold(
+                        (i, f64::NEG_INFINITY),
+                        |best, x| if x.1 > best.1 { x } else { best },
+                    );
+                let after = after.max(0.0);
+                let own = self.round_need_s(i, k, cluster);
+                let beyond = took - own - self.latency[slot];
+                c.peers_s += after.min(beyond).max(0.0);
                 exit = done_at[slot] + unpack[slot];
+                round.done_s = done_at[slot];
+                round.own_s = own;
+                round.last_peer = Some(self.ranks[peer]);
+                round.last_peer_after_s = after;
+                c.rounds.push(round);
             }
             c.rated_s = self.rated[i];
             c.efficiency_s = (self.achievable[i] - self.rated[i]).max(0.0);
