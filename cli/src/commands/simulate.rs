@@ -282,7 +282,8 @@ pub struct CriticalJson {
     transfers_sharing_links_s: f64,
     unpacks_s: f64,
     late_tail_s: f64,
-    /// `reshard_s - nominal_s`: what jitter adds to the median.
+    /// `reshard_s - nominal_s`: what jitter adds to the median (with `--rank`, also how much
+    /// later than that rank the run ends).
     jitter_s: f64,
     /// The physical floor, and how far above it the nominal run is.
     floor_s: f64,

@@ -445,7 +445,6 @@ impl<'a> Model<'a> {
         }
     }
 
-    /// One run; with `rng`, jittered.
     /// One run (jittered when `rng` is given), the critical path broken down for `focus`
     /// (when it has a program) or for the rank that finishes last.
     fn run(&self, cluster: &Cluster, mut rng: Option<&mut Rng>, focus: Option<u32>) -> Run {
