@@ -1442,7 +1442,7 @@ fn deepseek_v3_reshard_from_real_programs() {
     let planned = started.elapsed();
     let started = Instant::now();
     // One run without jitter (the trials would repeat it with noise).
-    let reshard = simulate_with(&programs, &cluster, &SimOptions::default());
+    let reshard = simulate(&programs, &cluster);
     let simulated = started.elapsed();
     let baseline = gather_broadcast(&tensors, &cluster);
     let bound = lower_bound(&tensors, &cluster);

@@ -737,7 +737,7 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
     if refit.tensors.is_empty() {
         return Err(usage("simulate", "the model has no tensors"));
     }
-    let ranks = refit.train_ranks.end.max(refit.infer_ranks.end);
+    let ranks = refit.world();
     if let Some(rank) = options.rank.filter(|&r| r >= ranks) {
         return Err(usage(
             "simulate",
