@@ -17,8 +17,8 @@
 
 /** Library version this header belongs to (see ncclReshardGetVersion). */
 #define NCCL_RESHARD_MAJOR 0
-#define NCCL_RESHARD_MINOR 16
-#define NCCL_RESHARD_PATCH 2
+#define NCCL_RESHARD_MINOR 17
+#define NCCL_RESHARD_PATCH 0
 #define NCCL_RESHARD_VERSION_CODE NCCL_RESHARD_VERSION(NCCL_RESHARD_MAJOR, NCCL_RESHARD_MINOR, NCCL_RESHARD_PATCH)
 
 /** Identifies an initialised ncclReshardConfig_t ("RESH"). */
@@ -70,20 +70,21 @@
   NULL                         /* scaleLayout: dst's mesh and placements */ \
 }
 #define NCCL_RESHARD_CONFIG_INITIALIZER { \
-  sizeof(ncclReshardConfig_t),  /* size                                                    */ \
-  NCCL_RESHARD_CONFIG_MAGIC,    /* magic                                                   */ \
-  NCCL_RESHARD_VERSION_CODE,    /* version                                                 */ \
-  NCCL_RESHARD_UNDEF_INT,       /* mode: the library's default (auto)                      */ \
-  NCCL_RESHARD_UNDEF_INT,       /* ranksPerNode: unknown topology                          */ \
-  NULL,                         /* nodeOfRank: none                                        */ \
-  0,                            /* nodeOfRankCount                                         */ \
-  0,                            /* splitMinBytes: the library's default (1 MiB)            */ \
-  0,                            /* maxStagingBytes: NCCL_RESHARD_STAGING_BYTES, else 8 GiB */ \
-  NCCL_RESHARD_UNDEF_INT,       /* rounds: chosen from the tensors                         */ \
-  NCCL_RESHARD_UNDEF_INT,       /* relay: on                                               */ \
-  NCCL_RESHARD_UNDEF_INT,       /* timeoutMs: NCCL_RESHARD_TIMEOUT_MS, else no deadline    */ \
-  NULL,                         /* failedRanks: none                                       */ \
-  0                             /* failedRankCount                                         */ \
+  sizeof(ncclReshardConfig_t),  /* size                                                             */ \
+  NCCL_RESHARD_CONFIG_MAGIC,    /* magic                                                            */ \
+  NCCL_RESHARD_VERSION_CODE,    /* version                                                          */ \
+  NCCL_RESHARD_UNDEF_INT,       /* mode: the library's default (auto)                               */ \
+  NCCL_RESHARD_UNDEF_INT,       /* ranksPerNode: unknown topology                                   */ \
+  NULL,                         /* nodeOfRank: none                                                 */ \
+  0,                            /* nodeOfRankCount                                                  */ \
+  0,                            /* splitMinBytes: the library's default (1 MiB)                     */ \
+  0,                            /* maxStagingBytes: NCCL_RESHARD_STAGING_BYTES, else 8 GiB          */ \
+  NCCL_RESHARD_UNDEF_INT,       /* rounds: chosen from the tensors                                  */ \
+  NCCL_RESHARD_UNDEF_INT,       /* relay: on                                                        */ \
+  NCCL_RESHARD_UNDEF_INT,       /* timeoutMs: NCCL_RESHARD_TIMEOUT_MS, else no deadline             */ \
+  NULL,                         /* failedRanks: none                                                */ \
+  0,                            /* failedRankCount                                                  */ \
+  NCCL_RESHARD_UNDEF_INT        /* senderBarrier: where a node holds more than 8 sending-only ranks */ \
 }
 #define NCCL_RESHARD_PLAN_INFO_INITIALIZER { \
   sizeof(ncclReshardPlanInfo_t),  /* size                                */ \
@@ -628,6 +629,15 @@ typedef struct {
    * Entries in `failedRanks` (non-negative); ignored when `failedRanks` is NULL. Since 0.5.
    */
   int failedRankCount;
+  /**
+   * Staged and auto plans of several rounds with a known topology: 1 makes the ranks of a
+   * node that only send (in some tensor's source mesh, in no destination mesh) enter each
+   * round together, after a barrier of 8-byte messages among them (docs/executor.md,
+   * "The senders' barrier"); every such rank must then call the plan, also one with no
+   * data to send. 0: no barrier. `NCCL_RESHARD_UNDEF_INT`: a barrier where a node holds
+   * more than 8 such ranks (a multi-node NVLink domain such as GB200 NVL72's). Since 0.17.
+   */
+  int senderBarrier;
 } ncclReshardConfig_t;
 
 /**

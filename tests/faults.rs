@@ -164,12 +164,24 @@ fn scenario(seed: u64, index: u64) -> Scenario {
     }
     victims.sort_unstable();
     let peer = (victims[0] + 1 + rng.below(7) as u32) % 8;
+    // Half the scenarios pass the senders' barrier among the trainers of node 0, with the
+    // topology and the rounds it needs (drawn last: the draws above stay those of earlier
+    // campaigns).
+    let mut config = config;
+    if rng.below(2) == 0 {
+        config.sender_barrier = Some(true);
+        config.topology = Topology::RanksPerNode(4);
+        if mode != Mode::Groupable {
+            config.rounds = config.rounds.max(2);
+        }
+    }
     Scenario {
         name: format!(
-            "seed {seed} #{index}: family {family}, {ntensors} tensor(s), {mode:?}, rounds {}, relay {}, {:?}, {} communicator, {fault:?} on ranks {victims:?}{}",
+            "seed {seed} #{index}: family {family}, {ntensors} tensor(s), {mode:?}, rounds {}, relay {}, {:?}, senders' barrier {:?}, {} communicator, {fault:?} on ranks {victims:?}{}",
             config.rounds,
             config.relay,
             config.topology,
+            config.sender_barrier,
             if index % 3 == 2 { "nonblocking" } else { "blocking" },
             if fault == Fault::BrokenLink { format!(" (link to {peer})") } else { String::new() }
         ),

@@ -840,6 +840,40 @@ fn multi_rank_cases(n: u32) -> Vec<(&'static str, Vec<TensorSpec>, Config)> {
                 },
             ));
         }
+        // Trainers on node 0 → TP2 × DP2 inference on node 1: the trainers only send, and
+        // pass the senders' barrier before each of the rounds after the first. Rank 3's only
+        // shard is empty (3 rows over 4): it has nothing to send and still passes it.
+        let to_inference = || {
+            layout(
+                mesh(&[2, 2], &[4, 5, 6, 7]),
+                &[Placement::Replicate, Placement::Shard(0)],
+            )
+        };
+        cases.push((
+            "senders' barrier TP3 → TP2×DP2, a trainer with nothing to send",
+            vec![
+                TensorSpec {
+                    shape: vec![1024, 384],
+                    dtype: DType::Bfloat16,
+                    src: layout(mesh(&[3], &[0, 1, 2]), &[Placement::Shard(1)]),
+                    dst: to_inference(),
+                },
+                TensorSpec {
+                    shape: vec![3, 64],
+                    dtype: DType::Float32,
+                    src: layout(mesh(&[4], &[0, 1, 2, 3]), &[Placement::Shard(0)]),
+                    dst: to_inference(),
+                },
+            ],
+            Config {
+                mode: Mode::Auto,
+                topology: Topology::RanksPerNode(4),
+                rounds: 3,
+                split_min_bytes: 4096,
+                sender_barrier: Some(true),
+                ..Default::default()
+            },
+        ));
     }
     cases
 }
@@ -920,8 +954,12 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
                 || from_arena;
             let late = program.has_late_unpacks();
             let beside = program.local_copies_beside();
+            let barrier = program.has_barrier();
+            if name.starts_with("senders' barrier") && rank.r == 3 {
+                assert!(program.sends.is_empty() && barrier && !program.is_empty());
+            }
             let checked = single_twice_then_per_tensor(rank, &tensors, &plan, name);
-            (checked, forwards, late, from_arena, beside)
+            (checked, forwards, late, from_arena, beside, barrier)
         });
         let checked: u64 = outcome.iter().map(|o| o.0).sum();
         let beside = outcome.iter().filter(|o| o.4).count();
@@ -929,6 +967,14 @@ fn multi_rank_reshards_are_byte_exact_in_every_mode() {
             assert!(
                 beside > 0,
                 "{name}: no rank copies locally beside its first round"
+            );
+        }
+        if name.starts_with("senders' barrier") {
+            let passing: Vec<bool> = outcome.iter().map(|o| o.5).collect();
+            assert_eq!(
+                passing,
+                (0..n).map(|r| r < 4).collect::<Vec<_>>(),
+                "{name}: the trainers, and only they, pass the barrier"
             );
         }
         if name.starts_with("relayed") {

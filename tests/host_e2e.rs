@@ -387,15 +387,20 @@ fn config(mode: impl Strategy<Value = Mode>) -> impl Strategy<Value = Config> {
         // Automatic rounds (one, for tensors this small) or several.
         prop::sample::select(vec![0u32, 0, 1, 2, 3, 5]),
         prop::bool::weighted(0.7),
+        // The senders' barrier: the default (never, on nodes this small), on, off.
+        prop::sample::select(vec![None, Some(true), Some(false)]),
     )
         .prop_map(
-            |(mode, topology, split_min_bytes, local_via_messages, rounds, relay)| Config {
-                mode,
-                topology,
-                split_min_bytes,
-                local_via_messages,
-                rounds,
-                relay,
+            |(mode, topology, split_min_bytes, local_via_messages, rounds, relay, barrier)| {
+                Config {
+                    mode,
+                    topology,
+                    split_min_bytes,
+                    local_via_messages,
+                    rounds,
+                    relay,
+                    sender_barrier: barrier,
+                }
             },
         )
 }
@@ -1491,4 +1496,146 @@ fn receives_land_in_place_where_views_sit_back_to_back() {
             verify(&tensors, &ranks, &before, &buffers);
         }
     }
+}
+
+/// Sixteen training ranks (`Shard(0)`) on node 0 and sixteen inference ranks (`dp2 × tp8`) on
+/// node 1, sixteen ranks per node, 4 rounds.
+fn sixteen_senders_on_a_node(sender_barrier: Option<bool>, per_node: u32) -> (TensorSpec, Config) {
+    let spec = TensorSpec {
+        shape: vec![256, 64],
+        dtype: DType::Bfloat16,
+        src: layout(grid(&[16], 0), &[Placement::Shard(0)]),
+        dst: layout(
+            grid(&[2, 8], 16),
+            &[Placement::Replicate, Placement::Shard(1)],
+        ),
+    };
+    let config = Config {
+        mode: Mode::Auto,
+        topology: Topology::RanksPerNode(per_node),
+        split_min_bytes: 64,
+        rounds: 4,
+        sender_barrier,
+        ..Default::default()
+    };
+    (spec, config)
+}
+
+#[test]
+fn sending_only_ranks_of_a_node_pass_a_barrier_before_each_round() {
+    // (setting, ranks per node) → the members of rank 5's barrier.
+    let cases: [(Option<bool>, u32, Vec<u32>); 5] = [
+        // Unset: a node of 16 sending-only ranks (more than one NVLink server's 8) has one.
+        (None, 16, (0..16).collect()),
+        // Unset on nodes of 4: none; switched on: the node's 4.
+        (None, 4, Vec::new()),
+        (Some(true), 4, (4..8).collect()),
+        (Some(false), 16, Vec::new()),
+        // Switched on with one rank per node: nobody to wait for.
+        (Some(true), 1, Vec::new()),
+    ];
+    for (setting, per_node, members) in cases {
+        let (spec, config) = sixteen_senders_on_a_node(setting, per_node);
+        let programs = run_checked(std::slice::from_ref(&spec), &config);
+        let planner = Planner::new(vec![spec.clone()], config.clone()).expect("valid plan");
+        assert_eq!(planner.barrier_members(5), members, "{config:?}");
+        for p in &programs {
+            let mine = planner.barrier_members(p.rank);
+            if p.rank >= 16 || mine.is_empty() {
+                // Receivers never pass it.
+                assert!(mine.is_empty() && !p.has_barrier(), "rank {}", p.rank);
+                continue;
+            }
+            assert!(
+                p.has_barrier() && p.mode() == ExecMode::Staged,
+                "rank {}",
+                p.rank
+            );
+            assert_eq!(p.barrier_rounds, planner.rounds());
+            let mates: Vec<u32> = mine.iter().copied().filter(|&m| m != p.rank).collect();
+            let peers = |list: &[Message]| list.iter().map(|m| m.peer).collect::<Vec<_>>();
+            assert_eq!(peers(&p.barrier_sends), mates);
+            assert_eq!(peers(&p.barrier_recvs), mates);
+            // Its slots sit after every byte of staging the rounds use, one per member.
+            let used = p.packs.iter().map(|c| c.dst.offset + c.bytes()).max();
+            let slots: BTreeSet<u64> = p
+                .barrier_sends
+                .iter()
+                .take(1)
+                .chain(&p.barrier_recvs)
+                .map(|m| m.loc.offset)
+                .collect();
+            assert_eq!(slots.len(), mine.len());
+            assert!(slots.iter().all(|&s| used.map_or(true, |u| s >= u)));
+            assert!(slots.iter().all(|&s| s + 8 <= p.staging_bytes));
+        }
+    }
+    // One round: nothing to keep in step.
+    let (spec, mut config) = sixteen_senders_on_a_node(Some(true), 16);
+    config.rounds = 1;
+    let programs = run_checked(std::slice::from_ref(&spec), &config);
+    assert!(programs.iter().all(|p| !p.has_barrier()));
+}
+
+#[test]
+fn a_rank_that_skips_the_senders_barrier_makes_its_mates_fail_not_hang() {
+    let (spec, config) = sixteen_senders_on_a_node(None, 16);
+    let planner = Planner::new(vec![spec.clone()], config).expect("valid plan");
+    let ranks = planner.ranks();
+    let mut programs: Vec<RankProgram> = ranks
+        .iter()
+        .map(|&r| planner.rank_program(r).expect("program"))
+        .collect();
+    assert!(programs[3].has_barrier());
+    programs[3].barrier_rounds = 0;
+    programs[3].barrier_sends.clear();
+    programs[3].barrier_recvs.clear();
+    let buffers = initial_buffers(std::slice::from_ref(&spec), &ranks);
+    match execute_with_deadline(programs, buffers) {
+        None => panic!("execute hung on a rank that skips the barrier"),
+        Some(Ok(())) => panic!("a rank that skips the barrier went unnoticed"),
+        Some(Err(e)) => assert!(
+            e.message.contains("rank 3")
+                && e.message.contains("the senders' barrier before round 1"),
+            "{}",
+            e.message
+        ),
+    }
+}
+
+#[test]
+fn a_sending_only_rank_with_nothing_to_send_still_passes_the_barrier() {
+    // Rank 3's only shard is empty (3 rows over 4 ranks).
+    let to_inference = || {
+        layout(
+            grid(&[2, 2], 4),
+            &[Placement::Replicate, Placement::Shard(0)],
+        )
+    };
+    let tensors = vec![
+        TensorSpec {
+            shape: vec![64, 48],
+            dtype: DType::Bfloat16,
+            src: layout(grid(&[3], 0), &[Placement::Shard(1)]),
+            dst: to_inference(),
+        },
+        TensorSpec {
+            shape: vec![3, 16],
+            dtype: DType::Float32,
+            src: layout(grid(&[4], 0), &[Placement::Shard(0)]),
+            dst: to_inference(),
+        },
+    ];
+    let config = Config {
+        mode: Mode::Auto,
+        topology: Topology::RanksPerNode(4),
+        split_min_bytes: 64,
+        rounds: 3,
+        sender_barrier: Some(true),
+        ..Default::default()
+    };
+    let programs = run_checked(&tensors, &config);
+    let idle = &programs[3];
+    assert!(idle.sends.is_empty() && idle.has_barrier() && !idle.is_empty());
+    assert_eq!(idle.peers(), [0, 1, 2]);
 }

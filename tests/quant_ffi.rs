@@ -228,6 +228,7 @@ fn config_initializer() -> ncclReshardConfig_t {
         timeoutMs: NCCL_RESHARD_UNDEF_INT,
         failedRanks: std::ptr::null(),
         failedRankCount: 0,
+        senderBarrier: NCCL_RESHARD_UNDEF_INT,
     }
 }
 

@@ -125,6 +125,10 @@ impl Descriptors {
             timeoutMs: NCCL_RESHARD_UNDEF_INT,
             failedRanks: std::ptr::null(),
             failedRankCount: 0,
+            senderBarrier: match config.sender_barrier {
+                None => NCCL_RESHARD_UNDEF_INT,
+                Some(on) => c_int::from(on),
+            },
         };
         Descriptors {
             _ranks: ranks,

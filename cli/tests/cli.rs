@@ -557,6 +557,44 @@ fn simulate_rank_breaks_down_the_rank_asked_for() {
 }
 
 #[test]
+fn simulate_sender_barrier_switches_the_senders_barrier_on_and_off() {
+    // One DGX node's 8 training GPUs only send: `on` puts all 8 in one barrier, `off` and
+    // `auto` (fewer than 9 on the node) none.
+    let run = |extra: &[&str]| {
+        let args = [
+            "simulate", "--model", "dsv3-toy", "--train", "pp1,ep8", "--infer", "tp8", "--rounds",
+            "4", "--trials", "0", "--json",
+        ];
+        ncclreshard(&[&args[..], extra].concat())
+    };
+    for (setting, members) in [("on", 8), ("off", 0), ("auto", 0)] {
+        let out = run(&["--sender-barrier", setting]);
+        assert!(out.status.success(), "{setting}: {}", stderr(&out));
+        let json = json_of(&out);
+        assert_eq!(json["sender_barrier"], setting);
+        assert_eq!(json["barrier_members_max"], members, "{setting}");
+        assert!(json["reshard_s"].as_f64().unwrap() > 0.0, "{setting}");
+        let waited = json["critical_path"]["waits_barrier_s"].as_f64().unwrap();
+        assert!(
+            waited >= 0.0 && (members > 0 || waited == 0.0),
+            "{setting}: {waited}"
+        );
+    }
+    // The default is auto.
+    let json = json_of(&run(&[]));
+    assert_eq!(json["sender_barrier"], "auto");
+    assert_eq!(json["barrier_members_max"], 0);
+    // Anything else: a usage error naming the flag.
+    let out = run(&["--sender-barrier", "sometimes"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("--sender-barrier") && err.contains("sometimes"),
+        "{err}"
+    );
+}
+
+#[test]
 fn simulate_json_reports_every_method_the_floors_and_the_costs() {
     let out = ncclreshard(&[
         "simulate", "--model", "dsv3-toy", "--train", "pp1,ep8", "--infer", "tp8", "--json",

@@ -124,6 +124,7 @@ class Config_t(ctypes.Structure):
         ("timeoutMs", ctypes.c_int),
         ("failedRanks", ctypes.POINTER(ctypes.c_int)),
         ("failedRankCount", ctypes.c_int),
+        ("senderBarrier", ctypes.c_int),
     ]
 
 

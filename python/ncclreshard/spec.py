@@ -19,7 +19,8 @@ from .placements import _index
 MODES = {"groupable": 0, "staged": 1, "auto": 2}
 # The config keys of case files (the deadline is a run-time setting, not part of a case).
 _CASE_KEYS = (
-    "mode", "ranks_per_node", "node_of_rank", "split_min_bytes", "rounds", "relay", "failed_ranks",
+    "mode", "ranks_per_node", "node_of_rank", "split_min_bytes", "rounds", "relay",
+    "sender_barrier", "failed_ranks",
 )
 # ncclReshardQuantScheme_t and ncclReshardScaleFormat_t, by their case-file names.
 SCHEMES = {"none": 0, "per_tensor": 1, "per_channel": 2, "block": 3}
@@ -275,8 +276,10 @@ class Config:
     ``ncclGroupStart/End``); ``ranks_per_node`` or ``node_of_rank`` (a node id per rank): the
     topology; ``split_min_bytes``: smallest part of a replicated overlap split across senders;
     ``rounds``: rounds the data is cut into (staged/auto); ``relay``: forward data several
-    replicas on one node need over NVLink (staged/auto, topology known). A case file without a
-    mode is run under every mode by ``ncclreshard check``.
+    replicas on one node need over NVLink (staged/auto, topology known); ``sender_barrier``:
+    a node's sending-only ranks enter each round together (``None``: where a node holds more
+    than 8 of them; every such rank must then call the plan; docs/executor.md, "The senders'
+    barrier"). A case file without a mode is run under every mode by ``ncclreshard check``.
 
     Failures (docs/resilience.md): ``timeout_ms``, the deadline of each call (0: none; ``None``:
     ``NCCL_RESHARD_TIMEOUT_MS``, else none), after which the call revokes the communicator and
@@ -294,6 +297,7 @@ class Config:
     relay: Optional[bool] = None
     timeout_ms: Optional[int] = None
     failed_ranks: Optional[Tuple[int, ...]] = field(default=None)
+    sender_barrier: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -312,6 +316,11 @@ class Config:
             _index(self.rounds, "Config.rounds", 0)
         if self.relay is not None and not isinstance(self.relay, bool):
             raise TypeError(f"Config.relay must be a bool, got {type(self.relay).__name__}")
+        if self.sender_barrier is not None and not isinstance(self.sender_barrier, bool):
+            raise TypeError(
+                "Config.sender_barrier must be a bool, got "
+                f"{type(self.sender_barrier).__name__}"
+            )
         if self.timeout_ms is not None:
             _index(self.timeout_ms, "Config.timeout_ms", 0)
             if self.timeout_ms > 2**31 - 1:
@@ -381,6 +390,9 @@ class Config:
         c.rounds = self.rounds if self.rounds is not None else _lib.UNDEF_INT
         c.relay = int(self.relay) if self.relay is not None else _lib.UNDEF_INT
         c.timeoutMs = self.timeout_ms if self.timeout_ms is not None else _lib.UNDEF_INT
+        c.senderBarrier = (
+            int(self.sender_barrier) if self.sender_barrier is not None else _lib.UNDEF_INT
+        )
         if self.failed_ranks:
             failed = (ctypes.c_int * len(self.failed_ranks))(*self.failed_ranks)
             c.failedRanks = ctypes.cast(failed, ctypes.POINTER(ctypes.c_int))

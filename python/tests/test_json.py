@@ -53,6 +53,7 @@ def _random_case(rng: random.Random, index: int) -> nr.Case:
         nr.Config(mode="staged", ranks_per_node=4, rounds=2),
         nr.Config(mode="groupable"),
         nr.Config(mode="auto", node_of_rank=(0, 0, 0, 0, 1, 1, 1, 1), relay=False, split_min_bytes=16),
+        nr.Config(mode="auto", ranks_per_node=2, rounds=3, sender_barrier=True),
     ])
     return nr.Case(tuple(tensors), config, name=f"case-{index}")
 

@@ -52,6 +52,12 @@ pub trait Steps {
     /// order of a pair's messages cannot deadlock.
     fn exchange(&mut self, k: usize, round: &Round<'_>) -> Result<()>;
 
+    /// Posts the senders' barrier before plan round `round.round`
+    /// (`RankProgram::barrier_before`) as one group of its own, after everything asked for
+    /// before: the rank's next exchange starts only once every node mate in it has posted
+    /// its own barrier, that is, has finished its rounds before that one.
+    fn barrier(&mut self, round: &Round<'_>) -> Result<()>;
+
     /// Starts round `k`'s conversions (`Round::converts`), beside round `k - 1`'s packs and
     /// exchange: they may run at any time from now until [`Steps::join_converts`] of `k`.
     fn fork_converts(&mut self, k: usize) -> Result<()>;
@@ -84,6 +90,14 @@ pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
     let (mut converting, mut copying) = (false, false);
     let beside = program.local_copies_beside();
     let mut walk = program.rounds_iter().enumerate().peekable();
+    // The next plan round whose senders' barrier is still to come: every one of
+    // `1 .. barrier_rounds`, also before rounds the rank takes no part in.
+    let mut barrier = 1;
+    let barriers = if program.has_barrier() {
+        program.barrier_rounds
+    } else {
+        0
+    };
     while let Some((k, round)) = walk.next() {
         rounds = k + 1;
         if k == 0 {
@@ -112,11 +126,23 @@ pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
         if k >= 2 {
             always(&mut failure, || steps.join_late(k % 2));
         }
+        while barrier < barriers && barrier <= round.round {
+            always(&mut failure, || {
+                steps.barrier(&program.barrier_before(barrier))
+            });
+            barrier += 1;
+        }
         always(&mut failure, || steps.exchange(k, &round));
         if round.late > 0 {
             local(&mut failure, || steps.fork_late(k));
         }
         local(&mut failure, || steps.run(Step::EarlyUnpacks(k)));
+    }
+    while barrier < barriers {
+        always(&mut failure, || {
+            steps.barrier(&program.barrier_before(barrier))
+        });
+        barrier += 1;
     }
     // The older pending parity first: round `rounds - 2`'s, then `rounds - 1`'s.
     for parity in [rounds % 2, (rounds + 1) % 2] {
@@ -176,6 +202,10 @@ mod tests {
         }
         fn exchange(&mut self, k: usize, _: &Round<'_>) -> Result<()> {
             self.note(format!("Exchange({k})"))
+        }
+        fn barrier(&mut self, round: &Round<'_>) -> Result<()> {
+            assert!(round.barrier);
+            self.note(format!("Barrier({})", round.round))
         }
         fn fork_converts(&mut self, k: usize) -> Result<()> {
             self.note(format!("ForkConverts({k})"))
@@ -376,6 +406,63 @@ mod tests {
             .events
             .join(" ")
             .starts_with("FirstConverts LocalCopies Packs(0)"));
+    }
+
+    #[test]
+    fn the_senders_barrier_comes_before_every_plan_round_from_the_second_even_after_a_failure() {
+        // A sender in plan rounds 0, 2 and 3 of 6: barriers before 1 and 2 (it skips round 1),
+        // before 3, then 4 and 5 after its last round.
+        let message = Message {
+            peer: 1,
+            loc: Loc {
+                buffer: Buffer::Staging,
+                tensor: 0,
+                offset: 0,
+            },
+            bytes: 8,
+        };
+        let span = |round: u32, n: usize| RoundSpan {
+            round,
+            sends_end: n,
+            ..Default::default()
+        };
+        let p = RankProgram {
+            sends: vec![message; 3],
+            round_spans: vec![span(0, 1), span(2, 2), span(3, 3)],
+            barrier_rounds: 6,
+            barrier_sends: vec![message],
+            barrier_recvs: vec![message],
+            ..Default::default()
+        };
+        assert_eq!(p.mode(), crate::plan::ExecMode::Staged);
+        let mut log = Log::default();
+        run(&p, &mut log).unwrap();
+        assert_eq!(
+            log.events.join(" "),
+            "FirstConverts LocalCopies Packs(0) Exchange(0) EarlyUnpacks(0) \
+             Packs(1) Barrier(1) Barrier(2) Exchange(1) EarlyUnpacks(1) \
+             Packs(2) Join(0) Barrier(3) Exchange(2) EarlyUnpacks(2) \
+             Barrier(4) Barrier(5) Join(1) Join(0) ConvertsAfter"
+        );
+        // Mates wait for every barrier: a failure stops local steps, never a barrier.
+        let mut log = Log {
+            fail: vec!["Packs(1)".into()],
+            ..Default::default()
+        };
+        assert_eq!(run(&p, &mut log).unwrap_err().message, "Packs(1)");
+        assert_eq!(
+            log.events.join(" "),
+            "FirstConverts LocalCopies Packs(0) Exchange(0) EarlyUnpacks(0) \
+             Packs(1) Barrier(1) Barrier(2) Exchange(1) \
+             Join(0) Barrier(3) Exchange(2) Barrier(4) Barrier(5) Join(1) Join(0)"
+        );
+        // One plan round: no barrier at all.
+        let mut one = p.clone();
+        one.barrier_rounds = 1;
+        one.round_spans.clear();
+        let mut log = Log::default();
+        run(&one, &mut log).unwrap();
+        assert!(!log.events.join(" ").contains("Barrier"));
     }
 
     #[test]

@@ -536,6 +536,7 @@ fn default_config() -> ncclReshardConfig_t {
         timeoutMs: NCCL_RESHARD_UNDEF_INT,
         failedRanks: std::ptr::null(),
         failedRankCount: 0,
+        senderBarrier: NCCL_RESHARD_UNDEF_INT,
     }
 }
 
@@ -621,6 +622,16 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
             )))
         }
     };
+    let sender_barrier = match c.senderBarrier {
+        NCCL_RESHARD_UNDEF_INT => None,
+        0 => Some(false),
+        1 => Some(true),
+        other => {
+            return Err(Error::invalid_argument(format!(
+                "config.senderBarrier is {other}; use 1 (a barrier among a node's sending-only ranks before each round), 0 (none) or leave it NCCL_RESHARD_UNDEF_INT (where a node holds more than 8 of them)"
+            )))
+        }
+    };
     let timeout_ms = match c.timeoutMs {
         NCCL_RESHARD_UNDEF_INT => None,
         ms => Some(u64::try_from(ms).map_err(|_| {
@@ -659,6 +670,7 @@ pub(crate) unsafe fn config(config: *const ncclReshardConfig_t) -> Result<(Confi
             local_via_messages: false,
             rounds,
             relay,
+            sender_barrier,
         },
         CallConfig {
             max_staging_bytes: c.maxStagingBytes as u64,

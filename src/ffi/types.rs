@@ -176,6 +176,11 @@ pub const CONFIG_INITIALIZER: &[InitializerField] = &[
     ),
     field("failedRanks", "NULL", "failedRanks: none"),
     field("failedRankCount", "0", "failedRankCount"),
+    field(
+        "senderBarrier",
+        "NCCL_RESHARD_UNDEF_INT",
+        "senderBarrier: where a node holds more than 8 sending-only ranks",
+    ),
 ];
 
 /// `NCCL_RESHARD_PLAN_INFO_INITIALIZER` (an output: only `size` matters).
@@ -581,6 +586,13 @@ pub struct ncclReshardConfig_t {
     pub failedRanks: *const c_int,
     /// Entries in `failedRanks` (non-negative); ignored when `failedRanks` is NULL. Since 0.5.
     pub failedRankCount: c_int,
+    /// Staged and auto plans of several rounds with a known topology: 1 makes the ranks of a
+    /// node that only send (in some tensor's source mesh, in no destination mesh) enter each
+    /// round together, after a barrier of 8-byte messages among them (docs/executor.md,
+    /// "The senders' barrier"); every such rank must then call the plan, also one with no
+    /// data to send. 0: no barrier. `NCCL_RESHARD_UNDEF_INT`: a barrier where a node holds
+    /// more than 8 such ranks (a multi-node NVLink domain such as GB200 NVL72's). Since 0.17.
+    pub senderBarrier: c_int,
 }
 
 /// What a plan does on its rank (`ncclReshardPlanGetInfo`).

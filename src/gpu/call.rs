@@ -231,6 +231,11 @@ impl<E: Exchange> Steps for DeviceCall<'_, E> {
         self.exchange.exchange(k, round, &self.memory)
     }
 
+    /// The senders' barrier: one more group of the transport's, on the caller's stream.
+    fn barrier(&mut self, round: &Round<'_>) -> Result<()> {
+        self.exchange.exchange(0, round, &self.memory)
+    }
+
     /// Round `k`'s conversions beside the round before (from before its packs).
     fn fork_converts(&mut self, k: usize) -> Result<()> {
         let (wait, result) = self.beside(&self.phases.rounds[k].converts, |s| &s.converted);

@@ -159,7 +159,19 @@ pub struct Config {
     /// shard sit on one node and their data comes from other nodes, send each part across
     /// the network once and forward it over NVLink (relay) instead of once per replica.
     pub relay: bool,
+    /// Staged and auto plans of several rounds with a known topology: the ranks of a node
+    /// that only send (in a source mesh, in no destination mesh) enter each round together,
+    /// after a barrier of 8-byte messages among them (docs/executor.md, "The senders'
+    /// barrier"). `None` (the default): where such a node holds more of them than
+    /// [`AUTO_BARRIER_MIN_SENDERS`] − 1, a domain of more GPUs than one NVLink server's.
+    pub sender_barrier: Option<bool>,
 }
+
+/// With [`Config::sender_barrier`] unset, a node's sending-only ranks pass a barrier before
+/// each round when they are at least this many: more than the 8 GPUs of one NVLink server
+/// (DGX/HGX), so a multi-node NVLink domain (GB200 NVL72's 72), whose GPUs share the NICs
+/// NCCL's PXN routes their network traffic through.
+pub const AUTO_BARRIER_MIN_SENDERS: usize = 9;
 
 impl Default for Config {
     fn default() -> Self {
@@ -170,6 +182,7 @@ impl Default for Config {
             local_via_messages: false,
             rounds: 0,
             relay: true,
+            sender_barrier: None,
         }
     }
 }

@@ -40,6 +40,9 @@ pub(crate) struct CorePlanner {
     layout_ids: Vec<[u32; 2]>,
     /// The distinct meshes of the tensors.
     meshes: Vec<Mesh>,
+    /// Per mesh of `meshes`: whether some tensor's source, and some tensor's destination,
+    /// uses it.
+    mesh_sides: Vec<[bool; 2]>,
     /// Per tensor, its class: tensors with the same two layouts, shape and dtype differ only
     /// in their index, so a rank works out each class's units, views and blocks once.
     classes: Vec<u32>,
@@ -143,6 +146,17 @@ impl CorePlanner {
                 .cloned()
                 .collect()
         };
+        let mesh_sides = {
+            let index: FxHashMap<&Mesh, usize> =
+                meshes.iter().enumerate().map(|(i, m)| (m, i)).collect();
+            let of_layout: Vec<usize> = layouts.iter().map(|l| index[&l.mesh]).collect();
+            let mut sides = vec![[false; 2]; meshes.len()];
+            for ids in &layout_ids {
+                sides[of_layout[ids[0] as usize]][0] = true;
+                sides[of_layout[ids[1] as usize]][1] = true;
+            }
+            sides
+        };
         let mut class_of: FxHashMap<([u32; 2], &[u64], DType), u32> = FxHashMap::default();
         let mut classes = Vec::with_capacity(tensors.len());
         let mut class_first: Vec<u32> = Vec::new();
@@ -206,6 +220,7 @@ impl CorePlanner {
             fingerprint,
             layout_ids,
             meshes,
+            mesh_sides,
             classes,
             class_first,
             rounds,
@@ -245,6 +260,20 @@ impl CorePlanner {
     /// Every rank that appears in a source or destination mesh, ascending.
     pub fn ranks(&self) -> Vec<u32> {
         distinct_ranks(&self.meshes)
+    }
+
+    /// Whether `rank` is in some tensor's source mesh, and whether in some tensor's
+    /// destination mesh.
+    pub fn sides_of(&self, rank: u32) -> [bool; 2] {
+        let mut sides = [false; 2];
+        for (mesh, used) in self.meshes.iter().zip(&self.mesh_sides) {
+            let adds = (used[0] && !sides[0]) || (used[1] && !sides[1]);
+            if adds && mesh.contains(rank) {
+                sides[0] |= used[0];
+                sides[1] |= used[1];
+            }
+        }
+        sides
     }
 
     /// This rank's assignments: those it receives (local copies included) and those it sends,

@@ -20,11 +20,12 @@ use crate::quant::{Conversion, ScaleFormat, Scheme};
 /// 0.15: in auto plans of several rounds, large pieces contiguous at the destination land
 /// there as messages of their own, whatever their source side; 0.16: which chunks are
 /// forwarded between nodes, their hubs and rounds follow offsets spread evenly over the units
-/// instead of a hash),
+/// instead of a hash; 0.17: the senders' barrier, by default where a node holds more than 8
+/// sending-only ranks),
 /// so that ranks running planners that disagree never agree on a fingerprint (the exchange at
 /// the first call refuses the mix instead of posting messages the peer does not expect).
 /// Before 0.6 it was not hashed.
-const PLANNER_REVISION: u64 = 14;
+const PLANNER_REVISION: u64 = 15;
 
 /// FNV-1a (a word per step) over a canonical encoding of the inputs: equal on all ranks iff
 /// they passed the same descriptors and config (the rank itself is not part of it). Tensors'
@@ -64,6 +65,10 @@ pub(crate) fn of_interned(
     h.word(u64::from(config.local_via_messages));
     h.word(u64::from(config.rounds));
     h.word(u64::from(config.relay));
+    // Unset, nothing: plans from before the field keep their fingerprints.
+    if let Some(on) = config.sender_barrier {
+        h.word(2 + u64::from(on));
+    }
     h.0
 }
 

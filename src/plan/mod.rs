@@ -8,6 +8,7 @@
 //!   (`rounds.rs`) → messages (`messages.rs`) → the program (`program.rs`);
 //! - `quantize.rs`: tensors that arrive in another dtype, planned as inner tensors of a core of
 //!   their own, with conversion steps before and after the rounds;
+//! - `barrier.rs`: the senders' barrier, which keeps a node's sending-only ranks in step;
 //! - `overlap.rs`: late unpacks, which may run beside the next round (`bytesets.rs`: which
 //!   strided reads and writes may share a byte);
 //! - `survivors.rs`: the descriptors of the survivors of a failure (holes, renumbering) and
@@ -16,6 +17,7 @@
 //!   locations they address; `config.rs`, `fingerprint.rs`, `loads.rs`: what plans depend on.
 
 mod assign;
+mod barrier;
 mod blocks;
 mod bytesets;
 mod config;
@@ -36,7 +38,8 @@ mod survivors;
 pub use assign::Assignment;
 pub use blocks::Block;
 pub use config::{
-    Config, Mode, Topology, AUTO_MESSAGES_PER_RANK, GROUPABLE_MAX_MESSAGES_PER_RANK, MAX_ROUNDS,
+    Config, Mode, Topology, AUTO_BARRIER_MIN_SENDERS, AUTO_MESSAGES_PER_RANK,
+    GROUPABLE_MAX_MESSAGES_PER_RANK, MAX_ROUNDS,
 };
 pub use in_place::DstRange;
 pub use planner::Planner;

@@ -7,6 +7,7 @@
 //! program: planning walks down from here, never back up.
 
 use super::assign::Assignment;
+use super::barrier;
 use super::blocks::Block;
 use super::config::Config;
 use super::core::CorePlanner;
@@ -188,8 +189,45 @@ impl Planner {
                 let blocks = self.rank_blocks(rank)?;
                 self.program_sequential(rank, &blocks, &self.transfers(&blocks))
             }
-            None => self.core.rank_program(rank),
+            None => {
+                let mut program = self.core.rank_program(rank)?;
+                self.add_barrier(&mut program);
+                Ok(program)
+            }
         }
+    }
+
+    /// The ranks that pass the senders' barrier with `rank` before each round (itself
+    /// included, ascending; docs/executor.md, "The senders' barrier"), or none: the ranks of
+    /// its node that are in a source mesh and in no destination or scale mesh, where
+    /// [`Config::sender_barrier`] asks for it.
+    pub fn barrier_members(&self, rank: u32) -> Vec<u32> {
+        let config = self.config();
+        let mut scale: Vec<u32> = Vec::new();
+        if let Some(c) = &self.conversions {
+            scale.extend(c.scale_ranks());
+            scale.sort_unstable();
+            scale.dedup();
+        }
+        let sends_only = |r: u32| {
+            let [sends, receives] = self.core.sides_of(r);
+            sends && !receives && scale.binary_search(&r).is_err()
+        };
+        barrier::members(
+            rank,
+            config.sender_barrier,
+            self.rounds(),
+            &config.topology,
+            || self.core.ranks(),
+            sends_only,
+        )
+    }
+
+    /// Adds the senders' barrier of its rank to `program` (the last step of a program's
+    /// forming: later passes change only receivers, which never pass it).
+    fn add_barrier(&self, program: &mut RankProgram) {
+        let members = self.barrier_members(program.rank);
+        barrier::add(program, &members, self.rounds());
     }
 
     /// Forms `rank`'s program from its blocks (as [`Planner::rank_blocks`] returns them).
@@ -232,7 +270,7 @@ impl Planner {
         blocks: &[Block],
         transfers: &[Transfer],
     ) -> Result<RankProgram> {
-        match &self.conversions {
+        let mut program = match &self.conversions {
             Some(c) => c.program(
                 self.core.tensors(),
                 rank,
@@ -241,7 +279,9 @@ impl Planner {
                 self.fingerprint,
             ),
             None => self.core.program_from_transfers(rank, blocks, transfers),
-        }
+        }?;
+        self.add_barrier(&mut program);
+        Ok(program)
     }
 }
 

@@ -74,6 +74,9 @@ pub struct Round<'a> {
     pub unpacks: &'a [StridedCopy],
     /// How many of `unpacks` (the last ones) are late (see [`RoundSpan::late_unpacks`]).
     pub late: usize,
+    /// Whether this is the senders' barrier before round `round`
+    /// ([`RankProgram::barrier_before`]): 8-byte messages to and from node mates, no data.
+    pub barrier: bool,
 }
 
 impl<'a> Round<'a> {
@@ -144,6 +147,18 @@ pub struct RankProgram {
     /// on); a call must keep those views adjacent. Empty unless the plan was made with the
     /// rank's destination offsets.
     pub dst_after: Vec<ViewAfter>,
+    /// The senders' barrier (docs/executor.md, "The senders' barrier"): before each round
+    /// `1 .. barrier_rounds` of the plan (whether or not this rank takes part in it), the rank
+    /// exchanges `barrier_sends` and `barrier_recvs` as one group of their own, so it enters
+    /// round `r` only once every node mate listed there has finished its rounds before `r`.
+    /// 0 (and no messages) for ranks outside it.
+    pub barrier_rounds: u32,
+    /// The barrier's sends: 8 bytes from the rank's slot of the staging arena to each node
+    /// mate of the barrier, ascending.
+    pub barrier_sends: Vec<Message>,
+    /// The barrier's receives: 8 bytes from each node mate (as `barrier_sends`) into a slot of
+    /// its own.
+    pub barrier_recvs: Vec<Message>,
 }
 
 /// Destination view `next` starts where view `view`, `bytes` long (its extent), ends: a
@@ -160,15 +175,37 @@ pub struct ViewAfter {
 }
 
 impl RankProgram {
-    /// Whether every receive lands in place (no unpack, conversion after, or second round).
+    /// Whether every receive lands in place (no unpack, conversion after, second round or
+    /// barrier).
     pub fn mode(&self) -> ExecMode {
         if self.unpacks.is_empty()
             && self.converts_after.is_empty()
             && self.round_spans.iter().all(|s| s.round == 0)
+            && !self.has_barrier()
         {
             ExecMode::Groupable
         } else {
             ExecMode::Staged
+        }
+    }
+
+    /// Whether the rank takes part in a senders' barrier before some round.
+    pub fn has_barrier(&self) -> bool {
+        self.barrier_rounds > 1 && !self.barrier_sends.is_empty()
+    }
+
+    /// The senders' barrier before round `round` of the plan, as a round of its own: the
+    /// barrier's messages and nothing else ([`Round::barrier`]).
+    pub fn barrier_before(&self, round: u32) -> Round<'_> {
+        Round {
+            round,
+            converts: &[],
+            packs: &[],
+            sends: &self.barrier_sends,
+            recvs: &self.barrier_recvs,
+            unpacks: &[],
+            late: 0,
+            barrier: true,
         }
     }
 
@@ -222,6 +259,7 @@ impl RankProgram {
             recvs: &self.recvs,
             unpacks: &self.unpacks,
             late: 0,
+            barrier: false,
         };
         let single = self.round_spans.is_empty().then_some(whole);
         let mut start: Option<RoundSpan> = None;
@@ -242,6 +280,7 @@ impl RankProgram {
                 recvs: self.recvs.get(from.recvs_end..span.recvs_end)?,
                 unpacks: self.unpacks.get(from.unpacks_end..span.unpacks_end)?,
                 late: span.late_unpacks,
+                barrier: false,
             };
             if round.late > round.unpacks.len() {
                 return None;
@@ -289,12 +328,13 @@ impl RankProgram {
             .fold(0, |acc, c| acc.saturating_add(c.bytes()))
     }
 
-    /// Distinct ranks this rank sends to or receives from.
+    /// Distinct ranks this rank sends to or receives from (data or barrier).
     pub fn peers(&self) -> Vec<u32> {
         let mut peers: Vec<u32> = self
             .sends
             .iter()
             .chain(&self.recvs)
+            .chain(&self.barrier_sends)
             .map(|m| m.peer)
             .collect();
         peers.sort_unstable();
@@ -309,6 +349,7 @@ impl RankProgram {
             && self.recvs.is_empty()
             && self.converts_before.is_empty()
             && self.converts_after.is_empty()
+            && self.barrier_sends.is_empty()
     }
 }
 

@@ -26,8 +26,23 @@ pub struct RankBuffers {
     pub dst: Vec<Vec<u8>>,
 }
 
-/// Per (sender, receiver): messages in posting order, with the round they were sent in.
-type Mailboxes = Mutex<HashMap<(u32, u32), VecDeque<(u32, Vec<u8>)>>>;
+/// Per (sender, receiver): messages in posting order, with the phase they were sent in.
+type Mailboxes = Mutex<HashMap<(u32, u32), VecDeque<(u64, Vec<u8>)>>>;
+
+/// Where an exchange sits in the call's order: round `r`'s messages are phase `2r + 1`, the
+/// senders' barrier before round `r` phase `2r` (it comes first).
+fn phase(round: &Round<'_>) -> u64 {
+    2 * u64::from(round.round) + u64::from(!round.barrier)
+}
+
+/// A phase as messages name it.
+fn phase_name(phase: u64) -> String {
+    if phase % 2 == 1 {
+        format!("round {}", phase / 2)
+    } else {
+        format!("the senders' barrier before round {}", phase / 2)
+    }
+}
 
 /// Runs `programs[i]` against `buffers[i]` for every i, all ranks concurrently. Returns the
 /// first error any rank hit (the others still finish their phases, so nothing deadlocks).
@@ -56,11 +71,18 @@ pub fn execute(programs: &[RankProgram], buffers: &mut [RankBuffers]) -> Result<
             p.rank
         )));
     }
-    // Every rank walks the same list of rounds (skipping those it has no part in), meeting
-    // the others at a barrier after each round's sends.
-    let mut rounds: Vec<u32> = programs
+    // Every rank walks the same list of phases (rounds and senders' barriers, skipping those
+    // it has no part in), meeting the others at a barrier after each phase's sends.
+    let mut rounds: Vec<u64> = programs
         .iter()
-        .flat_map(|p| p.rounds().into_iter().map(|r| r.round))
+        .flat_map(|p| {
+            let barriers = if p.has_barrier() { p.barrier_rounds } else { 1 };
+            p.rounds()
+                .iter()
+                .map(phase)
+                .chain((1..barriers).map(|r| phase(&p.barrier_before(r))))
+                .collect::<Vec<_>>()
+        })
         .collect();
     rounds.sort_unstable();
     rounds.dedup();
@@ -107,8 +129,8 @@ struct Shared<'a> {
     mailboxes: &'a Mailboxes,
     barrier: &'a Barrier,
     ranks: &'a [u32],
-    /// Every round any rank takes part in, ascending.
-    rounds: &'a [u32],
+    /// Every phase ([`phase`]) any rank takes part in, ascending.
+    rounds: &'a [u64],
 }
 
 /// A rank's memory during a call: the caller's views, the staging arena and the conversion
@@ -367,9 +389,9 @@ impl HostRank<'_, '_> {
         })
     }
 
-    /// Meets both barriers of every round before `round` (all remaining ones for `None`) that
+    /// Meets both barriers of every phase before `round` (all remaining ones for `None`) that
     /// this rank takes no part in.
-    fn meet_rounds_up_to(&mut self, round: Option<u32>) {
+    fn meet_rounds_up_to(&mut self, round: Option<u64>) {
         while let Some(&r) = self.shared.rounds.get(self.met) {
             if round.is_some_and(|round| r >= round) {
                 break;
@@ -399,23 +421,21 @@ impl Steps for HostRank<'_, '_> {
     /// receive of this one is matched, so a rank expecting a message that was not sent fails
     /// instead of taking a later one.
     fn exchange(&mut self, _: usize, round: &Round<'_>) -> Result<()> {
-        self.meet_rounds_up_to(Some(round.round));
+        let phase = phase(round);
+        self.meet_rounds_up_to(Some(phase));
         let (rank, shared, after) = (self.program.rank, self.shared, &self.program.dst_after);
-        let _ = self.work(|memory| send_all(rank, round.round, round.sends, memory, shared));
+        let _ = self.work(|memory| send_all(rank, phase, round.sends, memory, shared));
         shared.barrier.wait();
-        let _ = self.work(|memory| {
-            receive_all(
-                rank,
-                round.round,
-                round.recvs,
-                after,
-                memory,
-                shared.mailboxes,
-            )
-        });
+        let _ = self
+            .work(|memory| receive_all(rank, phase, round.recvs, after, memory, shared.mailboxes));
         shared.barrier.wait();
         self.met += 1;
         self.result.clone()
+    }
+
+    /// The senders' barrier is one more exchange, in a phase of its own before the round's.
+    fn barrier(&mut self, round: &Round<'_>) -> Result<()> {
+        self.exchange(0, round)
     }
 
     /// Local copies beside the first round run as late as an executor may run them, when
@@ -467,7 +487,7 @@ impl Steps for HostRank<'_, '_> {
 
 fn send_all(
     rank: u32,
-    round: u32,
+    round: u64,
     sends: &[Message],
     memory: &Memory<'_>,
     shared: Shared<'_>,
@@ -497,7 +517,7 @@ fn send_all(
 
 fn receive_all(
     rank: u32,
-    round: u32,
+    round: u64,
     recvs: &[Message],
     after: &[ViewAfter],
     memory: &mut Memory<'_>,
@@ -514,14 +534,18 @@ fn receive_all(
         };
         let (sent_in, message) = message.ok_or_else(|| {
             Error::invalid_usage(format!(
-                "rank {rank} expects a {}-byte message from rank {} in round {round} that never arrives",
-                recv.bytes, recv.peer
+                "rank {rank} expects a {}-byte message from rank {} in {} that never arrives",
+                recv.bytes,
+                recv.peer,
+                phase_name(round)
             ))
         })?;
         if sent_in != round {
             return Err(Error::invalid_usage(format!(
-                "rank {rank} expects a message from rank {} in round {round} but it was sent in round {sent_in}",
-                recv.peer
+                "rank {rank} expects a message from rank {} in {} but it was sent in {}",
+                recv.peer,
+                phase_name(round),
+                phase_name(sent_in)
             )));
         }
         if message.len() as u64 != recv.bytes {

@@ -295,6 +295,10 @@ static void test_bad_descriptors(void) {
   config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
   config.relay = 2;
   EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument, "config.relay is 2");
+  config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
+  config.senderBarrier = 2;
+  EXPECT_ERROR(ncclReshardPlanCreate(&plan, 1, &t, 0, &config), ncclInvalidArgument,
+               "config.senderBarrier is 2");
   /* A struct from a newer header than the library is refused; an unset dtype has no default. */
   config = (ncclReshardConfig_t)NCCL_RESHARD_CONFIG_INITIALIZER;
   config.version = NCCL_RESHARD_VERSION_CODE + 100;

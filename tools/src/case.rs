@@ -10,7 +10,7 @@
 //! cols] (default [128, 128]), "scale_format"?: "float32" | "e8m0", "scale_inverse"?: bool,
 //! "scale_layout"?: <side>}`; a config is
 //! `{"mode"?, "ranks_per_node" | "node_of_rank", "split_min_bytes"?, "rounds"?, "relay"?,
-//! "failed_ranks"?}`; a case without a mode is meant to run under every mode. A rank table's
+//! "sender_barrier"?, "failed_ranks"?}`; a case without a mode is meant to run under every mode. A rank table's
 //! `null` entry is a position whose rank is gone (docs/resilience.md); `failed_ranks` makes the
 //! case the survivors' plan: those ranks become holes and the others are renumbered as
 //! `ncclCommShrink` renumbers them, so the case holds what the survivors plan with.
@@ -276,13 +276,14 @@ pub const QUANT_KEYS: [&str; 5] = [
     "scale_layout",
 ];
 pub const SIDE_KEYS: [&str; 5] = ["mesh", "ranks", "first_rank", "placements", "strides"];
-pub const CONFIG_KEYS: [&str; 7] = [
+pub const CONFIG_KEYS: [&str; 8] = [
     "mode",
     "ranks_per_node",
     "node_of_rank",
     "split_min_bytes",
     "rounds",
     "relay",
+    "sender_barrier",
     "failed_ranks",
 ];
 
@@ -581,6 +582,12 @@ fn parse_config(value: &Value) -> Parsed<(Option<Mode>, Config, Vec<u32>)> {
         config.relay = v
             .as_bool()
             .map_or_else(|| fail("config.relay", "expected true or false"), Ok)?;
+    }
+    if let Some(v) = map.get("sender_barrier") {
+        config.sender_barrier = Some(v.as_bool().map_or_else(
+            || fail("config.sender_barrier", "expected true or false"),
+            Ok,
+        )?);
     }
     let mut failed = match map.get("failed_ranks") {
         Some(v) => list_of(v, "config.failed_ranks", u32_of)?,

@@ -1630,3 +1630,273 @@ fn a_receiver_waiting_for_its_senders_last_round_counts_it_as_waiting_for_peers(
     assert_close(c.rated_s, small as f64 / nic);
     assert_close(c.peers_s, big as f64 / nic);
 }
+
+// ---------------------------------------------------------------------------------------
+// The senders' barrier (docs/executor.md, "The senders' barrier")
+
+/// Qwen3-32B with widths divided by 8 and 8 layers, from `tp4,pp2` on one DGX node's 8 GPUs
+/// (ranks 0–7, sending only; the two pipeline stages' GPUs carry different tensors, so they
+/// move through the rounds at different speeds) to `tp4,dp2` on the next node, in 4 rounds,
+/// with the senders' barrier `on` or off; every rank's program.
+fn small_refit_programs(on: bool) -> Vec<RankProgram> {
+    let config = ModelConfig {
+        num_layers: 8,
+        ..ModelConfig::preset("qwen3-32b").unwrap().scaled(8).unwrap()
+    };
+    let refit = refit(
+        &config,
+        &TrainSpec::parse("tp4,pp2").unwrap(),
+        &InferSpec::parse("tp4,dp2").unwrap(),
+        &RefitOptions::default(),
+    )
+    .unwrap();
+    let planner = Planner::new(
+        refit.tensors,
+        Config {
+            mode: Mode::Auto,
+            topology: Topology::RanksPerNode(8),
+            rounds: 4,
+            sender_barrier: Some(on),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    planner
+        .ranks()
+        .into_iter()
+        .map(|r| planner.rank_program(r).unwrap())
+        .collect()
+}
+
+/// `programs` without their senders' barrier (what the simulator saw before it modelled it).
+fn without_barrier(programs: &[RankProgram]) -> Vec<RankProgram> {
+    programs
+        .iter()
+        .map(|p| RankProgram {
+            barrier_rounds: 0,
+            barrier_sends: Vec::new(),
+            barrier_recvs: Vec::new(),
+            ..p.clone()
+        })
+        .collect()
+}
+
+/// Per barrier member of `programs` (by rank): its rounds as the simulator ran them.
+fn members_rounds(
+    programs: &[RankProgram],
+    members: &[u32],
+    cluster: &Cluster,
+) -> Vec<Vec<ncclreshard_tools::sim::CriticalRound>> {
+    members
+        .iter()
+        .map(|&r| {
+            let options = SimOptions {
+                rank: Some(r),
+                ..SimOptions::default()
+            };
+            let report = simulate_with(programs, cluster, &options);
+            let c = report.critical.expect("a critical path");
+            assert_eq!(c.rank, r);
+            c.rounds
+        })
+        .collect()
+}
+
+/// The (member, round, mate) where a member's flows of a plan round `1 .. barrier_rounds`
+/// could start before a mate had finished its round before (its flows and unpacks done)
+/// plus `cost_s`.
+fn ahead_of_a_mate(
+    rounds: &[Vec<ncclreshard_tools::sim::CriticalRound>],
+    barrier_rounds: u32,
+    cost_s: f64,
+) -> Option<(usize, u32, usize)> {
+    for (a, mine) in rounds.iter().enumerate() {
+        for k in 1..mine.len() {
+            if !(1..barrier_rounds).contains(&mine[k].round) {
+                continue;
+            }
+            for (b, theirs) in rounds.iter().enumerate() {
+                let before = &theirs[k - 1];
+                let mate_done = before.done_s + before.unpack_s;
+                if mine[k].ready_s < mate_done + cost_s - 1e-12 {
+                    return Some((a, mine[k].round, b));
+                }
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn the_senders_barrier_holds_each_member_until_every_mate_finished_the_round_before() {
+    let cluster = Cluster::dgx_h100();
+    let on = small_refit_programs(true);
+    let members: Vec<u32> = on
+        .iter()
+        .filter(|p| p.has_barrier())
+        .map(|p| p.rank)
+        .collect();
+    assert_eq!(members, (0..8).collect::<Vec<u32>>(), "the training node");
+    let barrier_rounds = on[0].barrier_rounds;
+    assert!(barrier_rounds >= 2, "{barrier_rounds} rounds");
+    // The members' rounds as simulated: every round of the plan.
+    let rounds = members_rounds(&on, &members, &cluster);
+    assert!(rounds[0].len() >= barrier_rounds as usize);
+    // Node mates' 8-byte messages cross NVLink: one NVLink message latency per barrier.
+    let cost = cluster.nvlink_latency_s;
+    assert_eq!(ahead_of_a_mate(&rounds, barrier_rounds, cost), None);
+    let waited: f64 = rounds.iter().flatten().map(|r| r.barrier_s).sum();
+    assert!(waited > 0.0, "nobody waited at the barrier");
+    // The same programs without the barrier drift apart: some member starts a round before a
+    // mate finished the one before (so the check above can fail).
+    let free = members_rounds(&without_barrier(&on), &members, &cluster);
+    assert!(ahead_of_a_mate(&free, barrier_rounds, cost).is_some());
+    assert!(free.iter().flatten().all(|r| r.barrier_s == 0.0));
+    // The barrier is time, not bytes: the same bytes and messages cross the links.
+    let (with, plain) = (
+        simulate(&on, &cluster),
+        simulate(&without_barrier(&on), &cluster),
+    );
+    assert_eq!(with.bytes_total, plain.bytes_total);
+    assert_eq!(with.messages_total, plain.messages_total);
+    assert_eq!(with.nic_bytes, plain.nic_bytes);
+    assert!(with.time_s.is_finite());
+    // Off: no member, and the time of the programs without a barrier, as before the simulator
+    // modelled it.
+    let off = small_refit_programs(false);
+    assert!(off.iter().all(|p| !p.has_barrier()));
+    let off_report = simulate(&off, &cluster);
+    assert_eq!(off_report.time_s, plain.time_s);
+    // What the simulator gave before it modelled the barrier (0.16.2's `Model::run`).
+    assert_close(off_report.time_s, 0.000_813_659_044_592_025_8);
+}
+
+/// `rank`'s 8-byte barrier messages to and from each of `mates` before each plan round
+/// `1 .. rounds`.
+fn with_barrier(mut p: RankProgram, mates: &[u32], rounds: u32) -> RankProgram {
+    let message = |peer| Message {
+        peer,
+        loc: Loc {
+            buffer: Buffer::Staging,
+            tensor: 0,
+            offset: 0,
+        },
+        bytes: 8,
+    };
+    p.barrier_rounds = rounds;
+    p.barrier_sends = mates.iter().map(|&m| message(m)).collect();
+    p.barrier_recvs = p.barrier_sends.clone();
+    p
+}
+
+/// A sender's program: `sends` (receiver, bytes) one message each, in the plan rounds given.
+fn sender_in_rounds(rank: u32, sends: &[(u32, u64, u32)]) -> RankProgram {
+    let mut p = sender(
+        rank,
+        &sends.iter().map(|&(to, b, _)| (to, b)).collect::<Vec<_>>(),
+    );
+    p.round_spans = sends
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, _, round))| RoundSpan {
+            round,
+            sends_end: i + 1,
+            ..Default::default()
+        })
+        .collect();
+    p
+}
+
+#[test]
+fn a_barrier_member_waits_for_its_slowest_mate_and_passes_rounds_it_has_no_part_in() {
+    // Node mates 0 and 1 only send, through their own NICs (50 GB/s), with a barrier before
+    // plan rounds 1 and 2. Rank 0: 10 GB in round 0 (0.2 s), nothing in round 1, 1 GB in
+    // round 2 (0.02 s). Rank 1: 1 GB in round 0 (0.02 s), 5 GB in round 1 (0.1 s), nothing in
+    // round 2. Each barrier costs one NVLink message latency L after the later mate arrives;
+    // both start after their fingerprint exchange, whose slowest message is the NVLink one
+    // to the mate (L; no other costs).
+    let l = 3.4e-6;
+    let cluster = Cluster {
+        nvlink_latency_s: l,
+        ..dgx_no_latency()
+    };
+    let nic = 50.0 * GB;
+    let (big, small, mid) = (10_000_000_000u64, 1_000_000_000u64, 5_000_000_000u64);
+    // `barriers`: the plan's rounds as the barrier counts them (0: no barrier).
+    let plan = |barriers: u32| {
+        let (a, b) = (
+            sender_in_rounds(0, &[(8, big, 0), (16, small, 2)]),
+            sender_in_rounds(1, &[(9, small, 0), (17, mid, 1)]),
+        );
+        let (a, b) = if barriers > 0 {
+            (
+                with_barrier(a, &[1], barriers),
+                with_barrier(b, &[0], barriers),
+            )
+        } else {
+            (a, b)
+        };
+        vec![
+            a,
+            b,
+            in_round(receiver(8, 0, big), 0),
+            in_round(receiver(9, 1, small), 0),
+            in_round(receiver(17, 1, mid), 1),
+            in_round(receiver(16, 0, small), 2),
+        ]
+    };
+    let programs = |barrier: bool| plan(if barrier { 3 } else { 0 });
+    // Free (no mates, so no NVLink message before the rounds): rank 0 ends at 0.2 + 0.02 s,
+    // rank 1 long before.
+    let free = simulate(&programs(false), &cluster);
+    assert_close(free.time_s, (big + small) as f64 / nic);
+    // With the barrier: rank 1 starts round 1 once rank 0 finished round 0 (L + 0.2 s) and
+    // the barrier passed (L), ends it 0.1 s later; rank 0, through round 1 at once, passes
+    // the second barrier then (plus L) and sends its round 2.
+    let report = simulate(&programs(true), &cluster);
+    assert_close(report.time_s, 3.0 * l + (big + mid + small) as f64 / nic);
+    assert_eq!(report.bytes_total, free.bytes_total);
+    assert_eq!(report.messages_total, free.messages_total);
+    let options = SimOptions {
+        rank: Some(1),
+        ..SimOptions::default()
+    };
+    let c = simulate_with(&programs(true), &cluster, &options)
+        .critical
+        .expect("a critical path");
+    let round1 = &c.rounds[1];
+    assert_eq!(round1.round, 1);
+    assert_close(round1.entered_s, l + small as f64 / nic);
+    assert_close(round1.ready_s, 2.0 * l + big as f64 / nic);
+    // It waited from its arrival until rank 0's, plus the barrier's latency.
+    assert_close(round1.barrier_s, (big - small) as f64 / nic + l);
+    // At the second barrier rank 0 came first (it had nothing in round 1): rank 1 waits only
+    // for the latency.
+    assert_close(c.rounds[2].barrier_s, l);
+    assert_close(c.barrier_s, round1.barrier_s + l);
+    let parts = |c: &ncclreshard_tools::sim::CriticalPath| {
+        c.packs_s + c.conversions_s + c.waits_s + c.transfers_s + c.unpacks_s + c.late_tail_s
+    };
+    assert_close(parts(&c), 3.0 * l + (big + mid) as f64 / nic);
+    // A fourth plan round in which nobody sends: its barrier comes after both ranks' last
+    // rounds, so rank 1 ends once rank 0 is done with round 2 (plus L), and counts that as
+    // waiting at the barrier.
+    let four = plan(4);
+    assert_close(
+        simulate(&four, &cluster).time_s,
+        4.0 * l + (big + mid + small) as f64 / nic,
+    );
+    let c = simulate_with(&four, &cluster, &options)
+        .critical
+        .expect("a critical path");
+    assert_close(parts(&c), 4.0 * l + (big + mid + small) as f64 / nic);
+    assert_close(c.barrier_s, round1.barrier_s + l + small as f64 / nic + l);
+    assert_close(c.late_tail_s, 0.0);
+    // A barrier whose members never all arrive (rank 0 also lists rank 2, which has no
+    // program) leaves them stuck: reported, not looped on.
+    let mut stuck = programs(true);
+    stuck[0] = with_barrier(stuck[0].clone(), &[1, 2], 3);
+    let report = simulate(&stuck, &cluster);
+    assert!(report.time_s.is_infinite(), "{}", report.time_s);
+    assert!(report.critical.is_none());
+}

@@ -63,7 +63,7 @@ Case file format (JSON): one case or an array of cases.
            (docs/quantization.md; needs "dst_dtype")
   CONFIG: {"mode"?: "groupable"|"staged"|"auto" (absent: every mode),
            "ranks_per_node"?: N | "node_of_rank"?: [..], "split_min_bytes"?: N,
-           "rounds"?: N, "relay"?: bool, "failed_ranks"?: [..]}
+           "rounds"?: N, "relay"?: bool, "sender_barrier"?: bool, "failed_ranks"?: [..]}
 dtype names are torch's (bfloat16, float32, int8, float8_e4m3fn, ...). Unknown keys are
 errors.
 "#;

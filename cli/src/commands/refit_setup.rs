@@ -274,6 +274,29 @@ pub fn config_with_options(
     Ok(config)
 }
 
+/// `--sender-barrier auto|on|off` ([`Config::sender_barrier`]: `None`, `Some(true)`,
+/// `Some(false)`), default auto.
+pub fn sender_barrier(parsed: &Parsed, command: &'static str) -> Result<Option<bool>, Failure> {
+    match parsed.value("sender-barrier") {
+        None | Some("auto") => Ok(None),
+        Some("on") => Ok(Some(true)),
+        Some("off") => Ok(Some(false)),
+        Some(other) => Err(usage(
+            command,
+            format!("--sender-barrier {other:?}: expected auto, on or off"),
+        )),
+    }
+}
+
+/// The name of a [`Config::sender_barrier`] setting, as `--sender-barrier` takes it.
+pub fn sender_barrier_name(setting: Option<bool>) -> &'static str {
+    match setting {
+        None => "auto",
+        Some(true) => "on",
+        Some(false) => "off",
+    }
+}
+
 /// The planner of `tensors` with their `conversions` (one per tensor, `None`: as it is).
 pub fn planner(
     tensors: &[TensorSpec],

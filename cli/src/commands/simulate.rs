@@ -36,6 +36,7 @@ pub const COMMAND: Command = Command {
         value("mode"),
         value("rounds"),
         flag("no-relay"),
+        value("sender-barrier"),
         value("trials"),
         value("seed"),
         value("rank"),
@@ -86,6 +87,12 @@ Options:
   --mode MODE        auto (default), staged or groupable
   --rounds N         Staged/auto: rounds to spread the data over (default 0: automatic)
   --no-relay         Send each replica its data across the network (no NVLink relays)
+  --sender-barrier B auto (default), on or off: a node's sending-only ranks pass a barrier
+                     of 8-byte messages among themselves before each round from the second
+                     (docs/executor.md, "The senders' barrier"); auto: where a planner node
+                     holds at least 9 of them (gb200-nvl72's 72-GPU domains, not dgx-h100's
+                     nodes of 8). JSON: "sender_barrier", "barrier_members_max" (the largest
+                     group, 0 for none)
   --trials N         Monte Carlo trials with jitter (default 5; 0: one run without jitter)
   --seed N           Seed of the trials (default 1)
   --rank R           Break down rank R's time (JSON: "critical_path", round by round in
@@ -265,6 +272,8 @@ pub struct CriticalJson {
     packs_s: f64,
     conversions_s: f64,
     waits_s: f64,
+    /// Inside `waits_s`: at the senders' barriers ([`sim::CriticalPath::barrier_s`]).
+    waits_barrier_s: f64,
     transfers_s: f64,
     /// Inside `transfers_s`: the rank's own bytes at rated speed on its busiest port, the
     /// per-message latencies no byte of the rank overlaps (per round, its pairs' shortest), and
@@ -301,6 +310,8 @@ pub struct CriticalRoundJson {
     round: u32,
     entered_s: f64,
     ready_s: f64,
+    /// Of `ready_s - entered_s`: at the senders' barriers before the round.
+    barrier_s: f64,
     done_s: f64,
     transfers_s: f64,
     own_s: f64,
@@ -323,6 +334,7 @@ impl CriticalJson {
             packs_s: c.packs_s,
             conversions_s: c.conversions_s,
             waits_s: c.waits_s,
+            waits_barrier_s: c.barrier_s,
             transfers_s: c.transfers_s,
             transfers_rated_s: c.rated_s,
             transfers_latency_s: c.latency_s,
@@ -343,6 +355,7 @@ impl CriticalJson {
                     round: r.round,
                     entered_s: r.entered_s,
                     ready_s: r.ready_s,
+                    barrier_s: r.barrier_s,
                     done_s: r.done_s,
                     transfers_s: r.done_s - r.ready_s,
                     own_s: r.own_s,
@@ -503,6 +516,10 @@ struct Output {
     experts: &'static str,
     views: &'static str,
     mode: &'static str,
+    /// `--sender-barrier`: auto, on or off.
+    sender_barrier: &'static str,
+    /// The most ranks passing one senders' barrier together (0: no rank passes one).
+    barrier_members_max: usize,
     cluster: ClusterJson,
     tensors: usize,
     parameters: u64,
@@ -616,6 +633,17 @@ impl ConversionJson {
             first_round_share_rank: busiest.map(|(rank, _)| rank),
         })
     }
+}
+
+/// The most ranks passing one senders' barrier together: a member and its mates (0 when no
+/// program has a barrier).
+pub fn barrier_members_max(programs: &[RankProgram]) -> usize {
+    programs
+        .iter()
+        .filter(|p| p.has_barrier())
+        .map(|p| p.barrier_sends.len() + 1)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Per sender: its rank, the bytes it converts before the rounds, and of them those its
@@ -747,7 +775,9 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
             ),
         ));
     }
-    let config = refit_setup::config_with_options(parsed, "simulate", mode, &cluster)?;
+    let mut config = refit_setup::config_with_options(parsed, "simulate", mode, &cluster)?;
+    config.sender_barrier = refit_setup::sender_barrier(parsed, "simulate")?;
+    let sender_barrier = refit_setup::sender_barrier_name(config.sender_barrier);
     let conversions = args.conversions(&refit, 1)?;
     let s = simulate(&refit, &conversions, &cluster, config, &options, views)?;
     let memory = s.reshard.memory;
@@ -765,6 +795,8 @@ fn run(parsed: &Parsed) -> Result<u8, Failure> {
         experts: args.experts_name(),
         views: views.name(),
         mode: mode.name(),
+        sender_barrier,
+        barrier_members_max: barrier_members_max(&s.programs),
         cluster: ClusterJson::new(&cluster, s.programs.len()),
         tensors: refit.tensors.len(),
         parameters: args.parameters(),

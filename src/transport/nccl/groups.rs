@@ -82,13 +82,21 @@ impl Exchange for Groups<'_> {
             return Ok(());
         }
         let (nccl, comm, stream, rank) = (self.nccl, self.comm, self.stream, self.rank);
-        let stage = format!(
-            "round {} (the rank's {} of {}) with peers {:?}",
-            round.round,
-            k + 1,
-            self.rounds,
-            peers_of(round)
-        );
+        let stage = if round.barrier {
+            format!(
+                "the senders' barrier before round {} with node mates {:?}",
+                round.round,
+                peers_of(round)
+            )
+        } else {
+            format!(
+                "round {} (the rank's {} of {}) with peers {:?}",
+                round.round,
+                k + 1,
+                self.rounds,
+                peers_of(round)
+            )
+        };
         let post = |m: &Message, send: bool| -> Result<()> {
             let ptr = memory.address(m.loc) as *mut c_void;
             debug::log(Level::Trace, || {

@@ -151,10 +151,11 @@ impl NcclTransport {
             return Ok(());
         }
         // What the call runs on.
-        let messages = !(p.sends.is_empty() && p.recvs.is_empty());
+        // (A rank in a senders' barrier exchanges its messages even with no data to send.)
+        let messages = !(p.sends.is_empty() && p.recvs.is_empty()) || p.has_barrier();
         if messages && comm.is_null() {
             return Err(Error::invalid_argument(format!(
-                "comm is NULL but rank {} exchanges data with {} peer(s)",
+                "comm is NULL but rank {} exchanges messages with {} peer(s)",
                 p.rank,
                 self.peers.len()
             )));

@@ -9,8 +9,8 @@
 //! - [`simulate`] / [`simulate_with`] run the real per-rank programs (from
 //!   [`ncclreshard::Planner::rank_program`]): host posting, packs, every (sender, receiver)
 //!   pair's messages of a round as one flow sharing links max-min fairly, unpacks; rounds per
-//!   rank without global barriers; median and p90 over jittered trials; memory and one-time
-//!   setup.
+//!   rank without global barriers (only the senders' barriers the programs carry); median and
+//!   p90 over jittered trials; memory and one-time setup.
 //! - [`m2n`] models NCCL M2N's direct and hierarchical reshard, one call per tensor, as its
 //!   benchmark or as NeMo RL calls it; [`nemo_rl_reshard`] NeMo RL's `nccl_reshard` refit.
 //! - [`gather_broadcast`] models the baseline NeMo RL, veRL and slime use: gather every tensor
@@ -215,8 +215,12 @@ pub struct CriticalPath {
     /// Sender-side and receiver-side conversion kernels.
     pub conversions_s: f64,
     /// Waiting to start a round once packed: for the host to post it, for late unpacks whose
-    /// staging the round reuses, and jitter.
+    /// staging the round reuses, for the senders' barrier's mates, and jitter.
     pub waits_s: f64,
+    /// Inside `waits_s`: at the senders' barriers, from arriving until every mate had and the
+    /// barrier's messages were through (`barrier_s` of its rounds, and of the barriers after
+    /// its last round; 0 outside a barrier).
+    pub barrier_s: f64,
     /// From a round's start until its last flow is done: bytes over shared links, at achievable
     /// speed, plus per-message latencies and waiting for peers to reach the round.
     pub transfers_s: f64,
@@ -253,9 +257,13 @@ pub struct CriticalRound {
     pub round: u32,
     /// When the rank entered the round (its previous round's unpacks done).
     pub entered_s: f64,
-    /// When its flows could start: packed, posted, and past the late unpacks whose staging
-    /// the round reuses.
+    /// When its flows could start: packed, posted, past the late unpacks whose staging the
+    /// round reuses, and past the senders' barriers before the round.
     pub ready_s: f64,
+    /// Of `ready_s − entered_s`: at the senders' barriers before the round, from arriving
+    /// (packed and posted) until every mate had and the barrier's messages were through (0
+    /// outside a barrier, docs/executor.md, "The senders' barrier").
+    pub barrier_s: f64,
     /// When its last flow of the round was done (`ready_s` where it has none).
     pub done_s: f64,
     /// Its own bytes of the round at achievable speed on its busiest port: what `done_s −

@@ -3,7 +3,7 @@
 use super::fabric::Network;
 use super::flows::{self, Flow};
 use super::{median_p90, Cluster, CriticalPath, CriticalRound, MemoryUse, Phase, Rng, SimReport};
-use ncclreshard::plan::{RankProgram, StridedConvert, StridedCopy};
+use ncclreshard::plan::{Message, RankProgram, StridedConvert, StridedCopy};
 use std::collections::HashMap;
 
 /// How [`simulate_with`] runs.
@@ -52,11 +52,15 @@ pub fn simulate(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
 ///   (sender, receiver) pair form one flow that starts once both ends are in the round, have
 ///   packed and have posted the round, plus the pair's per-message latency; flows share
 ///   NVLink, NIC, PXN and leaf links max-min fairly, a network pair at most NCCL's channels
-///   per peer; once its flows are done it unpacks and enters its next round.
+///   per peer; once its flows are done it unpacks and enters its next round;
+/// - a member of a senders' barrier (`RankProgram::has_barrier`), once packed for each plan
+///   round `1 .. barrier_rounds` (also one it has no part in), waits until every mate has
+///   arrived there, that is, finished its rounds before, plus one message latency; its host
+///   posts each barrier as a group of its own. The barrier's 8-byte messages are no flows.
 ///
-/// Ranks drift apart freely; flows of different rounds share links when their ranks are in
-/// different rounds. With trials, every rank's start of every round is delayed by an
-/// exponential draw (`jitter_s`) and every flow carries an exponentially drawn extra
+/// Otherwise ranks drift apart freely; flows of different rounds share links when their
+/// ranks are in different rounds. With trials, every rank's start of every round is delayed
+/// by an exponential draw (`jitter_s`) and every flow carries an exponentially drawn extra
 /// fraction of its bytes (`flow_jitter`). Sends are taken as the truth for what crosses the
 /// network (receives mirror them by construction).
 pub fn simulate_with(
@@ -194,6 +198,146 @@ struct Model<'a> {
     network: Network<'a>,
     /// Distinct ranks of the communicator the programs span.
     ranks: Vec<u32>,
+    /// The senders' barriers of the programs.
+    barriers: Barriers,
+}
+
+/// The senders' barrier of the programs (docs/executor.md, "The senders' barrier";
+/// [`RankProgram::barrier_before`]): before each plan round `1 .. barrier_rounds` a member
+/// posts one group of an 8-byte send to and receive from every mate, and passes it once every
+/// mate has posted its own, that is, has finished its rounds before. Barrier messages carry no
+/// data: they are no flows, only time.
+///
+/// Its cost, from the cluster model's parameters (docs/simulator.md §1), none of them new:
+/// - on the GPU, one barrier takes one message latency after the last member arrives: one
+///   8-byte message per mate, the mates' messages in parallel as a round's pairs are, each at
+///   [`Cluster::message_latency`] (`nvlink_latency_s` between node mates of one NVLink
+///   domain, `latency_s` otherwise), the largest over the members' mates;
+/// - on the host, each barrier is one more group of `2 × mates` operations
+///   (`host_op_s` each, plus `group_s`), posted in the rank's posting clock before the
+///   round's own group, as every group is (the host never waits for the GPU, so this delays
+///   a round only where posting is behind).
+///
+/// With the presets (both `nvlink_latency_s` 3.4 µs, `host_op_s` 1 µs, `group_s` 8.4 µs) a
+/// GB200 NVL72 domain's 72 senders pass each barrier 3.4 µs after the last of them arrives,
+/// each host having spent 2 × 71 × 1 + 8.4 = 150.4 µs posting it. The NCCL connections the
+/// barrier opens to mates count in [`memory_use`] and [`setup_seconds`].
+///
+/// Slots: a barrier belongs to slot `k` (`0 ..= nr`) when it comes before the rank's round
+/// index `k`, that is, for plan rounds after `labels[k - 1]` up to `labels[k]`; slot `nr`
+/// holds those after the last labelled round (posted after the rank's last round).
+#[derive(Default)]
+struct Barriers {
+    /// Per (rank, slot): how many barriers the rank passes there.
+    count: Vec<u32>,
+    /// Per (rank, slot): when its host has posted them.
+    posted: Vec<f64>,
+    /// Per rank: its group (an index into `groups`), or `NO_GROUP`.
+    group: Vec<u32>,
+    groups: Vec<BarrierGroup>,
+}
+
+/// Ranks that list the same barrier members (the rank itself and its `barrier_sends`' peers).
+struct BarrierGroup {
+    /// The members with a program (rank indices): those that arrive.
+    members: Vec<usize>,
+    /// How many members the list names: until that many arrive, nobody passes (a member
+    /// without a program, or one listing other mates, leaves the group stuck).
+    listed: u32,
+    /// Seconds of one barrier on the GPU once the last member arrived.
+    cost_s: f64,
+}
+
+const NO_GROUP: u32 = u32::MAX;
+
+/// Barriers of a program with `barrier_rounds` that fall into slot `slot` (plan rounds in
+/// `(labels[slot - 1], labels[slot]]`, from 1 and before `barrier_rounds`; the last slot,
+/// `labels.len()` or more, takes every plan round after the last label).
+fn barriers_in_slot(labels: &[u32], slot: usize, barrier_rounds: u32) -> u32 {
+    let after = match slot {
+        0 => 0,
+        _ => match labels.get(slot - 1) {
+            Some(&l) => u64::from(l) + 1,
+            None => return 0,
+        },
+    };
+    let upto = labels.get(slot).map_or(u64::MAX, |&l| u64::from(l));
+    let first = after.max(1);
+    let last = upto.min(u64::from(barrier_rounds).saturating_sub(1));
+    if last < first || barrier_rounds < 2 {
+        0
+    } else {
+        (last - first + 1) as u32
+    }
+}
+
+impl Barriers {
+    /// The barriers of `programs`, whose round indices are `labels` and whose ranks
+    /// (indexed) are `ranks`; nothing posted yet.
+    fn build(
+        programs: &[RankProgram],
+        cluster: &Cluster,
+        labels: &[u32],
+        ranks: &[u32],
+    ) -> Barriers {
+        let (n, slots) = (ranks.len(), labels.len().max(1) + 1);
+        let mut b = Barriers::default();
+        if !programs.iter().any(RankProgram::has_barrier) {
+            return b;
+        }
+        b.count = vec![0; n * slots];
+        b.posted = vec![0.0; n * slots];
+        b.group = vec![NO_GROUP; n];
+        let mut ids: HashMap<Vec<u32>, u32> = HashMap::new();
+        for p in programs.iter().filter(|p| p.has_barrier()) {
+            let Ok(i) = ranks.binary_search(&p.rank) else {
+                continue;
+            };
+            let mut list: Vec<u32> = p.barrier_sends.iter().map(|m| m.peer).collect();
+            list.push(p.rank);
+            list.sort_unstable();
+            list.dedup();
+            let cost_s = p
+                .barrier_sends
+                .iter()
+                .map(|m| cluster.message_latency(p.rank, m.peer))
+                .fold(0.0, f64::max);
+            let listed = list.len() as u32;
+            let next = b.groups.len() as u32;
+            let g = *ids.entry(list).or_insert(next);
+            if g == next {
+                b.groups.push(BarrierGroup {
+                    members: Vec::new(),
+                    listed,
+                    cost_s: 0.0,
+                });
+            }
+            let group = &mut b.groups[g as usize];
+            group.members.push(i);
+            group.cost_s = group.cost_s.max(cost_s);
+            b.group[i] = g;
+            for slot in 0..slots {
+                b.count[i * slots + slot] = barriers_in_slot(labels, slot, p.barrier_rounds);
+            }
+        }
+        b
+    }
+
+    /// Rank `i`'s host posts its barriers of `slots`, `each` seconds apiece, on `clock`.
+    fn post(
+        &mut self,
+        i: usize,
+        slots: std::ops::RangeInclusive<usize>,
+        each: f64,
+        clock: &mut f64,
+    ) {
+        let width = self.count.len() / self.group.len().max(1);
+        for slot in slots {
+            let at = i * width + slot;
+            *clock += f64::from(self.count[at]) * each;
+            self.posted[at] = *clock;
+        }
+    }
 }
 
 /// One run's outcome.
@@ -211,6 +355,225 @@ impl Run {
             phases: [0.0; 4],
             link_bytes: Vec::new(),
             critical: None,
+        }
+    }
+}
+
+/// Every rank's progress in one run of [`Model::run`]: the round it is in, when that round's
+/// packs were done, the last finish of its flows in it, how many are still moving; its side
+/// stream; and where it stands at its senders' barriers.
+struct Walk<'r, 'a> {
+    model: &'r Model<'a>,
+    /// Per (rank, round): the jitter added to when its flows could start.
+    delay: &'r [f64],
+    /// Per rank: the round index whose flows it may start (`nr`: done; a rank waiting at a
+    /// barrier keeps the round before, or `usize::MAX` before its first).
+    position: Vec<usize>,
+    ready: Vec<f64>,
+    last: Vec<f64>,
+    /// Per (rank, round): its flows still moving.
+    outstanding: Vec<usize>,
+    finished: Vec<f64>,
+    busy: Vec<f64>,
+    /// Per rank, its side stream: when the late unpacks queued so far are done, and when
+    /// those queued before its last finished round's are (the next round's group waits for
+    /// these: it reuses their staging).
+    side_free: Vec<f64>,
+    side_wait: Vec<f64>,
+    /// Per rank: when the conversions of its next round (started on the side stream as it
+    /// entered its current one) are done.
+    converted: Vec<f64>,
+    /// Per (rank, round): when the rank entered it, when its flows could start and when they
+    /// were done (the critical path's breakdown).
+    entered: Vec<f64>,
+    ready_at: Vec<f64>,
+    done_at: Vec<f64>,
+    /// Per (group, slot): members arrived at the slot's barriers, and the latest arrival.
+    arrived: Vec<u32>,
+    latest: Vec<f64>,
+    /// Per (rank, slot): when it arrived at the slot's barriers and when it passed them.
+    reached: Vec<f64>,
+    passed: Vec<f64>,
+    /// Per rank: when it entered the round it waits at a barrier for (or finished its last).
+    waiting_from: Vec<f64>,
+    /// Ranks to walk on: (rank, round index, time it entered it, when it passed the
+    /// barriers before it, if it has).
+    todo: Vec<(usize, usize, f64, Option<f64>)>,
+}
+
+impl<'r, 'a> Walk<'r, 'a> {
+    fn new(model: &'r Model<'a>, delay: &'r [f64]) -> Walk<'r, 'a> {
+        let (n, nr) = (model.n, model.nr);
+        let barrier_slots = if model.barriers.groups.is_empty() {
+            (0, 0)
+        } else {
+            (model.barriers.groups.len() * (nr + 1), n * (nr + 1))
+        };
+        Walk {
+            model,
+            delay,
+            position: vec![usize::MAX; n],
+            ready: vec![0.0; n],
+            last: vec![0.0; n],
+            outstanding: model.ends_of.iter().map(Vec::len).collect(),
+            finished: vec![0.0; n],
+            busy: vec![0.0; n],
+            side_free: vec![0.0; n],
+            side_wait: vec![0.0; n],
+            converted: vec![0.0; n],
+            entered: vec![0.0; n * nr],
+            ready_at: vec![0.0; n * nr],
+            done_at: vec![0.0; n * nr],
+            arrived: vec![0; barrier_slots.0],
+            latest: vec![f64::NEG_INFINITY; barrier_slots.0],
+            reached: vec![0.0; barrier_slots.1],
+            passed: vec![0.0; barrier_slots.1],
+            waiting_from: vec![0.0; if barrier_slots.1 > 0 { n } else { 0 }],
+            todo: Vec::new(),
+        }
+    }
+
+    /// Enters rank `i` into round `k` at time `t`, passing through rounds it has no flows in
+    /// and stopping at a barrier until its group is there, and releases the flows whose other
+    /// end is already there (into `release`: flow, start time). A group completed on the way
+    /// walks its waiting members on too.
+    fn enter(&mut self, i: usize, k: usize, t: f64, release: &mut Vec<(u32, f64)>) {
+        let mut todo = std::mem::take(&mut self.todo);
+        todo.push((i, k, t, None));
+        while let Some((i, k, t, through)) = todo.pop() {
+            self.walk(i, k, t, through, release, &mut todo);
+        }
+        self.todo = todo;
+    }
+
+    /// One rank's walk from round `k` (entered at `t`; `through`: when it passed the barriers
+    /// before it, if it already has) until it waits for flows, for its barrier group, or is
+    /// done.
+    fn walk(
+        &mut self,
+        i: usize,
+        mut k: usize,
+        mut t: f64,
+        mut through: Option<f64>,
+        release: &mut Vec<(u32, f64)>,
+        todo: &mut Vec<(usize, usize, f64, Option<f64>)>,
+    ) {
+        let m = self.model;
+        let nr = m.nr;
+        let (side_next, side_after) = (&m.side_next, &m.side_after);
+        loop {
+            let passed = match through.take() {
+                Some(p) => p,
+                None if m
+                    .barriers
+                    .count
+                    .get(i * (nr + 1) + k)
+                    .is_some_and(|&c| c > 0) =>
+                {
+                    self.arrive(i, k, t, todo);
+                    return;
+                }
+                None => f64::NEG_INFINITY,
+            };
+            if k == nr {
+                self.position[i] = nr;
+                self.finished[i] = t.max(passed).max(self.side_free[i]);
+                return;
+            }
+            let slot = i * nr + k;
+            self.position[i] = k;
+            self.ready[i] = (t + m.pack[slot])
+                .max(m.posted[slot])
+                .max(self.side_wait[i])
+                .max(self.converted[i])
+                .max(passed)
+                + self.delay[slot];
+            if side_next[slot] > 0.0 {
+                self.side_free[i] = self.side_free[i].max(t + side_after[slot]) + side_next[slot];
+                self.converted[i] = self.side_free[i];
+            }
+            self.last[i] = self.ready[i];
+            self.entered[slot] = t;
+            self.ready_at[slot] = self.ready[i];
+            if !m.ends_of[slot].is_empty() {
+                for &f in &m.ends_of[slot] {
+                    let pair = &m.meta[f as usize];
+                    let other = if pair.from == i { pair.to } else { pair.from };
+                    if other == i || self.position[other] == k {
+                        let start = self.ready[i].max(self.ready[other]) + pair.latency_s;
+                        release.push((f, start));
+                    }
+                }
+                return;
+            }
+            t = self.ready[i] + m.unpack[slot];
+            k += 1;
+        }
+    }
+
+    /// Rank `i`, having entered round `k` at `t`, arrives at the barriers before it (packed,
+    /// past the late unpacks and conversions it waits for, and posted) and waits there; the
+    /// last member to arrive lets the whole group through, one barrier's cost per barrier
+    /// after the latest arrival ([`Barriers`]).
+    fn arrive(
+        &mut self,
+        i: usize,
+        k: usize,
+        t: f64,
+        todo: &mut Vec<(usize, usize, f64, Option<f64>)>,
+    ) {
+        let m = self.model;
+        let (nr, b) = (m.nr, &m.barriers);
+        let at = i * (nr + 1) + k;
+        let mut arrival = t.max(b.posted[at]);
+        if k < nr {
+            let slot = i * nr + k;
+            arrival = arrival
+                .max(t + m.pack[slot])
+                .max(self.side_wait[i])
+                .max(self.converted[i]);
+        }
+        self.reached[at] = arrival;
+        self.waiting_from[i] = t;
+        let g = b.group[i] as usize;
+        let group = &b.groups[g];
+        let gs = g * (nr + 1) + k;
+        self.arrived[gs] += 1;
+        self.latest[gs] = self.latest[gs].max(arrival);
+        if self.arrived[gs] == group.listed {
+            for &member in &group.members {
+                let at = member * (nr + 1) + k;
+                let pass = self.latest[gs] + f64::from(b.count[at]) * group.cost_s;
+                self.passed[at] = pass;
+                todo.push((member, k, self.waiting_from[member], Some(pass)));
+            }
+        }
+    }
+
+    /// Flow `f` finished at `t`: its ends that have no flow left in the round unpack and
+    /// enter their next round.
+    fn flow_done(&mut self, f: u32, t: f64, release: &mut Vec<(u32, f64)>) {
+        let m = self.model;
+        let nr = m.nr;
+        let pair = &m.meta[f as usize];
+        let k = pair.round;
+        for e in [pair.from, pair.to] {
+            if e == pair.to && pair.to == pair.from {
+                continue;
+            }
+            let slot = e * nr + k;
+            self.outstanding[slot] -= 1;
+            self.last[e] = self.last[e].max(t);
+            if self.outstanding[slot] == 0 {
+                self.busy[e] += self.last[e] - self.ready[e];
+                self.done_at[slot] = self.last[e];
+                let done = self.last[e] + m.unpack[slot];
+                self.side_wait[e] = self.side_free[e];
+                if m.late[slot] > 0.0 {
+                    self.side_free[e] = self.side_free[e].max(self.last[e]) + m.late[slot];
+                }
+                self.enter(e, k + 1, done, release);
+            }
         }
     }
 }
@@ -327,8 +690,16 @@ impl<'a> Model<'a> {
         let mut ends_of: Vec<Vec<u32>> = vec![Vec::new(); n * nr];
         let mut flows: Vec<Flow> = Vec::new();
         let mut meta: Vec<PairFlow> = Vec::new();
+        let mut barriers = Barriers::build(programs, cluster, &labels, &ranks);
         for p in programs {
             let i = index(p.rank);
+            // The host's time to post one barrier (a group of its own), and the next slot
+            // whose barriers it has not posted yet.
+            let barrier_post = p.has_barrier().then(|| {
+                (p.barrier_sends.len() + p.barrier_recvs.len()) as f64 * cluster.host_op_s
+                    + cluster.group_s
+            });
+            let mut barrier_slot = 0usize;
             // The fingerprint exchange: one 8-byte send and receive per peer, one group,
             // finished after one message latency.
             let peers = p.peers();
@@ -372,6 +743,12 @@ impl<'a> Model<'a> {
                 unpack[i * nr + k] += kernel_seconds(round.early_unpacks(), cluster);
                 late[i * nr + k] +=
                     kernel_seconds(round.late_unpacks(), cluster) / Cluster::LATE_UNPACK_SHARE;
+                // The barriers before this round come first (the executor posts them right
+                // before the round's exchange).
+                if let Some(each) = barrier_post {
+                    barriers.post(i, barrier_slot..=k, each, &mut clock);
+                    barrier_slot = k + 1;
+                }
                 let ops = round.sends.len() + round.recvs.len();
                 if ops > 0 {
                     clock += ops as f64 * cluster.host_op_s + cluster.group_s;
@@ -409,6 +786,10 @@ impl<'a> Model<'a> {
                 converts_s[i].1 += converting;
                 unpack[i * nr + k] += converting;
             }
+            // The barriers after its last round.
+            if let Some(each) = barrier_post {
+                barriers.post(i, barrier_slot..=nr, each, &mut clock);
+            }
             host[i] = clock;
             // Rounds the rank has no part in are posted when its last posted round was.
             for k in 1..nr {
@@ -442,6 +823,7 @@ impl<'a> Model<'a> {
             meta,
             network,
             ranks,
+            barriers,
         }
     }
 
@@ -463,136 +845,36 @@ impl<'a> Model<'a> {
                 f
             })
             .collect();
-        let (pack, unpack, late, side_next, posted, ends_of, meta) = (
-            &self.pack,
-            &self.unpack,
-            &self.late,
-            (&self.side_next, &self.side_after),
-            &self.posted,
-            &self.ends_of,
-            &self.meta,
-        );
-
-        // Each rank's progress: the round it is in, when that round's packs were done, the
-        // last finish of its flows in it, and how many are still moving.
-        let mut position = vec![usize::MAX; n];
-        let mut ready = vec![0.0f64; n];
-        let mut last = vec![0.0f64; n];
-        let mut outstanding: Vec<usize> = ends_of.iter().map(Vec::len).collect();
-        let mut finished = vec![0.0f64; n];
-        let mut busy = vec![0.0f64; n];
-        // Per rank, its side stream: when the late unpacks queued so far are done, and when
-        // those queued before its last finished round's are (the next round's group waits for
-        // these: it reuses their staging).
-        let mut side_free = vec![0.0f64; n];
-        let mut side_wait = vec![0.0f64; n];
-        // Per rank: when the conversions of its next round (started on the side stream as it
-        // entered its current one) are done.
-        let mut converted = vec![0.0f64; n];
-        // Per (rank, round): when the rank entered it and when its flows were done (the
-        // critical path's breakdown; `ready` gives when its flows could start).
-        let mut entered = vec![0.0f64; n * nr];
-        let mut ready_at = vec![0.0f64; n * nr];
-        let mut done_at = vec![0.0f64; n * nr];
-        // Enters rank i into round k at time t, passing through rounds it has no flows in,
-        // and releases the flows whose other end is already there.
-        let enter = |i: usize,
-                     mut k: usize,
-                     mut t: f64,
-                     position: &mut Vec<usize>,
-                     ready: &mut Vec<f64>,
-                     last: &mut Vec<f64>,
-                     finished: &mut Vec<f64>,
-                     side: (&mut Vec<f64>, &[f64], &mut Vec<f64>),
-                     times: (&mut Vec<f64>, &mut Vec<f64>),
-                     release: &mut Vec<(u32, f64)>| {
-            let (side_free, side_wait, converted) = side;
-            let (entered, ready_at) = times;
-            while k < nr {
-                let slot = i * nr + k;
-                position[i] = k;
-                ready[i] = (t + pack[slot])
-                    .max(posted[slot])
-                    .max(side_wait[i])
-                    .max(converted[i])
-                    + delay[slot];
-                let (side_next, side_after) = side_next;
-                if side_next[slot] > 0.0 {
-                    side_free[i] = side_free[i].max(t + side_after[slot]) + side_next[slot];
-                    converted[i] = side_free[i];
-                }
-                last[i] = ready[i];
-                entered[slot] = t;
-                ready_at[slot] = ready[i];
-                if !ends_of[slot].is_empty() {
-                    for &f in &ends_of[slot] {
-                        let m = &meta[f as usize];
-                        let other = if m.from == i { m.to } else { m.from };
-                        if other == i || position[other] == k {
-                            release.push((f, ready[i].max(ready[other]) + m.latency_s));
-                        }
-                    }
-                    return;
-                }
-                t = ready[i] + unpack[slot];
-                k += 1;
-            }
-            position[i] = nr;
-            finished[i] = t.max(side_free[i]);
-        };
+        let mut walk = Walk::new(self, &delay);
         let mut initial = Vec::new();
         for i in 0..n {
-            enter(
-                i,
-                0,
-                0.0,
-                &mut position,
-                &mut ready,
-                &mut last,
-                &mut finished,
-                (&mut side_free, &side_wait, &mut converted),
-                (&mut entered, &mut ready_at),
-                &mut initial,
-            );
+            walk.enter(i, 0, 0.0, &mut initial);
         }
         let outcome = flows::run_gated(
             &flows,
             &self.network.capacity,
             self.network.peer_cap,
             initial,
-            &mut |f, t, release| {
-                let m = &meta[f as usize];
-                let k = m.round;
-                for e in [m.from, m.to] {
-                    if e == m.to && m.to == m.from {
-                        continue;
-                    }
-                    let slot = e * nr + k;
-                    outstanding[slot] -= 1;
-                    last[e] = last[e].max(t);
-                    if outstanding[slot] == 0 {
-                        busy[e] += last[e] - ready[e];
-                        done_at[slot] = last[e];
-                        let done = last[e] + unpack[slot];
-                        side_wait[e] = side_free[e];
-                        if late[slot] > 0.0 {
-                            side_free[e] = side_free[e].max(last[e]) + late[slot];
-                        }
-                        enter(
-                            e,
-                            k + 1,
-                            done,
-                            &mut position,
-                            &mut ready,
-                            &mut last,
-                            &mut finished,
-                            (&mut side_free, &side_wait, &mut converted),
-                            (&mut entered, &mut ready_at),
-                            release,
-                        );
-                    }
-                }
-            },
+            &mut |f, t, release| walk.flow_done(f, t, release),
+        );
+        let Walk {
+            position,
+            finished,
+            busy,
+            entered,
+            ready_at,
+            done_at,
+            reached,
+            passed,
+            ..
+        } = walk;
+        let (pack, unpack, late, side_next, ends_of, meta) = (
+            &self.pack,
+            &self.unpack,
+            &self.late,
+            &self.side_next,
+            &self.ends_of,
+            &self.meta,
         );
         let stuck = position.iter().any(|&k| k != nr);
         let time_s = if stuck {
@@ -604,6 +886,16 @@ impl<'a> Model<'a> {
             (0..n)
                 .map(|i| v[i * nr..(i + 1) * nr].iter().sum::<f64>())
                 .fold(0.0, f64::max)
+        };
+        // Seconds rank i spent at its barriers of slot k (0 without), from `Walk::reached`
+        // and `Walk::passed`.
+        let at_barrier = |i: usize, k: usize| -> f64 {
+            let b = i * (nr + 1) + k;
+            if self.barriers.count.get(b).is_some_and(|&c| c > 0) {
+                (passed[b] - reached[b]).max(0.0)
+            } else {
+                0.0
+            }
         };
         // The rank that finishes last (or the one asked for), round by round: what its clock
         // spent where.
@@ -627,10 +919,12 @@ impl<'a> Model<'a> {
                     unpack_s: unpack[slot],
                     late_unpack_s: late[slot],
                     flows: ends_of[slot].len(),
+                    barrier_s: at_barrier(i, k),
                     ..CriticalRound::default()
                 };
                 c.packs_s += pack[slot];
                 c.unpacks_s += unpack[slot];
+                c.barrier_s += round.barrier_s;
                 if ends_of[slot].is_empty() {
                     c.waits_s += ready_at[slot] - entered[slot] - pack[slot];
                     exit = ready_at[slot] + unpack[slot];
@@ -664,6 +958,15 @@ impl<'a> Model<'a> {
                 round.last_peer_after_s = after;
                 c.rounds.push(round);
             }
+            // The barriers after its last round: waiting (for the host to post them too),
+            // before the late unpacks' tail.
+            let b = i * (nr + 1) + nr;
+            if self.barriers.count.get(b).is_some_and(|&c| c > 0) {
+                let through = passed[b];
+                c.barrier_s += at_barrier(i, nr);
+                c.waits_s += (through - exit).max(0.0);
+                exit = exit.max(through);
+            }
             c.rated_s = self.rated[i];
             c.efficiency_s = (self.achievable[i] - self.rated[i]).max(0.0);
             let (before, after) = self.converts[i];
@@ -680,7 +983,7 @@ impl<'a> Model<'a> {
                 sum_per_rank(
                     &pack
                         .iter()
-                        .zip(side_next.0)
+                        .zip(side_next)
                         .map(|(p, c)| p + c)
                         .collect::<Vec<_>>(),
                 ),
@@ -735,18 +1038,23 @@ fn connection_bytes(cluster: &Cluster, rank: u32, peer: u32, channels: u32) -> u
     u64::from(channels) * chunk * 8
 }
 
-/// The rank needing the most memory for staging plus NCCL connections. `None` for no
-/// programs.
+/// The distinct peers of `data` and `barrier` messages (a connection carries both).
+fn connected_peers(data: &[Message], barrier: &[Message]) -> Vec<u32> {
+    let mut peers: Vec<u32> = data.iter().chain(barrier).map(|m| m.peer).collect();
+    peers.sort_unstable();
+    peers.dedup();
+    peers
+}
+
+/// The rank needing the most memory for staging plus NCCL connections (those the senders'
+/// barrier's messages open to mates included). `None` for no programs.
 fn memory_use(programs: &[RankProgram], cluster: &Cluster, model: &Model) -> Option<MemoryUse> {
     let channels = cluster.p2p_channels_per_peer(model.ranks.len());
     programs
         .iter()
         .map(|p| {
-            let connections = |list: &[ncclreshard::plan::Message]| -> u64 {
-                let mut peers: Vec<u32> = list.iter().map(|m| m.peer).collect();
-                peers.sort_unstable();
-                peers.dedup();
-                peers
+            let connections = |data: &[Message], barrier: &[Message]| -> u64 {
+                connected_peers(data, barrier)
                     .iter()
                     .map(|&q| connection_bytes(cluster, p.rank, q, channels))
                     .sum()
@@ -754,7 +1062,8 @@ fn memory_use(programs: &[RankProgram], cluster: &Cluster, model: &Model) -> Opt
             MemoryUse {
                 rank: p.rank,
                 staging_bytes: p.staging_bytes,
-                nccl_bytes: connections(&p.sends) + connections(&p.recvs),
+                nccl_bytes: connections(&p.sends, &p.barrier_sends)
+                    + connections(&p.recvs, &p.barrier_recvs),
                 work_bytes: p.work_bytes,
                 free_bytes: cluster.free_memory_bytes,
             }
@@ -763,19 +1072,14 @@ fn memory_use(programs: &[RankProgram], cluster: &Cluster, model: &Model) -> Opt
 }
 
 /// One-time costs: compiling the copy kernel, and connecting every (peer, channel) of the
-/// rank with the most connections, one after another.
+/// rank with the most connections (the senders' barrier's included), one after another.
 fn setup_seconds(programs: &[RankProgram], cluster: &Cluster, model: &Model) -> f64 {
     let channels = f64::from(cluster.p2p_channels_per_peer(model.ranks.len()));
     let connections = programs
         .iter()
         .map(|p| {
-            let distinct = |list: &[ncclreshard::plan::Message]| {
-                let mut peers: Vec<u32> = list.iter().map(|m| m.peer).collect();
-                peers.sort_unstable();
-                peers.dedup();
-                peers.len()
-            };
-            distinct(&p.sends) + distinct(&p.recvs)
+            connected_peers(&p.sends, &p.barrier_sends).len()
+                + connected_peers(&p.recvs, &p.barrier_recvs).len()
         })
         .max()
         .unwrap_or(0);
