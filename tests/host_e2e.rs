@@ -1552,11 +1552,19 @@ fn sending_only_ranks_of_a_node_pass_a_barrier_before_each_round() {
                 p.rank
             );
             assert_eq!(p.barrier_rounds, planner.rounds());
-            let mates: Vec<u32> = mine.iter().copied().filter(|&m| m != p.rank).collect();
+            assert_eq!(p.barrier_members, mine);
+            // A dissemination barrier: in step s, to the member 2^s after, from the one 2^s
+            // before (cyclically); ⌈log2 n⌉ steps.
+            let n = mine.len();
+            let me = mine.iter().position(|&m| m == p.rank).unwrap();
+            let steps = (usize::BITS - (n - 1).leading_zeros()) as usize;
             let peers = |list: &[Message]| list.iter().map(|m| m.peer).collect::<Vec<_>>();
-            assert_eq!(peers(&p.barrier_sends), mates);
-            assert_eq!(peers(&p.barrier_recvs), mates);
-            // Its slots sit after every byte of staging the rounds use, one per member.
+            let to: Vec<u32> = (0..steps).map(|s| mine[(me + (1 << s)) % n]).collect();
+            let from: Vec<u32> = (0..steps).map(|s| mine[(me + n - (1 << s)) % n]).collect();
+            assert_eq!(peers(&p.barrier_sends), to);
+            assert_eq!(peers(&p.barrier_recvs), from);
+            // Its slots sit after every byte of staging the rounds use: its own and one per
+            // step.
             let used = p.packs.iter().map(|c| c.dst.offset + c.bytes()).max();
             let slots: BTreeSet<u64> = p
                 .barrier_sends
@@ -1565,7 +1573,7 @@ fn sending_only_ranks_of_a_node_pass_a_barrier_before_each_round() {
                 .chain(&p.barrier_recvs)
                 .map(|m| m.loc.offset)
                 .collect();
-            assert_eq!(slots.len(), mine.len());
+            assert_eq!(slots.len(), steps + 1);
             assert!(slots.iter().all(|&s| used.map_or(true, |u| s >= u)));
             assert!(slots.iter().all(|&s| s + 8 <= p.staging_bytes));
         }
@@ -1586,17 +1594,20 @@ fn a_rank_that_skips_the_senders_barrier_makes_its_mates_fail_not_hang() {
         .iter()
         .map(|&r| planner.rank_program(r).expect("program"))
         .collect();
-    assert!(programs[3].has_barrier());
-    programs[3].barrier_rounds = 0;
-    programs[3].barrier_sends.clear();
-    programs[3].barrier_recvs.clear();
+    assert!(programs[0].has_barrier());
+    programs[0].barrier_rounds = 0;
+    programs[0].barrier_sends.clear();
+    programs[0].barrier_recvs.clear();
     let buffers = initial_buffers(std::slice::from_ref(&spec), &ranks);
     match execute_with_deadline(programs, buffers) {
         None => panic!("execute hung on a rank that skips the barrier"),
         Some(Ok(())) => panic!("a rank that skips the barrier went unnoticed"),
+        // Rank 1 hears from rank 0 in the barrier's first step.
         Some(Err(e)) => assert!(
-            e.message.contains("rank 3")
-                && e.message.contains("the senders' barrier before round 1"),
+            e.message.contains("rank 1 expects")
+                && e.message.contains("from rank 0")
+                && e.message
+                    .contains("step 0 of the senders' barrier before round 1"),
             "{}",
             e.message
         ),

@@ -52,10 +52,10 @@ pub trait Steps {
     /// order of a pair's messages cannot deadlock.
     fn exchange(&mut self, k: usize, round: &Round<'_>) -> Result<()>;
 
-    /// Posts the senders' barrier before plan round `round.round`
-    /// (`RankProgram::barrier_before`) as one group of its own, after everything asked for
-    /// before: the rank's next exchange starts only once every node mate in it has posted
-    /// its own barrier, that is, has finished its rounds before that one.
+    /// Posts one step of the senders' barrier before plan round `round.round`
+    /// (`RankProgram::barrier_step`) as one group of its own, after everything asked for
+    /// before: once its last step is through, every member has reached the barrier, that is,
+    /// has finished its rounds before that one.
     fn barrier(&mut self, round: &Round<'_>) -> Result<()>;
 
     /// Starts round `k`'s conversions (`Round::converts`), beside round `k - 1`'s packs and
@@ -127,9 +127,7 @@ pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
             always(&mut failure, || steps.join_late(k % 2));
         }
         while barrier < barriers && barrier <= round.round {
-            always(&mut failure, || {
-                steps.barrier(&program.barrier_before(barrier))
-            });
+            pass_barrier(program, barrier, &mut failure, steps);
             barrier += 1;
         }
         always(&mut failure, || steps.exchange(k, &round));
@@ -139,9 +137,7 @@ pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
         local(&mut failure, || steps.run(Step::EarlyUnpacks(k)));
     }
     while barrier < barriers {
-        always(&mut failure, || {
-            steps.barrier(&program.barrier_before(barrier))
-        });
+        pass_barrier(program, barrier, &mut failure, steps);
         barrier += 1;
     }
     // The older pending parity first: round `rounds - 2`'s, then `rounds - 1`'s.
@@ -153,6 +149,21 @@ pub fn run(program: &RankProgram, steps: &mut impl Steps) -> Result<()> {
     }
     local(&mut failure, || steps.run(Step::ConvertsAfter));
     failure.map_or(Ok(()), Err)
+}
+
+/// Every step of the senders' barrier before plan round `round`, in order (each waits for
+/// the one before on the stream); after a failure too, since the other members wait for them.
+fn pass_barrier(
+    program: &RankProgram,
+    round: u32,
+    failure: &mut Option<Error>,
+    steps: &mut impl Steps,
+) {
+    for step in 0..program.barrier_steps() {
+        always(failure, || {
+            steps.barrier(&program.barrier_step(round, step))
+        });
+    }
 }
 
 /// Runs a local step unless an earlier one failed.
@@ -204,8 +215,8 @@ mod tests {
             self.note(format!("Exchange({k})"))
         }
         fn barrier(&mut self, round: &Round<'_>) -> Result<()> {
-            assert!(round.barrier);
-            self.note(format!("Barrier({})", round.round))
+            let step = round.barrier.expect("a barrier step");
+            self.note(format!("Barrier({}.{step})", round.round))
         }
         fn fork_converts(&mut self, k: usize) -> Result<()> {
             self.note(format!("ForkConverts({k})"))
@@ -429,9 +440,10 @@ mod tests {
         let p = RankProgram {
             sends: vec![message; 3],
             round_spans: vec![span(0, 1), span(2, 2), span(3, 3)],
+            // Two steps (three or four members).
             barrier_rounds: 6,
-            barrier_sends: vec![message],
-            barrier_recvs: vec![message],
+            barrier_sends: vec![message; 2],
+            barrier_recvs: vec![message; 2],
             ..Default::default()
         };
         assert_eq!(p.mode(), crate::plan::ExecMode::Staged);
@@ -440,9 +452,10 @@ mod tests {
         assert_eq!(
             log.events.join(" "),
             "FirstConverts LocalCopies Packs(0) Exchange(0) EarlyUnpacks(0) \
-             Packs(1) Barrier(1) Barrier(2) Exchange(1) EarlyUnpacks(1) \
-             Packs(2) Join(0) Barrier(3) Exchange(2) EarlyUnpacks(2) \
-             Barrier(4) Barrier(5) Join(1) Join(0) ConvertsAfter"
+             Packs(1) Barrier(1.0) Barrier(1.1) Barrier(2.0) Barrier(2.1) Exchange(1) \
+             EarlyUnpacks(1) Packs(2) Join(0) Barrier(3.0) Barrier(3.1) Exchange(2) \
+             EarlyUnpacks(2) Barrier(4.0) Barrier(4.1) Barrier(5.0) Barrier(5.1) \
+             Join(1) Join(0) ConvertsAfter"
         );
         // Mates wait for every barrier: a failure stops local steps, never a barrier.
         let mut log = Log {
@@ -453,8 +466,9 @@ mod tests {
         assert_eq!(
             log.events.join(" "),
             "FirstConverts LocalCopies Packs(0) Exchange(0) EarlyUnpacks(0) \
-             Packs(1) Barrier(1) Barrier(2) Exchange(1) \
-             Join(0) Barrier(3) Exchange(2) Barrier(4) Barrier(5) Join(1) Join(0)"
+             Packs(1) Barrier(1.0) Barrier(1.1) Barrier(2.0) Barrier(2.1) Exchange(1) \
+             Join(0) Barrier(3.0) Barrier(3.1) Exchange(2) Barrier(4.0) Barrier(4.1) \
+             Barrier(5.0) Barrier(5.1) Join(1) Join(0)"
         );
         // One plan round: no barrier at all.
         let mut one = p.clone();

@@ -6,8 +6,11 @@
 //! routes a GPU's sends through the node mate whose NIC sits on the receiver's rail), one that
 //! ran ahead shares those NICs with mates still in the round before, and the rounds of a node
 //! drift apart. The barrier keeps a node's sending-only ranks in the same round: before each
-//! round from the second, each posts one group of an 8-byte send to and an 8-byte receive
-//! from every mate, which completes once every mate has finished its rounds before.
+//! round from the second, they pass a dissemination barrier: in step `s` of `⌈log2 n⌉` (one
+//! group each, on the stream) member `i` sends 8 bytes to member `i + 2^s` and receives from
+//! member `i − 2^s` (cyclically), so after the last step it has heard, directly or through
+//! others, from every member having finished its rounds before. Each member talks to
+//! `2 ⌈log2 n⌉` mates at most, not `n − 1` (NCCL opens a connection per peer).
 
 use super::config::{Topology, AUTO_BARRIER_MIN_SENDERS};
 use super::messages::staging_aligned;
@@ -65,10 +68,15 @@ pub(crate) fn members(
 }
 
 /// Adds the barrier of `members` (ascending, `program.rank` among them) before every round
-/// `1 .. rounds` of the plan to `program`: its slot and one per mate after the staging the
-/// program needs, an 8-byte send of its slot to each mate and a receive from each into the
-/// mate's slot. Nothing for fewer than 2 members or rounds.
+/// `1 .. rounds` of the plan to `program`: its slot and one per step after the staging the
+/// program needs; per step `s`, an 8-byte send of its slot to the member `2^s` after it and a
+/// receive from the member `2^s` before it into the step's slot. Nothing for fewer than 2
+/// members or rounds.
 pub(crate) fn add(program: &mut RankProgram, members: &[u32], rounds: u32) {
+    let rank = program.rank;
+    let Some(me) = members.iter().position(|&m| m == rank) else {
+        return;
+    };
     if members.len() < 2 || rounds < 2 {
         return;
     }
@@ -78,25 +86,30 @@ pub(crate) fn add(program: &mut RankProgram, members: &[u32], rounds: u32) {
         tensor: 0,
         offset: at + BARRIER_MESSAGE_BYTES * i as u64,
     };
-    let rank = program.rank;
-    let mates: Vec<u32> = members.iter().copied().filter(|&m| m != rank).collect();
-    program.barrier_sends = mates
+    let n = members.len();
+    // Steps: ⌈log2 n⌉, the distances 2^s < n (all distinct mod n, so a pair meets at most
+    // once per direction in a barrier).
+    let distances: Vec<usize> = std::iter::successors(Some(1usize), |&d| d.checked_mul(2))
+        .take_while(|&d| d < n)
+        .collect();
+    program.barrier_sends = distances
         .iter()
-        .map(|&peer| Message {
-            peer,
+        .map(|&d| Message {
+            peer: members[(me + d) % n],
             loc: slot(0),
             bytes: BARRIER_MESSAGE_BYTES,
         })
         .collect();
-    program.barrier_recvs = mates
+    program.barrier_recvs = distances
         .iter()
         .enumerate()
-        .map(|(i, &peer)| Message {
-            peer,
-            loc: slot(i + 1),
+        .map(|(s, &d)| Message {
+            peer: members[(me + n - d) % n],
+            loc: slot(s + 1),
             bytes: BARRIER_MESSAGE_BYTES,
         })
         .collect();
-    program.staging_bytes = at + BARRIER_MESSAGE_BYTES * members.len() as u64;
+    program.staging_bytes = at + BARRIER_MESSAGE_BYTES * (distances.len() as u64 + 1);
+    program.barrier_members = members.to_vec();
     program.barrier_rounds = rounds;
 }

@@ -74,9 +74,10 @@ pub struct Round<'a> {
     pub unpacks: &'a [StridedCopy],
     /// How many of `unpacks` (the last ones) are late (see [`RoundSpan::late_unpacks`]).
     pub late: usize,
-    /// Whether this is the senders' barrier before round `round`
-    /// ([`RankProgram::barrier_before`]): 8-byte messages to and from node mates, no data.
-    pub barrier: bool,
+    /// `Some(s)`: step `s` of the senders' barrier before round `round`
+    /// ([`RankProgram::barrier_step`]): an 8-byte message to and one from node mates, no
+    /// data. `None`: a round of the plan.
+    pub barrier: Option<u32>,
 }
 
 impl<'a> Round<'a> {
@@ -149,15 +150,18 @@ pub struct RankProgram {
     pub dst_after: Vec<ViewAfter>,
     /// The senders' barrier (docs/executor.md, "The senders' barrier"): before each round
     /// `1 .. barrier_rounds` of the plan (whether or not this rank takes part in it), the rank
-    /// exchanges `barrier_sends` and `barrier_recvs` as one group of their own, so it enters
-    /// round `r` only once every node mate listed there has finished its rounds before `r`.
-    /// 0 (and no messages) for ranks outside it.
+    /// passes a dissemination barrier among `barrier_members`: step `s` (one group of its own)
+    /// sends `barrier_sends[s]` and receives `barrier_recvs[s]`, so it enters round `r` only
+    /// once every member has finished its rounds before `r`. 0 (and no messages) for ranks
+    /// outside it.
     pub barrier_rounds: u32,
-    /// The barrier's sends: 8 bytes from the rank's slot of the staging arena to each node
-    /// mate of the barrier, ascending.
+    /// The ranks passing the barrier together, this one included, ascending.
+    pub barrier_members: Vec<u32>,
+    /// Per step `s` of the barrier, its send: 8 bytes from the rank's slot of the staging
+    /// arena to the member `2^s` after it (cyclically, in `barrier_members`).
     pub barrier_sends: Vec<Message>,
-    /// The barrier's receives: 8 bytes from each node mate (as `barrier_sends`) into a slot of
-    /// its own.
+    /// Per step `s`, its receive: 8 bytes from the member `2^s` before it into a slot of the
+    /// step's own.
     pub barrier_recvs: Vec<Message>,
 }
 
@@ -194,18 +198,24 @@ impl RankProgram {
         self.barrier_rounds > 1 && !self.barrier_sends.is_empty()
     }
 
-    /// The senders' barrier before round `round` of the plan, as a round of its own: the
-    /// barrier's messages and nothing else ([`Round::barrier`]).
-    pub fn barrier_before(&self, round: u32) -> Round<'_> {
+    /// Steps of one senders' barrier (each a group of its own, one after another).
+    pub fn barrier_steps(&self) -> u32 {
+        self.barrier_sends.len().min(self.barrier_recvs.len()) as u32
+    }
+
+    /// Step `step` of the senders' barrier before round `round` of the plan, as a round of
+    /// its own: the step's two messages and nothing else ([`Round::barrier`]).
+    pub fn barrier_step(&self, round: u32, step: u32) -> Round<'_> {
+        let s = step as usize;
         Round {
             round,
             converts: &[],
             packs: &[],
-            sends: &self.barrier_sends,
-            recvs: &self.barrier_recvs,
+            sends: self.barrier_sends.get(s..=s).unwrap_or(&[]),
+            recvs: self.barrier_recvs.get(s..=s).unwrap_or(&[]),
             unpacks: &[],
             late: 0,
-            barrier: true,
+            barrier: Some(step),
         }
     }
 
@@ -259,7 +269,7 @@ impl RankProgram {
             recvs: &self.recvs,
             unpacks: &self.unpacks,
             late: 0,
-            barrier: false,
+            barrier: None,
         };
         let single = self.round_spans.is_empty().then_some(whole);
         let mut start: Option<RoundSpan> = None;
@@ -280,7 +290,7 @@ impl RankProgram {
                 recvs: self.recvs.get(from.recvs_end..span.recvs_end)?,
                 unpacks: self.unpacks.get(from.unpacks_end..span.unpacks_end)?,
                 late: span.late_unpacks,
-                barrier: false,
+                barrier: None,
             };
             if round.late > round.unpacks.len() {
                 return None;
@@ -335,6 +345,7 @@ impl RankProgram {
             .iter()
             .chain(&self.recvs)
             .chain(&self.barrier_sends)
+            .chain(&self.barrier_recvs)
             .map(|m| m.peer)
             .collect();
         peers.sort_unstable();

@@ -27,20 +27,25 @@ pub struct RankBuffers {
 }
 
 /// Per (sender, receiver): messages in posting order, with the phase they were sent in.
-type Mailboxes = Mutex<HashMap<(u32, u32), VecDeque<(u64, Vec<u8>)>>>;
+type Mailboxes = Mutex<HashMap<(u32, u32), VecDeque<(u128, Vec<u8>)>>>;
 
-/// Where an exchange sits in the call's order: round `r`'s messages are phase `2r + 1`, the
-/// senders' barrier before round `r` phase `2r` (it comes first).
-fn phase(round: &Round<'_>) -> u64 {
-    2 * u64::from(round.round) + u64::from(!round.barrier)
+/// Where an exchange sits in the call's order: step `s` of the senders' barrier before round
+/// `r` is phase `2r · 2^32 + s`, round `r`'s messages phase `(2r + 1) · 2^32` (after it).
+fn phase(round: &Round<'_>) -> u128 {
+    let r = 2 * u128::from(round.round);
+    match round.barrier {
+        Some(step) => (r << 32) | u128::from(step),
+        None => (r + 1) << 32,
+    }
 }
 
 /// A phase as messages name it.
-fn phase_name(phase: u64) -> String {
-    if phase % 2 == 1 {
-        format!("round {}", phase / 2)
+fn phase_name(phase: u128) -> String {
+    let (r, step) = (phase >> 32, phase & u128::from(u32::MAX));
+    if r % 2 == 1 {
+        format!("round {}", r / 2)
     } else {
-        format!("the senders' barrier before round {}", phase / 2)
+        format!("step {step} of the senders' barrier before round {}", r / 2)
     }
 }
 
@@ -73,14 +78,16 @@ pub fn execute(programs: &[RankProgram], buffers: &mut [RankBuffers]) -> Result<
     }
     // Every rank walks the same list of phases (rounds and senders' barriers, skipping those
     // it has no part in), meeting the others at a barrier after each phase's sends.
-    let mut rounds: Vec<u64> = programs
+    let mut rounds: Vec<u128> = programs
         .iter()
         .flat_map(|p| {
             let barriers = if p.has_barrier() { p.barrier_rounds } else { 1 };
+            let steps = (1..barriers)
+                .flat_map(|r| (0..p.barrier_steps()).map(move |s| phase(&p.barrier_step(r, s))));
             p.rounds()
                 .iter()
                 .map(phase)
-                .chain((1..barriers).map(|r| phase(&p.barrier_before(r))))
+                .chain(steps)
                 .collect::<Vec<_>>()
         })
         .collect();
@@ -130,7 +137,7 @@ struct Shared<'a> {
     barrier: &'a Barrier,
     ranks: &'a [u32],
     /// Every phase ([`phase`]) any rank takes part in, ascending.
-    rounds: &'a [u64],
+    rounds: &'a [u128],
 }
 
 /// A rank's memory during a call: the caller's views, the staging arena and the conversion
@@ -391,7 +398,7 @@ impl HostRank<'_, '_> {
 
     /// Meets both barriers of every phase before `round` (all remaining ones for `None`) that
     /// this rank takes no part in.
-    fn meet_rounds_up_to(&mut self, round: Option<u64>) {
+    fn meet_rounds_up_to(&mut self, round: Option<u128>) {
         while let Some(&r) = self.shared.rounds.get(self.met) {
             if round.is_some_and(|round| r >= round) {
                 break;
@@ -433,7 +440,8 @@ impl Steps for HostRank<'_, '_> {
         self.result.clone()
     }
 
-    /// The senders' barrier is one more exchange, in a phase of its own before the round's.
+    /// Each step of the senders' barrier is one more exchange, in a phase of its own before
+    /// the round's.
     fn barrier(&mut self, round: &Round<'_>) -> Result<()> {
         self.exchange(0, round)
     }
@@ -487,7 +495,7 @@ impl Steps for HostRank<'_, '_> {
 
 fn send_all(
     rank: u32,
-    round: u64,
+    round: u128,
     sends: &[Message],
     memory: &Memory<'_>,
     shared: Shared<'_>,
@@ -517,7 +525,7 @@ fn send_all(
 
 fn receive_all(
     rank: u32,
-    round: u64,
+    round: u128,
     recvs: &[Message],
     after: &[ViewAfter],
     memory: &mut Memory<'_>,

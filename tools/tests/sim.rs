@@ -63,7 +63,7 @@ fn layout(ranks: &[u32], placement: Placement) -> Layout {
 }
 
 fn plan_all(tensors: Vec<TensorSpec>, mode: Mode) -> Vec<RankProgram> {
-    let planner = Planner::new(
+    programs_of(
         tensors,
         Config {
             mode,
@@ -71,7 +71,11 @@ fn plan_all(tensors: Vec<TensorSpec>, mode: Mode) -> Vec<RankProgram> {
             ..Default::default()
         },
     )
-    .unwrap();
+}
+
+/// Every rank's program of `tensors` under `config`.
+fn programs_of(tensors: Vec<TensorSpec>, config: Config) -> Vec<RankProgram> {
+    let planner = Planner::new(tensors, config).unwrap();
     planner
         .ranks()
         .into_iter()
@@ -1650,7 +1654,7 @@ fn small_refit_programs(on: bool) -> Vec<RankProgram> {
         &RefitOptions::default(),
     )
     .unwrap();
-    let planner = Planner::new(
+    programs_of(
         refit.tensors,
         Config {
             mode: Mode::Auto,
@@ -1660,12 +1664,6 @@ fn small_refit_programs(on: bool) -> Vec<RankProgram> {
             ..Default::default()
         },
     )
-    .unwrap();
-    planner
-        .ranks()
-        .into_iter()
-        .map(|r| planner.rank_program(r).unwrap())
-        .collect()
 }
 
 /// `programs` without their senders' barrier (what the simulator saw before it modelled it).
@@ -1674,6 +1672,7 @@ fn without_barrier(programs: &[RankProgram]) -> Vec<RankProgram> {
         .iter()
         .map(|p| RankProgram {
             barrier_rounds: 0,
+            barrier_members: Vec::new(),
             barrier_sends: Vec::new(),
             barrier_recvs: Vec::new(),
             ..p.clone()
@@ -1742,8 +1741,10 @@ fn the_senders_barrier_holds_each_member_until_every_mate_finished_the_round_bef
     // The members' rounds as simulated: every round of the plan.
     let rounds = members_rounds(&on, &members, &cluster);
     assert!(rounds[0].len() >= barrier_rounds as usize);
-    // Node mates' 8-byte messages cross NVLink: one NVLink message latency per barrier.
-    let cost = cluster.nvlink_latency_s;
+    // Node mates' 8-byte messages cross NVLink: one NVLink message latency per step of a
+    // barrier (3 for 8 members).
+    assert_eq!(on[0].barrier_steps(), 3);
+    let cost = 3.0 * cluster.nvlink_latency_s;
     assert_eq!(ahead_of_a_mate(&rounds, barrier_rounds, cost), None);
     let waited: f64 = rounds.iter().flatten().map(|r| r.barrier_s).sum();
     assert!(waited > 0.0, "nobody waited at the barrier");
@@ -1771,8 +1772,9 @@ fn the_senders_barrier_holds_each_member_until_every_mate_finished_the_round_bef
     assert_close(off_report.time_s, 0.000_813_659_044_592_025_8);
 }
 
-/// `rank`'s 8-byte barrier messages to and from each of `mates` before each plan round
-/// `1 .. rounds`.
+/// `p` passing a senders' barrier with `mates` before each plan round `1 .. rounds`: the
+/// members and, per step, an 8-byte message to and from a mate (each mate in turn; with one
+/// mate, the one step the planner gives two members).
 fn with_barrier(mut p: RankProgram, mates: &[u32], rounds: u32) -> RankProgram {
     let message = |peer| Message {
         peer,
@@ -1784,6 +1786,8 @@ fn with_barrier(mut p: RankProgram, mates: &[u32], rounds: u32) -> RankProgram {
         bytes: 8,
     };
     p.barrier_rounds = rounds;
+    p.barrier_members = mates.iter().copied().chain([p.rank]).collect();
+    p.barrier_members.sort_unstable();
     p.barrier_sends = mates.iter().map(|&m| message(m)).collect();
     p.barrier_recvs = p.barrier_sends.clone();
     p

@@ -641,7 +641,7 @@ pub fn barrier_members_max(programs: &[RankProgram]) -> usize {
     programs
         .iter()
         .filter(|p| p.has_barrier())
-        .map(|p| p.barrier_sends.len() + 1)
+        .map(|p| p.barrier_members.len())
         .max()
         .unwrap_or(0)
 }

@@ -82,9 +82,9 @@ impl Exchange for Groups<'_> {
             return Ok(());
         }
         let (nccl, comm, stream, rank) = (self.nccl, self.comm, self.stream, self.rank);
-        let stage = if round.barrier {
+        let stage = if let Some(step) = round.barrier {
             format!(
-                "the senders' barrier before round {} with node mates {:?}",
+                "step {step} of the senders' barrier before round {} with node mates {:?}",
                 round.round,
                 peers_of(round)
             )

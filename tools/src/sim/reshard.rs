@@ -203,25 +203,27 @@ struct Model<'a> {
 }
 
 /// The senders' barrier of the programs (docs/executor.md, "The senders' barrier";
-/// [`RankProgram::barrier_before`]): before each plan round `1 .. barrier_rounds` a member
-/// posts one group of an 8-byte send to and receive from every mate, and passes it once every
-/// mate has posted its own, that is, has finished its rounds before. Barrier messages carry no
-/// data: they are no flows, only time.
+/// [`RankProgram::barrier_step`]): before each plan round `1 .. barrier_rounds` the members
+/// (`RankProgram::barrier_members`) pass a dissemination barrier of `⌈log2 n⌉` steps, each
+/// one group of an 8-byte send and receive, which a member gets through once every member has
+/// arrived, that is, has finished its rounds before. Barrier messages carry no data: they are
+/// no flows, only time.
 ///
 /// Its cost, from the cluster model's parameters (docs/simulator.md §1), none of them new:
-/// - on the GPU, one barrier takes one message latency after the last member arrives: one
-///   8-byte message per mate, the mates' messages in parallel as a round's pairs are, each at
+/// - on the GPU, one barrier takes its steps' message latencies after the last member
+///   arrives, one after another (each step's message waits for the step before): steps ×
 ///   [`Cluster::message_latency`] (`nvlink_latency_s` between node mates of one NVLink
-///   domain, `latency_s` otherwise), the largest over the members' mates;
-/// - on the host, each barrier is one more group of `2 × mates` operations
-///   (`host_op_s` each, plus `group_s`), posted in the rank's posting clock before the
-///   round's own group, as every group is (the host never waits for the GPU, so this delays
-///   a round only where posting is behind).
+///   domain, `latency_s` otherwise), the largest over the rank's barrier peers;
+/// - on the host, each step is one more group of 2 operations (`host_op_s` each, plus
+///   `group_s`), posted in the rank's posting clock before the round's own group, as every
+///   group is (the host never waits for the GPU, so this delays a round only where posting
+///   is behind).
 ///
 /// With the presets (both `nvlink_latency_s` 3.4 µs, `host_op_s` 1 µs, `group_s` 8.4 µs) a
-/// GB200 NVL72 domain's 72 senders pass each barrier 3.4 µs after the last of them arrives,
-/// each host having spent 2 × 71 × 1 + 8.4 = 150.4 µs posting it. The NCCL connections the
-/// barrier opens to mates count in [`memory_use`] and [`setup_seconds`].
+/// GB200 NVL72 domain's 72 senders pass each barrier 7 × 3.4 = 23.8 µs after the last of them
+/// arrives, each host having spent 7 × (2 × 1 + 8.4) = 72.8 µs posting it. The NCCL
+/// connections the barrier opens (at most 2 per step) count in [`memory_use`] and
+/// [`setup_seconds`].
 ///
 /// Slots: a barrier belongs to slot `k` (`0 ..= nr`) when it comes before the rank's round
 /// index `k`, that is, for plan rounds after `labels[k - 1]` up to `labels[k]`; slot `nr`
@@ -237,7 +239,7 @@ struct Barriers {
     groups: Vec<BarrierGroup>,
 }
 
-/// Ranks that list the same barrier members (the rank itself and its `barrier_sends`' peers).
+/// Ranks that list the same barrier members (`RankProgram::barrier_members`).
 struct BarrierGroup {
     /// The members with a program (rank indices): those that arrive.
     members: Vec<usize>,
@@ -293,15 +295,15 @@ impl Barriers {
             let Ok(i) = ranks.binary_search(&p.rank) else {
                 continue;
             };
-            let mut list: Vec<u32> = p.barrier_sends.iter().map(|m| m.peer).collect();
-            list.push(p.rank);
+            let mut list: Vec<u32> = p.barrier_members.clone();
             list.sort_unstable();
             list.dedup();
-            let cost_s = p
-                .barrier_sends
-                .iter()
-                .map(|m| cluster.message_latency(p.rank, m.peer))
-                .fold(0.0, f64::max);
+            // Its steps one after another, each one message latency (the largest of them).
+            let cost_s = f64::from(p.barrier_steps())
+                * p.barrier_sends
+                    .iter()
+                    .map(|m| cluster.message_latency(p.rank, m.peer))
+                    .fold(0.0, f64::max);
             let listed = list.len() as u32;
             let next = b.groups.len() as u32;
             let g = *ids.entry(list).or_insert(next);
@@ -697,7 +699,7 @@ impl<'a> Model<'a> {
             // whose barriers it has not posted yet.
             let barrier_post = p.has_barrier().then(|| {
                 (p.barrier_sends.len() + p.barrier_recvs.len()) as f64 * cluster.host_op_s
-                    + cluster.group_s
+                    + f64::from(p.barrier_steps()) * cluster.group_s
             });
             let mut barrier_slot = 0usize;
             // The fingerprint exchange: one 8-byte send and receive per peer, one group,
