@@ -256,17 +256,22 @@ mod tests {
         )
     }
 
-    /// Three rounds; the first two each have one late unpack.
-    fn program() -> RankProgram {
-        let message = Message {
+    /// A message of `bytes` to or from rank 1, at the start of the staging arena.
+    fn staged_message(bytes: u64) -> Message {
+        Message {
             peer: 1,
             loc: Loc {
                 buffer: Buffer::Staging,
                 tensor: 0,
                 offset: 0,
             },
-            bytes: 1,
-        };
+            bytes,
+        }
+    }
+
+    /// Three rounds; the first two each have one late unpack.
+    fn program() -> RankProgram {
+        let message = staged_message(1);
         let span = |round: u32, n: usize, late: usize| RoundSpan {
             round,
             recvs_end: n,
@@ -423,15 +428,7 @@ mod tests {
     fn the_senders_barrier_comes_before_every_plan_round_from_the_second_even_after_a_failure() {
         // A sender in plan rounds 0, 2 and 3 of 6: barriers before 1 and 2 (it skips round 1),
         // before 3, then 4 and 5 after its last round.
-        let message = Message {
-            peer: 1,
-            loc: Loc {
-                buffer: Buffer::Staging,
-                tensor: 0,
-                offset: 0,
-            },
-            bytes: 8,
-        };
+        let message = staged_message(8);
         let span = |round: u32, n: usize| RoundSpan {
             round,
             sends_end: n,

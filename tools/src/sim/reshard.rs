@@ -55,8 +55,9 @@ pub fn simulate(programs: &[RankProgram], cluster: &Cluster) -> SimReport {
 ///   per peer; once its flows are done it unpacks and enters its next round;
 /// - a member of a senders' barrier (`RankProgram::has_barrier`), once packed for each plan
 ///   round `1 .. barrier_rounds` (also one it has no part in), waits until every mate has
-///   arrived there, that is, finished its rounds before, plus one message latency; its host
-///   posts each barrier as a group of its own. The barrier's 8-byte messages are no flows.
+///   arrived there, that is, finished its rounds before, plus one message latency per step
+///   of the dissemination barrier; its host posts each step as a group of its own. The
+///   barrier's 8-byte messages are no flows.
 ///
 /// Otherwise ranks drift apart freely; flows of different rounds share links when their
 /// ranks are in different rounds. With trials, every rank's start of every round is delayed
