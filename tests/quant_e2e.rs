@@ -522,3 +522,38 @@ proptest! {
         prop_assert!(report.is_ok(), "{}", report.unwrap_err());
     }
 }
+
+/// The senders' barrier with conversions: the two trainers of node 0 convert and send FP8
+/// blocks over three rounds, passing the barrier before rounds 1 and 2; the receivers, which
+/// also hold the scales, never pass it. Byte-exact on the host executor.
+#[test]
+fn converting_senders_pass_the_barrier_and_scale_holders_do_not() {
+    let spec = TensorSpec {
+        shape: vec![512, 384],
+        dtype: DType::Bfloat16,
+        src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
+        dst: layout(&[3], &[2, 3, 4], &[Placement::Shard(1)]),
+    };
+    let config = Config {
+        mode: Mode::Auto,
+        topology: Topology::RanksPerNode(2),
+        split_min_bytes: 4096,
+        rounds: 3,
+        sender_barrier: Some(true),
+        ..Default::default()
+    };
+    let conversion = block(128, 128);
+    check_with_conversions(
+        std::slice::from_ref(&spec),
+        &[Some(conversion.clone())],
+        &config,
+    )
+    .unwrap();
+    let planner = Planner::with_conversions(vec![spec], vec![Some(conversion)], config).unwrap();
+    for rank in 0..5 {
+        let program = planner.rank_program(rank).unwrap();
+        let members: &[u32] = if rank < 2 { &[0, 1] } else { &[] };
+        assert_eq!(planner.barrier_members(rank), members, "rank {rank}");
+        assert_eq!(program.has_barrier(), rank < 2, "rank {rank}");
+    }
+}

@@ -203,15 +203,10 @@ impl Planner {
     /// [`Config::sender_barrier`] asks for it.
     pub fn barrier_members(&self, rank: u32) -> Vec<u32> {
         let config = self.config();
-        let mut scale: Vec<u32> = Vec::new();
-        if let Some(c) = &self.conversions {
-            scale.extend(c.scale_ranks());
-            scale.sort_unstable();
-            scale.dedup();
-        }
+        // Looked at only for the rank and its node mates, where the barrier can apply.
         let sends_only = |r: u32| {
             let [sends, receives] = self.core.sides_of(r);
-            sends && !receives && scale.binary_search(&r).is_err()
+            sends && !receives && !self.conversions.as_ref().is_some_and(|c| c.holds_scales(r))
         };
         barrier::members(
             rank,

@@ -307,6 +307,15 @@ impl Conversions {
             .flat_map(|s| s.layout.mesh.live_ranks())
     }
 
+    /// Whether `rank` is in some scale layout's mesh.
+    pub(crate) fn holds_scales(&self, rank: u32) -> bool {
+        self.plans
+            .iter()
+            .flatten()
+            .filter_map(|p| p.scale.as_ref())
+            .any(|s| s.layout.mesh.contains(rank))
+    }
+
     /// The scale tensors: (tensor, shape, layout, element size), in tensor order.
     pub(crate) fn scale_tensors(&self) -> Vec<(u32, Vec<u64>, Layout, u32)> {
         self.plans
