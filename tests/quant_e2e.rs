@@ -32,16 +32,22 @@ fn auto() -> Config {
     }
 }
 
-#[test]
-fn a_bf16_weight_arrives_as_fp8_blocks_with_its_scales() {
-    // [512, 384] bf16: trainer TP2 on rows (whole 128-row blocks per shard) → inference TP3 on
-    // columns, on other ranks: every block is converted by its sender and travels as FP8.
-    let spec = TensorSpec {
+/// [512, 384] bf16 from trainer TP2 on rows (ranks 0, 1) to inference TP3 on columns (ranks
+/// 2-4).
+fn tp2_rows_to_tp3_columns() -> TensorSpec {
+    TensorSpec {
         shape: vec![512, 384],
         dtype: DType::Bfloat16,
         src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
         dst: layout(&[3], &[2, 3, 4], &[Placement::Shard(1)]),
-    };
+    }
+}
+
+#[test]
+fn a_bf16_weight_arrives_as_fp8_blocks_with_its_scales() {
+    // [512, 384] bf16: trainer TP2 on rows (whole 128-row blocks per shard) → inference TP3 on
+    // columns, on other ranks: every block is converted by its sender and travels as FP8.
+    let spec = tp2_rows_to_tp3_columns();
     let conversion = block(128, 128);
     let report = check_with_conversions(
         std::slice::from_ref(&spec),
@@ -528,12 +534,7 @@ proptest! {
 /// also hold the scales, never pass it. Byte-exact on the host executor.
 #[test]
 fn converting_senders_pass_the_barrier_and_scale_holders_do_not() {
-    let spec = TensorSpec {
-        shape: vec![512, 384],
-        dtype: DType::Bfloat16,
-        src: layout(&[2], &[0, 1], &[Placement::Shard(0)]),
-        dst: layout(&[3], &[2, 3, 4], &[Placement::Shard(1)]),
-    };
+    let spec = tp2_rows_to_tp3_columns();
     let config = Config {
         mode: Mode::Auto,
         topology: Topology::RanksPerNode(2),
