@@ -526,7 +526,7 @@ pub struct ncclReshardTensor_t {
 /// checked at plan creation (0 = `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB); staging comes from
 /// a stream-ordered pool for each call and goes back at its end. `rounds` (staged and auto
 /// modes) cuts the data into that many rounds (0 or unset = chosen from the tensors' sizes,
-/// about 4 GiB per rank and round). `relay` (staged and auto modes, topology known): 1 (the
+/// about 2.7 GiB per rank and round since 0.18, 4 GiB before). `relay` (staged and auto modes, topology known): 1 (the
 /// default) sends data that several replicas on one node need across the network once and
 /// forwards it over NVLink, and, with at least 2 rounds, lets receiving nodes forward part of
 /// an overloaded sender's data to each other over the network; 0 sends it to each replica
@@ -563,8 +563,8 @@ pub struct ncclReshardConfig_t {
     pub maxStagingBytes: usize,
     /// Staged and auto modes: how many rounds the data is cut into, 0 to 1024 (relays forward
     /// in the round after their data arrives, which may add one). 0 or
-    /// `NCCL_RESHARD_UNDEF_INT`: chosen from the tensors' sizes (about 4 GiB per rank and
-    /// round, at most 32). Groupable plans always have one round. Since 0.2.
+    /// `NCCL_RESHARD_UNDEF_INT`: chosen from the tensors' sizes (about 2.7 GiB per rank and
+    /// round, at most 32; 4 GiB before 0.18). Groupable plans always have one round. Since 0.2.
     pub rounds: c_int,
     /// Staged and auto modes with a known topology: 1 sends data that several replicas on one
     /// node need across the network once and forwards it within the node, 0 sends it to each

@@ -48,8 +48,16 @@ pub const GROUPABLE_MAX_PIECES_PER_PAIR: u64 = 1 << 20;
 /// and staged modes coalesce such plans into few messages.
 pub const GROUPABLE_MAX_MESSAGES_PER_RANK: u64 = 16384;
 
-/// Automatic rounds ([`Config::rounds`] = 0) aim at about this many bytes per rank and round…
+/// What auto mode aims one round's staging at, the arenas of late unpacks included
+/// (docs/executor.md, "Overlapping unpacks"): 4 GiB.
 pub const ROUND_TARGET_BYTES: u64 = 4 << 30;
+/// Automatic rounds ([`Config::rounds`] = 0) aim at about this many bytes per rank and round:
+/// two thirds of [`ROUND_TARGET_BYTES`], so that the arenas where a round's unpacks wait
+/// beside the next round's transfers find room in the last third and take those unpacks off
+/// the critical path (0.18; before, a round aimed at all of it and its unpacks mostly ran
+/// between rounds: DeepSeek-V3 `pp16,ep16 → tp32,dp8` on `dgx-h100`, 12 ms; docs/planner.md,
+/// "Rounds")…
+pub const ROUND_DATA_BYTES: u64 = ROUND_TARGET_BYTES / 3 * 2;
 /// …with at most this many rounds (a config may ask for up to [`MAX_ROUNDS`]).
 pub const AUTO_MAX_ROUNDS: u32 = 32;
 /// Staged and auto plans of several rounds keep a rank's messages under about this many. A
@@ -153,7 +161,7 @@ pub struct Config {
     pub local_via_messages: bool,
     /// Staged and auto modes: how many rounds the data is cut into (staging is reused by every
     /// round, relays forward in the next round); 0 picks from the tensors' sizes, aiming at
-    /// `ROUND_TARGET_BYTES` per rank and round. Groupable mode always has one round.
+    /// `ROUND_DATA_BYTES` (about 2.7 GiB) per rank and round. Groupable mode always has one round.
     pub rounds: u32,
     /// Staged and auto modes with a known topology: when several replicas of a destination
     /// shard sit on one node and their data comes from other nodes, send each part across

@@ -11,7 +11,7 @@
 use super::assign::{Assignment, Grouping, Position, Prepared, Receivers, View};
 use super::blocks::{assignment_blocks_into, Block, Move, Moved, Movement};
 use super::config::{
-    Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_MESSAGES_PER_RANK, ROUND_TARGET_BYTES,
+    Config, Mode, Topology, AUTO_MAX_ROUNDS, AUTO_MESSAGES_PER_RANK, ROUND_DATA_BYTES,
 };
 use super::fingerprint;
 use super::fxhash::FxHashMap;
@@ -823,7 +823,7 @@ fn intern_layouts(tensors: &[TensorSpec]) -> (Vec<[u32; 2]>, Vec<&Layout>) {
 }
 
 /// Rounds for a plan whose busiest rank moves `busiest` bytes: 1 in groupable mode, the
-/// config's count, or enough that the busiest rank moves about [`ROUND_TARGET_BYTES`] per
+/// config's count, or enough that the busiest rank moves about [`ROUND_DATA_BYTES`] per
 /// round.
 fn rounds_for(busiest: u128, config: &Config) -> u32 {
     if config.mode == Mode::Groupable {
@@ -832,7 +832,7 @@ fn rounds_for(busiest: u128, config: &Config) -> u32 {
     if config.rounds > 0 {
         return config.rounds;
     }
-    let rounds = busiest.div_ceil(u128::from(ROUND_TARGET_BYTES));
+    let rounds = busiest.div_ceil(u128::from(ROUND_DATA_BYTES));
     rounds.clamp(1, u128::from(AUTO_MAX_ROUNDS)) as u32
 }
 
@@ -1036,8 +1036,37 @@ fn units(
 
 #[cfg(test)]
 mod tests {
-    use super::stream_positions;
+    use super::{rounds_for, stream_positions};
     use crate::layout::{DType, Layout, Mesh, Placement, TensorSpec};
+    use crate::plan::config::{
+        Config, Mode, AUTO_MAX_ROUNDS, ROUND_DATA_BYTES, ROUND_TARGET_BYTES,
+    };
+
+    /// Automatic rounds carry about two thirds of the staging target each (docs/planner.md,
+    /// "Round size"); a config's count and groupable mode's single round are kept.
+    #[test]
+    fn automatic_rounds_leave_a_third_of_the_staging_target_for_late_unpacks() {
+        let auto = Config::default();
+        let data = u128::from(ROUND_DATA_BYTES);
+        assert_eq!(ROUND_DATA_BYTES, ROUND_TARGET_BYTES / 3 * 2);
+        assert_eq!(rounds_for(0, &auto), 1);
+        assert_eq!(rounds_for(data, &auto), 1);
+        assert_eq!(rounds_for(data + 1, &auto), 2);
+        assert_eq!(rounds_for(u128::from(ROUND_TARGET_BYTES), &auto), 2);
+        // 30 GiB: 12 rounds (8 when rounds aimed at the whole target).
+        assert_eq!(rounds_for(30 << 30, &auto), 12);
+        assert_eq!(rounds_for(u128::MAX, &auto), AUTO_MAX_ROUNDS);
+        let fixed = Config {
+            rounds: 5,
+            ..Config::default()
+        };
+        assert_eq!(rounds_for(u128::MAX, &fixed), 5);
+        let groupable = Config {
+            mode: Mode::Groupable,
+            ..Config::default()
+        };
+        assert_eq!(rounds_for(u128::MAX, &groupable), 1);
+    }
 
     fn spec(shape: &[u64], src_ranks: &[u32], dst: (&[u64], &[u32], Placement)) -> TensorSpec {
         let mesh = |shape: &[u64], ranks: &[u32]| {

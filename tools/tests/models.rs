@@ -1,8 +1,10 @@
 //! Model refits end to end: scaled-down refits planned for every rank and byte-checked on the
 //! host executor, fused-buffer offsets tiling their buffers, and the public M2N configs.
 
+use ncclreshard::exec::{rank_program, StagingLimit};
 use ncclreshard::layout::Side;
-use ncclreshard::plan::AUTO_MESSAGES_PER_RANK;
+use ncclreshard::plan::{StridedCopy, AUTO_MESSAGES_PER_RANK};
+use ncclreshard::transport::nccl::NcclTransport;
 use ncclreshard::{Config, DType, Planner, RankProgram, Topology};
 use ncclreshard_tools::check::check;
 use ncclreshard_tools::models::{
@@ -292,10 +294,49 @@ fn deepseek_v3_on_3072_ranks_stays_under_4096_messages_per_rank() {
     .unwrap();
     let planner = planner_on_8_gpu_nodes(refit);
     assert_eq!(planner.ranks().len(), 3072);
-    // The first and last training and inference ranks, and the one with the most messages
-    // (`ncclreshard bench --plan --model deepseek-v3 --train pp16,ep64 --infer tp32,dp64`).
-    for rank in [0, 1023, 1024, 1196, 2126, 3071] {
+    // The first and last training and inference ranks, and those with the most messages
+    // (`ncclreshard bench --plan --model deepseek-v3 --train pp16,ep64 --infer tp32,dp64`:
+    // 2073 with 0.18's rounds, 2126 before).
+    for rank in [0, 1023, 1024, 1196, 2073, 2126, 3071] {
         program_within_message_bound(&planner, rank);
+    }
+}
+
+#[test]
+fn deepseek_v3s_automatic_rounds_leave_room_to_unpack_beside_the_next_round() {
+    // docs/planner.md, "Round size": rounds that filled the 4 GiB staging target (12 here)
+    // left more than half of an inference rank's unpacked bytes between rounds (about 15 of
+    // 28 GB), on the critical path; rounds of two thirds of it (17) leave under 2 % there,
+    // within the same staging.
+    let refit = refit(
+        &ModelConfig::preset("deepseek-v3").unwrap(),
+        &TrainSpec::parse("pp16,ep16").unwrap(),
+        &InferSpec::parse("tp32,dp8").unwrap(),
+        &options(ExpertStorage::Stacked),
+    )
+    .unwrap();
+    let planner = planner_on_8_gpu_nodes(refit);
+    assert_eq!(planner.rounds(), 17);
+    let bytes = |copies: &[StridedCopy]| copies.iter().map(|c| c.bytes()).sum::<u64>();
+    // The first and last inference ranks and the one that finishes last in `simulate`.
+    for rank in [256, 404, 511] {
+        let program =
+            rank_program(&planner, rank, StagingLimit::new(0), NcclTransport::LIMITS).unwrap();
+        let rounds = program.rounds();
+        let (last, before) = rounds.split_last().unwrap();
+        let early: u64 = before.iter().map(|r| bytes(r.early_unpacks())).sum();
+        let late: u64 = before.iter().map(|r| bytes(r.late_unpacks())).sum();
+        assert!(late > 20 << 30, "rank {rank}: {late} bytes unpacked late");
+        assert!(
+            early * 50 <= late,
+            "rank {rank}: {early} bytes unpacked between rounds, {late} beside the next"
+        );
+        assert!(bytes(last.early_unpacks()) < 1 << 20, "rank {rank}");
+        assert!(
+            program.staging_bytes <= 4 << 30,
+            "rank {rank}: {} bytes of staging",
+            program.staging_bytes
+        );
     }
 }
 
