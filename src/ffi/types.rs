@@ -526,11 +526,11 @@ pub struct ncclReshardTensor_t {
 /// checked at plan creation (0 = `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB); staging comes from
 /// a stream-ordered pool for each call and goes back at its end. `rounds` (staged and auto
 /// modes) cuts the data into that many rounds (0 or unset = chosen from the tensors' sizes,
-/// about 2.7 GiB per rank and round since 0.18, 4 GiB before). `relay` (staged and auto modes, topology known): 1 (the
-/// default) sends data that several replicas on one node need across the network once and
-/// forwards it over NVLink, and, with at least 2 rounds, lets receiving nodes forward part of
-/// an overloaded sender's data to each other over the network; 0 sends it to each replica
-/// from a source rank. `rounds` and `relay` were added in 0.2:
+/// about 2.7 GiB per rank and round since 0.18, 4 GiB before). `relay` (staged and auto
+/// modes, topology known): 1 (the default) sends data that several replicas on one node need
+/// across the network once and forwards it over NVLink, and, with at least 2 rounds, lets
+/// receiving nodes forward part of an overloaded sender's data to each other over the
+/// network; 0 sends it to each replica from a source rank. `rounds` and `relay` were added in 0.2:
 /// a struct from an older header (smaller `size`) gets the defaults.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

@@ -54,9 +54,9 @@ pub const ROUND_TARGET_BYTES: u64 = 4 << 30;
 /// Automatic rounds ([`Config::rounds`] = 0) aim at about this many bytes per rank and round:
 /// two thirds of [`ROUND_TARGET_BYTES`], so that the arenas where a round's unpacks wait
 /// beside the next round's transfers find room in the last third and take those unpacks off
-/// the critical path (0.18; before, a round aimed at all of it and its unpacks mostly ran
-/// between rounds: DeepSeek-V3 `pp16,ep16 → tp32,dp8` on `dgx-h100`, 12 ms; docs/planner.md,
-/// "Rounds")…
+/// the critical path (0.18; before, a round aimed at all of it and about half of what it
+/// unpacked waited between rounds: DeepSeek-V3 `pp16,ep16 → tp32,dp8` on `dgx-h100`, 12 ms;
+/// docs/planner.md, "Round size")…
 pub const ROUND_DATA_BYTES: u64 = ROUND_TARGET_BYTES / 3 * 2;
 /// …with at most this many rounds (a config may ask for up to [`MAX_ROUNDS`]).
 pub const AUTO_MAX_ROUNDS: u32 = 32;
