@@ -285,14 +285,7 @@ fn deepseek_v3_on_3072_ranks_stays_under_4096_messages_per_rank() {
     // forwarded between receiving nodes; a hub forwarding to all 63 other replicas in the
     // round after each chunk arrived gave an inference rank 4,828 messages (2 × 63 × 22 of
     // them forwards). Forwards spread over two rounds keep every rank under the bound.
-    let refit = refit(
-        &ModelConfig::preset("deepseek-v3").unwrap(),
-        &TrainSpec::parse("pp16,ep64").unwrap(),
-        &InferSpec::parse("tp32,dp64").unwrap(),
-        &options(ExpertStorage::Stacked),
-    )
-    .unwrap();
-    let planner = planner_on_8_gpu_nodes(refit);
+    let planner = deepseek_v3_on_8_gpu_nodes("pp16,ep64", "tp32,dp64");
     assert_eq!(planner.ranks().len(), 3072);
     // The first and last training and inference ranks, and those with the most messages
     // (`ncclreshard bench --plan --model deepseek-v3 --train pp16,ep64 --infer tp32,dp64`:
@@ -308,14 +301,7 @@ fn deepseek_v3s_automatic_rounds_leave_room_to_unpack_beside_the_next_round() {
     // left more than half of an inference rank's unpacked bytes between rounds (about 15 of
     // 28 GB), on the critical path; rounds of two thirds of it (17) leave under 2 % there,
     // within the same staging.
-    let refit = refit(
-        &ModelConfig::preset("deepseek-v3").unwrap(),
-        &TrainSpec::parse("pp16,ep16").unwrap(),
-        &InferSpec::parse("tp32,dp8").unwrap(),
-        &options(ExpertStorage::Stacked),
-    )
-    .unwrap();
-    let planner = planner_on_8_gpu_nodes(refit);
+    let planner = deepseek_v3_on_8_gpu_nodes("pp16,ep16", "tp32,dp8");
     assert_eq!(planner.rounds(), 17);
     let bytes = |copies: &[StridedCopy]| copies.iter().map(|c| c.bytes()).sum::<u64>();
     // The first and last inference ranks and the one that finishes last in `simulate`.
@@ -348,6 +334,19 @@ fn planner_on_8_gpu_nodes(refit: Refit) -> Planner {
         ..Config::default()
     };
     Planner::new(refit.tensors, config).unwrap()
+}
+
+/// The full-size DeepSeek-V3 refit (stacked experts) from `train` to `infer`, planned on
+/// 8-GPU nodes.
+fn deepseek_v3_on_8_gpu_nodes(train: &str, infer: &str) -> Planner {
+    let refit = refit(
+        &ModelConfig::preset("deepseek-v3").unwrap(),
+        &TrainSpec::parse(train).unwrap(),
+        &InferSpec::parse(infer).unwrap(),
+        &options(ExpertStorage::Stacked),
+    )
+    .unwrap();
+    planner_on_8_gpu_nodes(refit)
 }
 
 /// `rank`'s program, asserted to post at most auto mode's messages per rank.
