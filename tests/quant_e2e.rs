@@ -10,7 +10,7 @@ mod oracle;
 use ncclreshard::plan::Buffer;
 use ncclreshard::quant::{Conversion, ScaleFormat, Scheme};
 use ncclreshard::{Config, DType, Layout, Mesh, Mode, Placement, Planner, TensorSpec, Topology};
-use ncclreshard_tools::check::check_with_conversions;
+use ncclreshard_tools::check::{check_with_conversions, CheckReport};
 use oracle::strategies::{layout_on, mesh, tensor_on, without_blocks};
 use proptest::prelude::*;
 
@@ -32,6 +32,19 @@ fn auto() -> Config {
     }
 }
 
+/// `spec` converted by `conversion` under `config`, checked byte-exact on the host executor
+/// (the report), and its planner, for looking at the ranks' programs.
+fn checked(spec: TensorSpec, conversion: Conversion, config: Config) -> (CheckReport, Planner) {
+    let report = check_with_conversions(
+        std::slice::from_ref(&spec),
+        &[Some(conversion.clone())],
+        &config,
+    )
+    .unwrap();
+    let planner = Planner::with_conversions(vec![spec], vec![Some(conversion)], config).unwrap();
+    (report, planner)
+}
+
 /// [512, 384] bf16 from trainer TP2 on rows (ranks 0, 1) to inference TP3 on columns (ranks
 /// 2-4).
 fn tp2_rows_to_tp3_columns() -> TensorSpec {
@@ -47,19 +60,11 @@ fn tp2_rows_to_tp3_columns() -> TensorSpec {
 fn a_bf16_weight_arrives_as_fp8_blocks_with_its_scales() {
     // [512, 384] bf16: trainer TP2 on rows (whole 128-row blocks per shard) → inference TP3 on
     // columns, on other ranks: every block is converted by its sender and travels as FP8.
-    let spec = tp2_rows_to_tp3_columns();
-    let conversion = block(128, 128);
-    let report = check_with_conversions(
-        std::slice::from_ref(&spec),
-        &[Some(conversion.clone())],
-        &auto(),
-    )
-    .unwrap();
+    let (report, planner) = checked(tp2_rows_to_tp3_columns(), block(128, 128), auto());
     assert_eq!(report.elements_checked, 512 * 384 + 3 * 4);
     // One byte per element on the wire, plus 4 per scale (each receiver gets the scales of
     // its column of blocks from both senders).
     assert_eq!(report.bytes_sent, 512 * 384 + 3 * 4 * 4);
-    let planner = Planner::with_conversions(vec![spec], vec![Some(conversion)], auto()).unwrap();
     let sender = planner.rank_program(0).unwrap();
     assert_eq!(sender.converts_before.len(), 1);
     assert!(sender.converts_after.is_empty());
@@ -140,13 +145,7 @@ fn a_round_reading_a_slice_of_every_expert_converts_only_that_slice_first() {
         split_min_bytes: 1 << 20,
         ..Default::default()
     };
-    check_with_conversions(
-        std::slice::from_ref(&spec),
-        &[Some(conversion.clone())],
-        &config,
-    )
-    .unwrap();
-    let planner = Planner::with_conversions(vec![spec], vec![Some(conversion)], config).unwrap();
+    let (_, planner) = checked(spec, conversion, config);
     let program = planner.rank_program(0).unwrap();
     let rounds = program.rounds();
     let peers: Vec<Vec<u32>> = rounds
@@ -185,14 +184,8 @@ fn a_senders_conversions_follow_its_rounds() {
         split_min_bytes: 4096,
         ..auto()
     };
-    let report = check_with_conversions(
-        std::slice::from_ref(&spec),
-        &[Some(conversion.clone())],
-        &config,
-    )
-    .unwrap();
+    let (report, planner) = checked(spec, conversion, config);
     assert_eq!(report.elements_checked, 1024 * 512 + 4 * 8);
-    let planner = Planner::with_conversions(vec![spec], vec![Some(conversion)], config).unwrap();
     for sender in 0..2 {
         let program = planner.rank_program(sender).unwrap();
         let rounds = program.rounds();
@@ -544,13 +537,7 @@ fn converting_senders_pass_the_barrier_and_scale_holders_do_not() {
         ..Default::default()
     };
     let conversion = block(128, 128);
-    check_with_conversions(
-        std::slice::from_ref(&spec),
-        &[Some(conversion.clone())],
-        &config,
-    )
-    .unwrap();
-    let planner = Planner::with_conversions(vec![spec], vec![Some(conversion)], config).unwrap();
+    let (_, planner) = checked(spec, conversion, config);
     for rank in 0..5 {
         let program = planner.rank_program(rank).unwrap();
         let members: &[u32] = if rank < 2 { &[0, 1] } else { &[] };
