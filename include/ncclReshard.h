@@ -17,7 +17,7 @@
 
 /** Library version this header belongs to (see ncclReshardGetVersion). */
 #define NCCL_RESHARD_MAJOR 0
-#define NCCL_RESHARD_MINOR 18
+#define NCCL_RESHARD_MINOR 19
 #define NCCL_RESHARD_PATCH 0
 #define NCCL_RESHARD_VERSION_CODE NCCL_RESHARD_VERSION(NCCL_RESHARD_MAJOR, NCCL_RESHARD_MINOR, NCCL_RESHARD_PATCH)
 
@@ -596,7 +596,9 @@ typedef struct {
   size_t maxStagingBytes;
   /**
    * Staged and auto modes: how many rounds the data is cut into, 0 to 1024 (relays forward
-   * in the round after their data arrives, which may add one). 0 or
+   * in the round after their data arrives, which may add one; since 0.19 a plan whose
+   * senders send more per GPU than any receiving node takes in adds a round before them
+   * that primes its forwarding between nodes). 0 or
    * `NCCL_RESHARD_UNDEF_INT`: chosen from the tensors' sizes (about 2.7 GiB per rank and
    * round, at most 32; 4 GiB before 0.18). Groupable plans always have one round. Since 0.2.
    */

@@ -562,7 +562,9 @@ pub struct ncclReshardConfig_t {
     /// `NCCL_RESHARD_STAGING_BYTES`, else 8 GiB. Not part of the plan's fingerprint.
     pub maxStagingBytes: usize,
     /// Staged and auto modes: how many rounds the data is cut into, 0 to 1024 (relays forward
-    /// in the round after their data arrives, which may add one). 0 or
+    /// in the round after their data arrives, which may add one; since 0.19 a plan whose
+    /// senders send more per GPU than any receiving node takes in adds a round before them
+    /// that primes its forwarding between nodes). 0 or
     /// `NCCL_RESHARD_UNDEF_INT`: chosen from the tensors' sizes (about 2.7 GiB per rank and
     /// round, at most 32; 4 GiB before 0.18). Groupable plans always have one round. Since 0.2.
     pub rounds: c_int,

@@ -874,13 +874,16 @@ impl Prepared {
     /// The member relay chunk `chunk` of `group` crosses the network to, and its round.
     /// Consecutive chunks take the members in turn, then the next round: an overlap cut into
     /// members × rounds chunks gives each (member, round) one, and smaller ones land on all
-    /// members alike in any round as the slot rotates.
+    /// members alike in any round as the slot rotates. The member turns with the group (0.19),
+    /// so that one chunk reaches its groups' nodes through different rails: with PXN a
+    /// sender's message leaves its node on the rail of the GPU it goes to, and the same member
+    /// in every group put a chunk to every node on one rail (docs/planner.md §3).
     fn relay_leg(&self, group: u32, chunk: u32, turn: Turn) -> (u32, u32) {
         let members = self.fanout.relay_groups.get(group);
         let g = members.len() as u64;
         let slot = turn.slot.wrapping_add(u64::from(chunk));
         let round = ((slot / g) % u64::from(self.rounds)) as u32;
-        let first = (slot % g) as usize;
+        let first = ((slot % g + u64::from(group) % g) % g) as usize;
         (members[first], round)
     }
 

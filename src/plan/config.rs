@@ -160,7 +160,8 @@ pub struct Config {
     /// copy. Slower; it exists so one GPU can exercise the whole NCCL path (GPU tests).
     pub local_via_messages: bool,
     /// Staged and auto modes: how many rounds the data is cut into (staging is reused by every
-    /// round, relays forward in the next round); 0 picks from the tensors' sizes, aiming at
+    /// round, relays forward in the next round, and where senders bind a priming round comes
+    /// first, docs/planner.md "The priming round"); 0 picks from the tensors' sizes, aiming at
     /// `ROUND_DATA_BYTES` (about 2.7 GiB) per rank and round. Groupable mode always has one round.
     pub rounds: u32,
     /// Staged and auto modes with a known topology: when several replicas of a destination

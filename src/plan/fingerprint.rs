@@ -21,11 +21,13 @@ use crate::quant::{Conversion, ScaleFormat, Scheme};
 /// there as messages of their own, whatever their source side; 0.16: which chunks are
 /// forwarded between nodes, their hubs and rounds follow offsets spread evenly over the units
 /// instead of a hash; 0.17: the senders' barrier, by default where a node holds more than 8
-/// sending-only ranks; 0.18: automatic rounds aim at two thirds of the staging target),
+/// sending-only ranks; 0.18: automatic rounds aim at two thirds of the staging target; 0.19:
+/// windows of rounds not rounded to whole rounds, relay chunks from evenly spread starts with
+/// rails turning with the node, and a priming round where senders bind),
 /// so that ranks running planners that disagree never agree on a fingerprint (the exchange at
 /// the first call refuses the mix instead of posting messages the peer does not expect).
 /// Before 0.6 it was not hashed.
-const PLANNER_REVISION: u64 = 16;
+const PLANNER_REVISION: u64 = 17;
 
 /// FNV-1a (a word per step) over a canonical encoding of the inputs: equal on all ranks iff
 /// they passed the same descriptors and config (the rank itself is not part of it). Tensors'

@@ -46,3 +46,4 @@ impl Hasher for FxHasher {
 
 /// `HashMap` with [`FxHasher`].
 pub(crate) type FxHashMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<FxHasher>>;
+pub(crate) type FxHashSet<K> = std::collections::HashSet<K, BuildHasherDefault<FxHasher>>;

@@ -13,7 +13,7 @@
 //! rank's.
 
 use super::config::Topology;
-use super::fxhash::FxHashMap;
+use super::fxhash::{FxHashMap, FxHashSet};
 use crate::layout::{Layout, TensorSpec};
 
 /// Estimated bytes per rank, by direction.
@@ -31,6 +31,11 @@ pub(crate) struct Loads {
     /// which no plan can beat (every byte of a destination shard reaches its node at least
     /// once).
     max_receive: u128,
+    /// The same counted node by node: the most bytes per participating GPU any node takes in
+    /// across the network, its distinct destination shards' bytes once each. Where nodes hold
+    /// a layout's ranks unevenly (a partly filled NVLink domain) this is the node that binds,
+    /// which `max_receive`'s per-layout average misses.
+    node_max_receive: u128,
 }
 
 /// Forwarding brings a sender's estimated network egress down to this share of the busiest
@@ -126,6 +131,26 @@ impl Loads {
             .map(|&(gpus, _, r)| r / gpus)
             .max()
             .unwrap_or(0);
+        // Per node, the bytes of the destination shards it holds, each shard once.
+        let mut node_in: FxHashMap<u32, u128> = FxHashMap::default();
+        let mut held: FxHashSet<(u32, u64)> = FxHashSet::default();
+        for (layout, &(_, _, receives, _)) in layouts.iter().zip(&per_layout) {
+            if receives == 0 {
+                continue;
+            }
+            held.clear();
+            for rank in layout.mesh.live_ranks() {
+                let shard = layout.shard_number(rank).unwrap_or(0);
+                if held.insert((node_of(rank), shard)) {
+                    *node_in.entry(node_of(rank)).or_default() += receives;
+                }
+            }
+        }
+        loads.node_max_receive = node_in
+            .iter()
+            .map(|(node, &bytes)| bytes / nodes.get(node).map_or(1, |n| n.0.max(1)))
+            .max()
+            .unwrap_or(0);
         loads.send_load = ranks
             .iter()
             .filter(|r| loads.sends.contains_key(r))
@@ -144,6 +169,13 @@ impl Loads {
             .map(|r| self.sends.get(r).unwrap_or(&0) + self.receives.get(r).unwrap_or(&0))
             .max()
             .unwrap_or(0)
+    }
+
+    /// Whether some sender's node sends more per GPU across the network than the busiest
+    /// receiving node takes in, counted node by node (`node_max_receive`): then the senders,
+    /// not the receivers, bind a round in which receivers take in nothing forwarded.
+    pub fn senders_bind(&self) -> bool {
+        self.send_load.values().any(|&s| s > self.node_max_receive)
     }
 
     /// Of the data a unit's `senders` send to `groups` receiving nodes (≥ 2), the fraction
@@ -276,5 +308,43 @@ mod tests {
         );
         // Target 95 % of 2048 = 1945: (3072 − 1945) · 3 · 1024 / (3072 · 2) = 563
         assert_eq!(loads.forward_fraction(&[0], 3), 563);
+    }
+
+    #[test]
+    fn a_partly_filled_node_binds_by_its_own_gpus() {
+        // Four senders on node 0 each hold a quarter of the tensor (512 bytes); two replicas
+        // of four shards: node 1 holds every shard on 7 GPUs (4 · 512 / 7 = 292 per GPU), node
+        // 2 one shard on its one GPU (512). The per-layout estimate spreads what a replica's
+        // nodes take in over its ranks (256 per GPU) and finds the senders (512 per GPU)
+        // binding; counted node by node, node 2's one GPU takes in as much as a sender sends.
+        let dst = Layout::new(
+            Mesh::new(vec![2, 4], (4..12).collect()).unwrap(),
+            vec![Placement::Replicate, Placement::Shard(0)],
+        );
+        let t = spec(
+            &[1024],
+            layout(vec![0, 1, 2, 3], vec![Placement::Shard(0)]),
+            dst,
+        );
+        let mut table = vec![0, 0, 0, 0];
+        table.extend([1, 1, 1, 1, 1, 1, 1, 2]);
+        let loads = Loads::new(
+            std::slice::from_ref(&t),
+            &[[0, 1]],
+            &[&t.src, &t.dst],
+            &Topology::NodeTable(table),
+        );
+        assert_eq!(loads.max_receive, 256);
+        assert_eq!(loads.node_max_receive, 512);
+        assert_eq!(loads.send_load[&0], 512);
+        assert!(!loads.senders_bind());
+        // The same replicas on two full nodes: what a node takes in per GPU is the estimate.
+        let even = Loads::new(
+            std::slice::from_ref(&t),
+            &[[0, 1]],
+            &[&t.src, &t.dst],
+            &Topology::RanksPerNode(4),
+        );
+        assert_eq!(even.node_max_receive, 512);
     }
 }

@@ -2,28 +2,30 @@
 //!
 //! Both ends of a pair hold the same blocks in the same order, so one function of the pair
 //! and its blocks gives both the same rounds. Blocks whose round the unit fixed (relays) keep
-//! it; the rest form one byte stream cut into up to `rounds` nearly equal chunks (at least
-//! `min_bytes` each, boundaries on 4 KiB when the chunks are that large), one per round in
-//! consecutive rounds (wrapping past the last), starting at a round that rotates with the pair
-//! so small pairs do not all land in round 0. The chunks go out in stream order by round (a
-//! window that wraps sends its first chunks in the rounds from 0): a later round of a pair
-//! never sends earlier bytes of its stream, so what a sender sends first comes from the start
-//! of its streams, and it can convert the rest beside its first rounds
-//! (docs/quantization.md, "Conversions beside transfers").
+//! it; the rest form one byte stream spread over the stream's rounds (all the plan's, or all
+//! but a priming round 0, docs/planner.md, "The priming round"): a pair of at least as many
+//! parts as rounds sends a round's share in every one; a smaller pair spreads its stream
+//! evenly over a window of rounds ([`window`]) whose length and start are not rounded to
+//! whole rounds, so that the windows of a rank's many pairs, their starts spread with low
+//! discrepancy ([`first_step`]), sum to nearly the same bytes in every round. The chunks go
+//! out in stream order by round (a window that wraps sends its first chunks in the rounds
+//! from 0): a later round of a pair never sends earlier bytes of its stream, so what a sender
+//! sends first comes from the start of its streams, and it can convert the rest beside its
+//! first rounds (docs/quantization.md, "Conversions beside transfers").
 //!
-//! Consecutive, not spread evenly over the rounds: a rank's bytes in a round are then the
-//! chunks of the pairs whose window of rounds covers it, and windows whose starts are spread
-//! with low discrepancy ([`first_round`]) cover every round about equally however the pairs'
-//! sizes and chunk counts mix. Chunks spaced `rounds / chunks` apart sample the starts at a
-//! comb of offsets instead, which the starts do not spread as evenly: Kimi-K2's inference
-//! ranks (`pp16,ep32 → tp16,dp16`, 512 pairs of 5 or 6 chunks over 31 rounds): the rounds'
-//! busiest ingress summed over the rounds was 1.061× the busiest rank's total, 1.027× with
-//! consecutive chunks, and their staging fell from 4.50 GB to within the 4 GiB round budget
-//! (docs/planner.md § Rounds).
+//! A window, not chunks spaced evenly over the rounds: a rank's bytes in a round are then the
+//! shares of the pairs whose window covers it, and windows whose starts are spread with low
+//! discrepancy cover every round about equally however the pairs' sizes and chunk counts mix.
+//! Chunks spaced `rounds / chunks` apart sample the starts at a comb of offsets instead, which
+//! the starts do not spread as evenly: Kimi-K2's inference ranks (`pp16,ep32 → tp16,dp16`,
+//! 512 pairs of 5 or 6 chunks over 31 rounds): the rounds' busiest ingress summed over the
+//! rounds was 1.061× the busiest rank's total, 1.027× with windows, and their staging fell
+//! from 4.50 GB to within the 4 GiB round budget (docs/planner.md § Rounds).
 //! A block cut by a chunk boundary moves in several rounds, as the pieces [`StridedCopy::slice`]
 //! gives: the [`Transfer`]s that both the programs and the exported transfer list are made of.
 
 use super::steps::StridedCopy;
+use std::ops::Range;
 
 /// Chunk boundaries fall on multiples of this many bytes of the pair's stream.
 const CUT_ALIGN: u64 = 4096;
@@ -55,8 +57,9 @@ pub struct Transfer {
 }
 
 /// One pair's blocks by round: `blocks` lists (block index, fixed round, copy) in canonical
-/// order; the transfers come out by round, ascending, and within a round the fixed blocks first,
-/// then the stream's pieces in stream order.
+/// order; the stream (the blocks without a fixed round) takes rounds `0 .. rounds`. The
+/// transfers come out by round, ascending, and within a round the fixed blocks first, then the
+/// stream's pieces in stream order.
 #[cfg(test)]
 pub(crate) fn spread(
     pair: (u32, u32),
@@ -69,7 +72,7 @@ pub(crate) fn spread(
         .iter()
         .map(|&(block, round, copy)| (block, round, copy.src.tensor, copy))
         .collect();
-    spread_into(&mut out, pair, &blocks, rounds, min_bytes);
+    spread_into(&mut out, pair, &blocks, 0..rounds, min_bytes);
     out
 }
 
@@ -77,12 +80,13 @@ pub(crate) fn spread(
 /// tensor fields the transfers replace with that tensor).
 pub(crate) type Spread<'a> = (usize, Option<u32>, u32, &'a StridedCopy);
 
-/// [`spread`] appending to `out`.
+/// [`spread`] appending to `out`, the stream taking the rounds `stream` (from 1 when the
+/// plan's first round primes its forwarding, docs/planner.md, "The priming round").
 pub(crate) fn spread_into(
     out: &mut Vec<Transfer>,
     pair: (u32, u32),
     blocks: &[Spread],
-    rounds: u32,
+    stream: Range<u32>,
     min_bytes: u64,
 ) {
     let of_tensor = |copy: StridedCopy, tensor: u32| copy.of_tensor(tensor);
@@ -103,34 +107,17 @@ pub(crate) fn spread_into(
         .filter(|(_, round, _, _)| round.is_none())
         .map(|(_, _, _, c)| c.bytes())
         .sum();
-    let rounds = u64::from(rounds.max(1));
-    let chunks = (total / min_bytes.max(1)).clamp(1, rounds);
-    let align = if total / chunks >= 16 * CUT_ALIGN {
-        CUT_ALIGN
-    } else {
-        1
-    };
-    // The chunks take the window of consecutive rounds from the pair's first (wrapping past
-    // the last round), in stream order by round: the `wrapped` rounds from 0 first, then
-    // those from `first` on.
-    let first = first_round(pair, rounds);
-    let wrapped = (first + chunks).saturating_sub(rounds);
-    let round_of = |c: u64| (if c < wrapped { c } else { first + c - wrapped }) as u32;
-    // Boundary of chunk c: c/chunks of the stream, rounded down to CUT_ALIGN (the last one
-    // is the end).
-    let boundary = |c: u64| -> u64 {
-        if c >= chunks {
-            total
-        } else {
-            let at = (u128::from(total) * u128::from(c) / u128::from(chunks)) as u64;
-            at / align * align
-        }
-    };
+    // The stream's chunks in stream order: (round, end of the chunk in the stream).
+    let rounds = u64::from(stream.len().max(1) as u32);
+    let mut chunks = window((pair.0, pair.1), total, rounds, min_bytes);
+    chunks.iter_mut().for_each(|c| c.0 += stream.start);
+    let boundary = |c: u64| chunks.get(c as usize).map_or(total, |w| w.1);
+    let round_of = |c: u64| chunks[c as usize].0;
     // The stream's transfers in stream order, and how many each chunk has.
     let mut stream: Vec<Transfer> = Vec::new();
-    let mut chunk_len = vec![0usize; if total > 0 { chunks as usize } else { 0 }];
+    let mut chunk_len = vec![0usize; chunks.len()];
     if total > 0 {
-        let (mut chunk, mut next_cut) = (0u64, boundary(1));
+        let (mut chunk, mut next_cut) = (0u64, boundary(0));
         let mut at = 0u64;
         for &(block, round, tensor, copy) in blocks {
             if round.is_some() {
@@ -142,7 +129,7 @@ pub(crate) fn spread_into(
             while pos < end {
                 while next_cut <= pos {
                     chunk += 1;
-                    next_cut = boundary(chunk + 1);
+                    next_cut = boundary(chunk);
                 }
                 let cut = next_cut.min(end);
                 let round = round_of(chunk);
@@ -181,17 +168,91 @@ pub(crate) fn spread_into(
     out.extend(fixed);
 }
 
-/// The first round of pair (sender, receiver): a Weyl sequence over each rank number, so that
-/// the pairs of one rank start in rounds spread evenly (low discrepancy) whether its peers are
-/// consecutive ranks or every k-th, and so do the windows of consecutive rounds their chunks
-/// take.
-fn first_round((from, to): (u32, u32), rounds: u64) -> u64 {
+/// Where windows start and how long they are: in this many steps per round.
+const STEPS: u64 = 8;
+
+/// A pair's stream of `total` bytes cut into chunks, in stream order: each chunk's round and
+/// where it ends in the stream (the last at `total`).
+///
+/// A pair with at least `rounds` parts of `min_bytes` sends a `rounds`-th of its stream in
+/// every round, in round order. A smaller one spreads it evenly over a window of
+/// `q − 1.5` rounds (`q` its parts, not rounded; counted in eighths of a round), from a start
+/// that [`first_step`] places anywhere in the rounds, also between round boundaries: each
+/// round the window touches gets the share of the stream the window spends in it. The window
+/// touches `⌈q − 0.5⌉` rounds or fewer, as many as `⌊q⌋` parts did on average, and never more
+/// than one round per part plus one. Neither its length nor its start is rounded to whole
+/// rounds, so the windows of a receiver's (or a sender's) many pairs sum to nearly the same
+/// bytes in every round: with both rounded to whole rounds, what DeepSeek-V3's inference
+/// ranks (`pp16,ep16 → tp32,dp8`, 256 trainer peers of 9 to 14 parts over 17 rounds) took in
+/// per round from their trainers' streams varied by 20.7 MB (standard deviation), now by
+/// 16.3 MB (docs/planner.md, "Rounds").
+fn window(pair: (u32, u32), total: u64, rounds: u64, min_bytes: u64) -> Vec<(u32, u64)> {
+    if total == 0 {
+        return Vec::new();
+    }
+    let min_bytes = min_bytes.max(1);
+    let parts = total / min_bytes;
+    // Chunk boundaries on CUT_ALIGN when chunks are that large (the last is the end).
+    let cut = |at: u128, chunks: u64, last: bool| -> u64 {
+        if last {
+            return total;
+        }
+        let at = at as u64;
+        if total / chunks.max(1) >= 16 * CUT_ALIGN {
+            at / CUT_ALIGN * CUT_ALIGN
+        } else {
+            at
+        }
+    };
+    if parts >= rounds {
+        return (0..rounds)
+            .map(|r| {
+                let at = u128::from(total) * u128::from(r + 1) / u128::from(rounds);
+                (r as u32, cut(at, rounds, r + 1 == rounds))
+            })
+            .collect();
+    }
+    let start = first_step(pair, rounds);
+    // q − 1.5 rounds in steps, at most all rounds but one (so no round is touched twice).
+    let len = (u128::from(total) * u128::from(STEPS) / u128::from(min_bytes))
+        .saturating_sub(u128::from(STEPS * 3 / 2))
+        .min(u128::from((rounds - 1) * STEPS)) as u64;
+    if len == 0 {
+        return vec![((start / STEPS) as u32, total)];
+    }
+    // The rounds the window touches, with the steps it spends in each, ascending by round
+    // (a window that wraps past the last round sends its first bytes in the rounds from 0).
+    let mut touched: Vec<(u32, u64)> = (start / STEPS..=(start + len - 1) / STEPS)
+        .map(|u| {
+            let steps = (start + len).min((u + 1) * STEPS) - start.max(u * STEPS);
+            ((u % rounds) as u32, steps)
+        })
+        .collect();
+    touched.sort_unstable_by_key(|t| t.0);
+    let chunks = touched.len() as u64;
+    let mut spent = 0u64;
+    touched
+        .iter()
+        .enumerate()
+        .map(|(i, &(round, steps))| {
+            spent += steps;
+            let at = u128::from(total) * u128::from(spent) / u128::from(len);
+            (round, cut(at, chunks, i + 1 == touched.len()))
+        })
+        .collect()
+}
+
+/// Where pair (sender, receiver)'s window starts, in [`STEPS`] per round: a Weyl sequence
+/// over each rank number, so that the pairs of one rank start at points spread evenly (low
+/// discrepancy) whether its peers are consecutive ranks or every k-th, and so do the windows
+/// their chunks take.
+fn first_step((from, to): (u32, u32), rounds: u64) -> u64 {
     const SENDER: u64 = 0x9e37_79b9_7f4a_7c15; // 2^64 / golden ratio
     const RECEIVER: u64 = 0x6a09_e667_f3bc_c909; // 2^64 · (sqrt 2 - 1)
     let x = u64::from(from)
         .wrapping_mul(SENDER)
         .wrapping_add(u64::from(to).wrapping_mul(RECEIVER));
-    ((u128::from(x) * u128::from(rounds)) >> 64) as u64
+    ((u128::from(x) * u128::from(rounds * STEPS)) >> 64) as u64
 }
 
 #[cfg(test)]
@@ -349,35 +410,104 @@ mod tests {
     }
 
     #[test]
-    fn chunks_take_consecutive_rounds_from_the_pairs_first_in_stream_order() {
+    fn a_window_spreads_the_stream_evenly_from_its_start_in_stream_order() {
+        // A pair of q parts (q < rounds) sends its stream over a window of q − 1.5 rounds,
+        // from a start anywhere in the rounds (eighths of a round): each round gets the
+        // stream's share of the steps the window spends in it, whole rounds or not. The oracle
+        // walks the window step by step.
         let c = copy(3000, 4096, 5000);
-        let mut wrapped = 0;
-        for rounds in [3, 7, 16] {
-            for pair in [(0, 1), (5, 9), (511, 700)] {
-                let parts = spread(pair, &[(0, None, &c)], rounds, c.bytes() / 3);
-                let first = first_round(pair, u64::from(rounds)) as u32;
-                wrapped += usize::from(first + 3 > rounds);
-                // The stream goes out in round order: a later round sends later bytes, also
-                // when the window wraps past the last round (what lets a sender convert a
-                // round's data beside the round before, quantize.rs).
-                assert!(
-                    parts
-                        .windows(2)
-                        .all(|w| (w[0].round, w[0].offset) < (w[1].round, w[1].offset)),
-                    "pair {pair:?}, {rounds} rounds: {:?}",
-                    parts
-                        .iter()
-                        .map(|p| (p.round, p.offset))
-                        .collect::<Vec<_>>()
-                );
-                let mut taken: Vec<u32> = bytes_by_round(&parts).iter().map(|b| b.0).collect();
-                taken.sort_unstable();
-                let mut expected: Vec<u32> = (0..3).map(|k| (first + k) % rounds).collect();
-                expected.sort_unstable();
-                assert_eq!(taken, expected, "pair {pair:?}, {rounds} rounds");
+        let (mut wrapped, mut between) = (0, 0);
+        for rounds in [3u32, 7, 16, 17] {
+            for pair in [(0, 1), (5, 9), (511, 700), (124, 407)] {
+                for eighths_of_parts in [20u64, 24, 29, 47, 80] {
+                    let min_bytes = c.bytes() * 8 / eighths_of_parts;
+                    let parts = spread(pair, &[(0, None, &c)], rounds, min_bytes);
+                    // The stream goes out in round order: a later round sends later bytes,
+                    // also when the window wraps past the last round (what lets a sender
+                    // convert a round's data beside the round before, quantize.rs).
+                    assert!(
+                        parts
+                            .windows(2)
+                            .all(|w| (w[0].round, w[0].offset) < (w[1].round, w[1].offset)),
+                        "pair {pair:?}, {rounds} rounds: {:?}",
+                        parts
+                            .iter()
+                            .map(|p| (p.round, p.offset))
+                            .collect::<Vec<_>>()
+                    );
+                    let q = c.bytes() as f64 / min_bytes as f64;
+                    let mut expected = vec![0f64; rounds as usize];
+                    if q >= f64::from(rounds) {
+                        expected
+                            .iter_mut()
+                            .for_each(|e| *e = 1.0 / f64::from(rounds));
+                    } else {
+                        let start = first_step(pair, u64::from(rounds));
+                        let len = ((q - 1.5) * STEPS as f64)
+                            .floor()
+                            .clamp(0.0, f64::from(rounds - 1) * STEPS as f64)
+                            as u64;
+                        if len == 0 {
+                            expected[(start / STEPS) as usize] = 1.0;
+                        }
+                        for step in start..start + len {
+                            expected[((step / STEPS) % u64::from(rounds)) as usize] +=
+                                1.0 / len as f64;
+                        }
+                        wrapped += usize::from(start + len > u64::from(rounds) * STEPS);
+                        between += usize::from(start % STEPS != 0);
+                    }
+                    let mut got = vec![0u64; rounds as usize];
+                    for p in &parts {
+                        got[p.round as usize] += p.copy.bytes();
+                    }
+                    for (round, (&g, &e)) in got.iter().zip(&expected).enumerate() {
+                        let e = e * c.bytes() as f64;
+                        assert!(
+                            (g as f64 - e).abs() <= CUT_ALIGN as f64,
+                            "pair {pair:?}, {rounds} rounds, q {q}: round {round} {g} bytes, \
+                             expected {e}"
+                        );
+                    }
+                    // At most one round per part plus one.
+                    let touched = got.iter().filter(|&&g| g > 0).count() as f64;
+                    assert!(touched <= q.floor() + 1.0, "{touched} rounds for q {q}");
+                }
             }
         }
         assert!(wrapped > 0, "some window wraps past the last round");
+        assert!(between > 0, "some window starts between round boundaries");
+    }
+
+    #[test]
+    fn a_stream_after_a_priming_round_leaves_round_0_to_fixed_blocks() {
+        // With a priming round the stream takes rounds 1 .. R: large pairs a share in each,
+        // small ones a window among them; blocks fixed to round 0 keep it.
+        let (large, small) = (copy(3000, 4096, 5000), copy(3000, 100, 3000));
+        for rounds in [3u32, 8, 18] {
+            for pair in [(0, 1), (5, 9), (124, 407)] {
+                let blocks: Vec<Spread> = vec![
+                    (0, Some(0), 0, &small),
+                    (1, None, 0, &large),
+                    (2, None, 0, &small),
+                ];
+                let mut out = Vec::new();
+                spread_into(&mut out, pair, &blocks, 1..rounds, large.bytes() / 3);
+                let by_round = bytes_by_round(&out);
+                assert_eq!(
+                    by_round[0],
+                    (0, small.bytes()),
+                    "{rounds} rounds: {by_round:?}"
+                );
+                assert!(by_round[1..].iter().all(|&(r, _)| (1..rounds).contains(&r)));
+                let stream: u64 = by_round[1..].iter().map(|b| b.1).sum();
+                assert_eq!(stream, large.bytes() + small.bytes());
+                // Every stream round from 1 takes a share when the pair has the parts.
+                let mut whole = Vec::new();
+                spread_into(&mut whole, pair, &blocks[1..2], 1..rounds, 1);
+                assert_eq!(bytes_by_round(&whole).len(), rounds as usize - 1);
+            }
+        }
     }
 
     #[test]

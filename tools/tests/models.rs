@@ -299,10 +299,10 @@ fn deepseek_v3_on_3072_ranks_stays_under_4096_messages_per_rank() {
 fn deepseek_v3s_automatic_rounds_leave_room_to_unpack_beside_the_next_round() {
     // docs/planner.md, "Round size": rounds that filled the 4 GiB staging target (12 here)
     // left more than half of an inference rank's unpacked bytes between rounds (about 15 of
-    // 28 GB), on the critical path; rounds of two thirds of it (17) leave under 2 % there,
-    // within the same staging.
+    // 28 GB), on the critical path; rounds of two thirds of it (17, after the priming round)
+    // leave under 2.5 % there, within the same staging.
     let planner = deepseek_v3_on_8_gpu_nodes("pp16,ep16", "tp32,dp8");
-    assert_eq!(planner.rounds(), 17);
+    assert_eq!(planner.rounds(), 18);
     let bytes = |copies: &[StridedCopy]| copies.iter().map(|c| c.bytes()).sum::<u64>();
     // The first and last inference ranks and the one that finishes last in `simulate`.
     for rank in [256, 404, 511] {
@@ -314,7 +314,7 @@ fn deepseek_v3s_automatic_rounds_leave_room_to_unpack_beside_the_next_round() {
         let late: u64 = before.iter().map(|r| bytes(r.late_unpacks())).sum();
         assert!(late > 20 << 30, "rank {rank}: {late} bytes unpacked late");
         assert!(
-            early * 50 <= late,
+            early * 40 <= late,
             "rank {rank}: {early} bytes unpacked between rounds, {late} beside the next"
         );
         assert!(bytes(last.early_unpacks()) < 1 << 20, "rank {rank}");
@@ -324,6 +324,59 @@ fn deepseek_v3s_automatic_rounds_leave_room_to_unpack_beside_the_next_round() {
             program.staging_bytes
         );
     }
+}
+
+#[test]
+fn deepseek_v3s_rounds_after_the_priming_round_are_even() {
+    // docs/planner.md, "The priming round" and "Rounds": the trainers send more per GPU
+    // than an inference node takes in, so units forward chunks between inference nodes, which
+    // a receiver takes in only from round 1 on. Round 0 primes the forwarding (hub and relay
+    // chunks only) and the pairs' streams take rounds 1 to 17, in windows not rounded to
+    // whole rounds; relay chunks turn their rail with the node. An inference rank's network
+    // bytes then stay within 2.5 % of their mean in every round after the priming one
+    // (0.18: 12 % under it in round 0, up to 3.9 % over it in another), and a training
+    // node's rails carry their round's bytes within 5 % of their mean (0.18: 7.7 % over it:
+    // one relay chunk went to every node on the same rail).
+    let planner = deepseek_v3_on_8_gpu_nodes("pp16,ep16", "tp32,dp8");
+    assert_eq!(
+        planner.rounds(),
+        18,
+        "17 rounds of data after the priming one"
+    );
+    let rounds = planner.rounds() as usize + 1;
+    let node = |rank: u32| rank / 8;
+    for rank in [256, 404, 511] {
+        let program = planner.rank_program(rank).unwrap();
+        let mut bytes = vec![0u64; rounds];
+        for round in program.rounds() {
+            for m in round.recvs.iter().filter(|m| node(m.peer) != node(rank)) {
+                bytes[round.round as usize] += m.bytes;
+            }
+        }
+        let data = &bytes[1..rounds - 1];
+        let mean = data.iter().sum::<u64>() as f64 / data.len() as f64;
+        let fullest = *data.iter().max().unwrap() as f64;
+        assert!(bytes[0] as f64 <= 0.05 * mean, "rank {rank}: {bytes:?}");
+        assert!(fullest <= 1.025 * mean, "rank {rank}: {bytes:?}");
+    }
+    // Training node 3 (ranks 24 to 31): what its NICs send, by rail (the receiver's GPU on
+    // its node: with PXN a message leaves on the rail of the GPU it goes to).
+    let mut rails = vec![vec![0u64; rounds]; 8];
+    for rank in 24..32 {
+        let program = planner.rank_program(rank).unwrap();
+        for round in program.rounds() {
+            for m in round.sends.iter().filter(|m| node(m.peer) != node(rank)) {
+                rails[(m.peer % 8) as usize][round.round as usize] += m.bytes;
+            }
+        }
+    }
+    let data: Vec<u64> = rails
+        .iter()
+        .flat_map(|r| r[1..rounds - 1].to_vec())
+        .collect();
+    let mean = data.iter().sum::<u64>() as f64 / data.len() as f64;
+    let fullest = *data.iter().max().unwrap() as f64;
+    assert!(fullest <= 1.05 * mean, "{rails:?}");
 }
 
 /// A refit's planner in auto mode on 8-GPU nodes (the topology `bench --plan` and `simulate`
